@@ -1,0 +1,23 @@
+"""composable_shard: fully sharded data parallel training as a composable API.
+
+``fully_shard(module)`` shards a module's parameters across ranks in place and
+attaches the hooks that gather them for forward and backward and reduce their
+gradients. See API.md for the contract.
+"""
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .fully_shard import fully_shard, is_fully_sharded
+from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+
+__all__ = [
+    "fully_shard",
+    "is_fully_sharded",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "Policy",
+    "ModuleWrapPolicy",
+    "SizeBasedPolicy",
+    "CustomPolicy",
+]

@@ -1,0 +1,120 @@
+"""Owns: the collectives (all-gather into one tensor, reduce-scatter,
+all-reduce) and the process groups of one unit (shard group and, for hybrid
+sharding, replicate group).
+
+Knows nothing of: modules, flat parameters, streams.
+
+Only this module calls ``torch.distributed`` collectives, so tests can wrap it
+to count or order them (a spy that calls through).
+
+Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter``,
+``all_reduce``, ``broadcast``, ``Work``, ``PendingCollective``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "ShardGroups",
+    "Work",
+    "all_gather_into",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "PendingCollective",
+]
+
+# Work handle returned by asynchronous collectives (``None`` when synchronous).
+Work = dist.Work
+
+# torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+# in favour of the ``*_single`` names; older releases only have the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PendingCollective(NamedTuple):
+    """An issued collective and the tensors it reads or writes.
+
+    Whoever holds this keeps ``output`` and ``inputs`` alive until the work is
+    waited on (the backend may still be reading or writing them).
+    """
+
+    work: Work | None
+    output: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The process groups a unit communicates over.
+
+    Parameters are sharded over ``shard_group`` and replicated over
+    ``replicate_group`` (hybrid sharding). ``NO_SHARD`` is a shard group of one
+    rank replicated over all ranks, so every strategy is a point in this one
+    2-D space.
+    """
+
+    # Group the flat parameter is sharded over; None means "this rank alone".
+    shard_group: ProcessGroup | None
+    # Group the shards are replicated over; None means no replication.
+    replicate_group: ProcessGroup | None
+    shard_rank: int = field(init=False)
+    shard_world_size: int = field(init=False)
+    replicate_world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        shard_rank, shard_size = 0, 1
+        if self.shard_group is not None:
+            shard_rank = dist.get_rank(self.shard_group)
+            shard_size = dist.get_world_size(self.shard_group)
+        replicate_size = 1
+        if self.replicate_group is not None:
+            replicate_size = dist.get_world_size(self.replicate_group)
+        object.__setattr__(self, "shard_rank", shard_rank)
+        object.__setattr__(self, "shard_world_size", shard_size)
+        object.__setattr__(self, "replicate_world_size", replicate_size)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """Number of ranks whose gradients are averaged."""
+        return self.shard_world_size * self.replicate_world_size
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.shard_world_size > 1
+
+
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
+) -> Work | None:
+    """Gather every rank's equal-sized ``shard`` into ``output`` (rank order)."""
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
+) -> Work | None:
+    """Sum ``input`` over the group and keep this rank's chunk in ``output``."""
+    return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
+    """Sum ``tensor`` in place over the group."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
+    """Overwrite ``tensor`` with the one on group rank ``src_group_rank`` (synchronous)."""
+    dist.broadcast(tensor, group_src=src_group_rank, group=group)

@@ -1,0 +1,350 @@
+"""Owns: the storage of one flat parameter — its sharded and unsharded
+buffers, the original parameters' views into them, gradient reduction into
+the sharded gradient, write-back of user edits, and the mixed-precision and
+offload copies.
+
+Knows nothing of: modules' training state, hooks, streams (collectives are
+issued through ``comm`` and returned as ``PendingCollective`` for the
+scheduler to wait on).
+
+Public names: ``FlatParamHandle``, ``FlatParamSource``.
+
+[Note: flat parameter storage]
+``sharded_flat_param`` (1-D, ``shard_numel``) holds this rank's shard in the
+parameters' own dtype; it is the optimizer's master copy, since outside
+forward and backward every original ``nn.Parameter``'s ``.data`` is a 1-D view
+into it. ``unsharded_flat_param`` (1-D, ``padded_unsharded_numel``, compute
+dtype) is an autograd leaf that lives for the handle's lifetime; resharding
+frees its *storage* (``resize_(0)``) but keeps the tensor, so the views that
+forward saved for backward stay valid once ``unshard`` refills the same
+storage. Forward uses views of it built with one ``split`` (its backward
+writes one padded gradient, not one per parameter); its ``.grad`` is the
+padded unsharded gradient that ``reduce_grad`` reduce-scatters.
+
+When the shard group has one rank and no copy is needed (same dtype, same
+device), the unsharded flat parameter shares the shard's storage and nothing
+is ever gathered or freed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .comm import PendingCollective, ShardGroups
+from .flat_layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
+
+__all__ = ["FlatParamHandle", "FlatParamSource"]
+
+
+class FlatParamSource(NamedTuple):
+    """One original parameter to flatten and every place it is registered."""
+
+    param: nn.Parameter
+    owners: tuple[ParamOwner, ...]
+
+
+class FlatParamHandle:
+    """One flat parameter: a group of a unit's parameters sharing a dtype and
+    ``requires_grad``. See [Note: flat parameter storage]."""
+
+    def __init__(
+        self,
+        sources: Sequence[FlatParamSource],
+        groups: ShardGroups,
+        *,
+        compute_device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        keep_low_precision_grads: bool = False,
+        offload_params: bool = False,
+    ) -> None:
+        if not sources:
+            raise ValueError("FlatParamHandle needs at least one parameter")
+        first = sources[0].param
+        self.groups = groups
+        self.layout: FlatParamLayout = compute_layout(
+            [(src.param.shape, src.owners) for src in sources],
+            dtype=first.dtype,
+            requires_grad=first.requires_grad,
+            shard_rank=groups.shard_rank,
+            shard_world_size=groups.shard_world_size,
+        )
+        # The user's parameter objects, in layout order; identity is kept.
+        self.orig_params: tuple[nn.Parameter, ...] = tuple(src.param for src in sources)
+        # Device forward and backward run on (where the unsharded buffer lives).
+        self.compute_device = compute_device
+        # Dtype of the unsharded buffer (all-gather and compute).
+        self.param_dtype: torch.dtype = param_dtype or first.dtype
+        # Dtype gradients are reduced in.
+        self.reduce_dtype: torch.dtype = reduce_dtype or self.param_dtype
+        self.keep_low_precision_grads = keep_low_precision_grads
+        # Shard (and sharded gradient) live on CPU between uses.
+        self.offload_params = offload_params
+        shard_device = torch.device("cpu") if offload_params else compute_device
+
+        # 1-D, shard_numel, parameters' dtype: this rank's shard (master copy).
+        self.sharded_flat_param: torch.Tensor = self._build_shard(shard_device)
+        # True when the unsharded buffer must be a separate allocation.
+        self.needs_unshard_storage: bool = (
+            groups.is_sharded or self.param_dtype != self.layout.dtype or shard_device != compute_device
+        )
+        # 1-D, padded_unsharded_numel, param_dtype: autograd leaf whose storage
+        # is freed while resharded (see the module note).
+        self.unsharded_flat_param: torch.Tensor = self._build_unsharded()
+        # 1-D, shard_numel: accumulated reduced gradient; None until a backward
+        # reduces one (or after the user cleared every .grad).
+        self.sharded_flat_grad: torch.Tensor | None = None
+        # True while the original parameters show the unsharded data.
+        self.is_unsharded: bool = not self.needs_unshard_storage
+        self.use_sharded_views()
+
+    # ------------------------------------------------------------------ init
+    def _build_shard(self, device: torch.device) -> torch.Tensor:
+        layout = self.layout
+        shard = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=device)
+        with torch.no_grad():
+            for info, param in zip(layout.params, self.orig_params):
+                if info.local_numel:
+                    local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+                    shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local)
+        return shard
+
+    def _build_unsharded(self) -> torch.Tensor:
+        if not self.needs_unshard_storage:
+            unsharded = self.sharded_flat_param.detach()
+        else:
+            unsharded = torch.empty(
+                self.layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.compute_device
+            )
+            unsharded.untyped_storage().resize_(0)
+        return unsharded.requires_grad_(self.layout.requires_grad)
+
+    # ----------------------------------------------------------------- views
+    def local_shard_view(self, info: ParamInfo) -> torch.Tensor:
+        """This rank's part of one parameter: a 1-D view of the shard."""
+        return self.sharded_flat_param[info.shard_offset : info.shard_offset + info.local_numel]
+
+    def use_sharded_views(self) -> None:
+        """Point every original parameter at its 1-D slice of the shard and
+        register it back on its owners."""
+        for info, param in zip(self.layout.params, self.orig_params):
+            param.data = self.local_shard_view(info)
+            for owner in info.owners:
+                owner.module._parameters[owner.attr] = param
+
+    def use_unsharded_views(self, *, as_params: bool) -> None:
+        """Show the unsharded data under the original names.
+
+        ``as_params=False`` (forward): owners get autograd views of the
+        unsharded flat parameter, so gradients flow into its ``.grad``.
+        ``as_params=True`` (``unshard_params``): the original ``nn.Parameter``
+        objects' ``.data`` become the unsharded views, so in-place edits land
+        in the unsharded buffer.
+        """
+        self._check_unsharded("use_unsharded_views")
+        segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
+        for info, index, param in zip(self.layout.params, self.layout.param_segments, self.orig_params):
+            view = segments[index].view(info.shape)
+            if as_params:
+                param.data = view.detach()
+                view = param
+            for owner in info.owners:
+                owner.module._parameters[owner.attr] = view
+
+    # ------------------------------------------------------ unshard/reshard
+    def unshard(self, *, async_op: bool) -> PendingCollective | None:
+        """Allocate the unsharded buffer and start filling it from every
+        rank's shard. Returns the pending all-gather (None if nothing to
+        wait for). Does not change the views: call ``use_unsharded_views``
+        once the all-gather is done."""
+        if self.is_unsharded:
+            return None
+        storage = self.unsharded_flat_param.untyped_storage()
+        storage.resize_(self.unsharded_flat_param.numel() * self.unsharded_flat_param.element_size())
+        # ``.data`` so the write is not seen by autograd's version counter:
+        # tensors saved for backward alias this storage on purpose.
+        output = self.unsharded_flat_param.data
+        source = self._all_gather_source()
+        self.is_unsharded = True
+        if not self.groups.is_sharded:
+            output.copy_(source)
+            return None
+        work = comm.all_gather_into(output, source, self.groups.shard_group, async_op=async_op)
+        return PendingCollective(work, output, (source,))
+
+    def _all_gather_source(self) -> torch.Tensor:
+        """The shard as the all-gather reads it: on the compute device, in the
+        compute dtype (a temporary copy when either differs)."""
+        shard = self.sharded_flat_param
+        return shard.to(device=self.compute_device, dtype=self.param_dtype, non_blocking=True)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer's storage and show the shard again."""
+        self.use_sharded_views()
+        if self.needs_unshard_storage and self.is_unsharded:
+            self.unsharded_flat_param.untyped_storage().resize_(0)
+            self.is_unsharded = False
+
+    def unsharded_storage_bytes(self) -> int:
+        """Bytes the unsharded buffer holds now (0 when resharded and separate)."""
+        if not self.needs_unshard_storage:
+            return 0
+        return self.unsharded_flat_param.untyped_storage().nbytes()
+
+    def _check_unsharded(self, what: str) -> None:
+        if not self.is_unsharded:
+            names = ", ".join(info.fqn for info in self.layout.params[:3])
+            raise RuntimeError(f"FlatParamHandle({names}, ...): {what} needs the handle unsharded; call unshard() first")
+
+    # ----------------------------------------------------------- write-back
+    def writeback_orig_params(self) -> bool:
+        """Copy user changes of an original parameter's ``.data`` (a new
+        tensor assigned with the same numel) into the shard. Returns whether
+        anything was written back. Raises ``ValueError`` on a changed size."""
+        wrote = False
+        shard_ptr = self.sharded_flat_param.untyped_storage().data_ptr()
+        for info, param in zip(self.layout.params, self.orig_params):
+            for owner in info.owners:
+                if owner.module._parameters.get(owner.attr) is not param:
+                    raise RuntimeError(
+                        f"fully_shard: parameter '{owner.fqn}' was replaced by another object after "
+                        "sharding. Assign to its .data (same shape) or copy_() into it instead."
+                    )
+            if param.untyped_storage().data_ptr() == shard_ptr and param.numel() == info.local_numel:
+                continue
+            if param.numel() == info.local_numel and info.local_numel > 0:
+                local = param.detach().reshape(-1)
+            elif param.shape == info.shape and param.numel() > 0:
+                local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+            elif param.numel() == 0 and info.local_numel == 0:
+                param.data = self.local_shard_view(info)
+                continue
+            else:
+                raise ValueError(
+                    f"fully_shard: parameter '{info.fqn}' changed size behind the shards: it holds "
+                    f"shape {tuple(param.shape)}, but its unsharded shape is {tuple(info.shape)} and "
+                    f"this rank's shard of it has {info.local_numel} elements. Change a sharded "
+                    "parameter's values in place (or inside unshard_params), not its size."
+                )
+            with torch.no_grad():
+                self.local_shard_view(info).copy_(local)
+            param.data = self.local_shard_view(info)
+            wrote = True
+        return wrote
+
+    def writeback_unsharded_to_shard(self) -> None:
+        """Copy the (possibly edited) unsharded buffer's local window back into
+        the shard (``unshard_params(writeback=True)``)."""
+        self._check_unsharded("writeback_unsharded_to_shard")
+        if not self.needs_unshard_storage:
+            return
+        start = self.layout.shard_rank * self.layout.shard_numel
+        window = self.unsharded_flat_param.detach()[start : start + self.layout.shard_numel]
+        with torch.no_grad():
+            self.sharded_flat_param.copy_(window)
+
+    # ------------------------------------------------------------- gradients
+    def has_unsharded_grad(self) -> bool:
+        return self.unsharded_flat_param.grad is not None
+
+    def reduce_grad(self, *, async_op: bool) -> PendingCollective | None:
+        """Start reducing the padded unsharded gradient over the shard group
+        (reduce-scatter) or, unsharded, over the replicate group
+        (all-reduce). The unsharded gradient is released from the flat
+        parameter; the returned pending collective keeps it alive."""
+        unsharded_grad = self.unsharded_flat_param.grad
+        if unsharded_grad is None:
+            return None
+        self.unsharded_flat_param.grad = None
+        if unsharded_grad.dtype != self.reduce_dtype:
+            unsharded_grad = unsharded_grad.to(self.reduce_dtype)
+        predivide = self._predivide_factor()
+        if predivide != 1.0:
+            unsharded_grad.div_(predivide)
+        if self.groups.is_sharded:
+            output = torch.empty(self.layout.shard_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
+            work = comm.reduce_scatter(output, unsharded_grad, self.groups.shard_group, async_op=async_op)
+            return PendingCollective(work, output, (unsharded_grad,))
+        work = None
+        if self.groups.replicate_group is not None:
+            work = comm.all_reduce(unsharded_grad, self.groups.replicate_group, async_op=async_op)
+        return PendingCollective(work, unsharded_grad, ())
+
+    def _predivide_factor(self) -> float:
+        # Low-precision sums can overflow: split the division around the
+        # reduction. Full precision divides once afterwards (exact mean).
+        world = self.groups.data_parallel_world_size
+        if self.reduce_dtype in (torch.float16, torch.bfloat16) and world > 1:
+            return float(2 ** round(math.log2(math.sqrt(world))))
+        return 1.0
+
+    def finish_grad_reduction(self, reduced: PendingCollective) -> None:
+        """Complete a reduction whose work was waited on: reduce over the
+        replicate group (hybrid), turn the sum into a mean, accumulate into the
+        sharded gradient and point the parameters' ``.grad`` at it."""
+        shard_grad = reduced.output
+        if self.groups.is_sharded and self.groups.replicate_group is not None:
+            comm.all_reduce(shard_grad, self.groups.replicate_group, async_op=False)
+        postdivide = self.groups.data_parallel_world_size / self._predivide_factor()
+        if postdivide != 1.0:
+            shard_grad.div_(postdivide)
+        grad_dtype = self.reduce_dtype if self.keep_low_precision_grads else self.layout.dtype
+        grad_device = self.sharded_flat_param.device
+        shard_grad = shard_grad.to(device=grad_device, dtype=grad_dtype)
+        existing = self._collect_user_grads()
+        if existing is None:
+            self.sharded_flat_grad = shard_grad
+        else:
+            existing.add_(shard_grad.to(existing.dtype))
+        self.use_sharded_grad_views()
+
+    def _collect_user_grads(self) -> torch.Tensor | None:
+        """The sharded gradient to accumulate into, as the user left it.
+
+        None when every parameter's ``.grad`` is None (``zero_grad()``).
+        Otherwise the sharded gradient buffer, with gradients the user
+        assigned copied in and the ones they cleared zeroed."""
+        grads = [param.grad for param in self.orig_params]
+        if all(grad is None for grad in grads):
+            return None
+        if self.sharded_flat_grad is None:
+            self.sharded_flat_grad = torch.zeros_like(self.sharded_flat_param)
+        flat_grad = self.sharded_flat_grad
+        with torch.no_grad():
+            for info, grad in zip(self.layout.params, grads):
+                if info.local_numel == 0:
+                    continue
+                local = flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
+                if grad is None:
+                    local.zero_()
+                elif grad.data_ptr() != local.data_ptr():
+                    local.copy_(grad.reshape(-1))
+        return flat_grad
+
+    def use_sharded_grad_views(self) -> None:
+        """Set each original parameter's ``.grad`` to its slice of the sharded
+        gradient (None where this rank holds none of the parameter)."""
+        flat_grad = self.sharded_flat_grad
+        for info, param in zip(self.layout.params, self.orig_params):
+            if flat_grad is None or info.local_numel == 0:
+                param.grad = None
+                continue
+            local = flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
+            if local.dtype == param.dtype:
+                param.grad = local
+            else:
+                # keep_low_precision_grads: autograd only accepts a .grad of
+                # the parameter's dtype, so swap the data in after assigning.
+                param.grad = torch.empty_like(param)
+                param.grad.data = local
+
+    def clear_unsharded_grad(self) -> None:
+        self.unsharded_flat_param.grad = None
+
+    def __repr__(self) -> str:
+        return f"FlatParamHandle({self.layout.describe()})"

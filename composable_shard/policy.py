@@ -1,0 +1,137 @@
+"""Owns: which modules of a tree become sharded units.
+
+Knows nothing of: hooks, tensors' storage, process groups.
+
+Public names: ``Policy``, ``ModuleWrapPolicy``, ``SizeBasedPolicy``,
+``CustomPolicy``, ``UnitChoice``, ``select_units``.
+
+A policy is asked about each module of the tree below the root (the root is
+always a unit). Modules already made units by an earlier ``fully_shard`` call,
+and ignored modules, are skipped with their subtrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch.nn as nn
+
+__all__ = ["Policy", "ModuleWrapPolicy", "SizeBasedPolicy", "CustomPolicy", "UnitChoice", "select_units"]
+
+
+@dataclass(frozen=True, eq=False)
+class UnitChoice:
+    """A module chosen as a unit, with keyword overrides for its
+    ``fully_shard`` arguments (from ``CustomPolicy``)."""
+
+    module: nn.Module
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy:
+    """Base class: decides units over a tree, children before parents."""
+
+    def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
+        """Units strictly below ``root`` (post-order), never inside a skipped
+        module."""
+        raise NotImplementedError
+
+
+class _PerModulePolicy(Policy):
+    """A policy that judges each module on its own."""
+
+    def decide(self, module: nn.Module) -> bool | dict[str, Any]:
+        raise NotImplementedError
+
+    def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
+        chosen: list[UnitChoice] = []
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                if skip(child):
+                    continue
+                visit(child)
+                decision = self.decide(child)
+                if decision is True or isinstance(decision, dict):
+                    chosen.append(UnitChoice(child, dict(decision) if isinstance(decision, dict) else {}))
+                elif decision is not False:
+                    raise TypeError(
+                        f"{type(self).__name__}: the policy returned {decision!r} for "
+                        f"{type(child).__name__}; return a bool or a dict of fully_shard overrides."
+                    )
+
+        visit(root)
+        return chosen
+
+
+class ModuleWrapPolicy(_PerModulePolicy):
+    """Every instance of one of ``module_classes`` is a unit."""
+
+    def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
+        self.module_classes = tuple(module_classes)
+        for cls in self.module_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise TypeError(f"ModuleWrapPolicy: {cls!r} is not an nn.Module subclass.")
+
+    def decide(self, module: nn.Module) -> bool:
+        return isinstance(module, self.module_classes)
+
+
+class CustomPolicy(_PerModulePolicy):
+    """``fn(module) -> bool | dict``: a dict makes the module a unit and
+    overrides ``fully_shard`` keyword arguments for it."""
+
+    def __init__(self, fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
+        if not callable(fn):
+            raise TypeError(f"CustomPolicy: expected a callable, got {type(fn).__name__}.")
+        self.fn = fn
+
+    def decide(self, module: nn.Module) -> bool | dict[str, Any]:
+        return self.fn(module)
+
+
+class SizeBasedPolicy(Policy):
+    """Bottom-up: a subtree with at least ``min_num_params`` parameters not yet
+    claimed by a unit below it becomes a unit."""
+
+    def __init__(self, min_num_params: int) -> None:
+        if min_num_params < 1:
+            raise ValueError(f"SizeBasedPolicy: min_num_params must be >= 1, got {min_num_params}.")
+        self.min_num_params = min_num_params
+
+    def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
+        chosen: list[UnitChoice] = []
+        claimed: set[int] = set()
+
+        def unclaimed_numel(module: nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters() if id(p) not in claimed)
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                if skip(child):
+                    continue
+                visit(child)
+                if unclaimed_numel(child) >= self.min_num_params:
+                    chosen.append(UnitChoice(child))
+                    claimed.update(id(p) for p in child.parameters())
+
+        visit(root)
+        return chosen
+
+
+def select_units(
+    root: nn.Module,
+    policy: Policy | set[type[nn.Module]] | frozenset[type[nn.Module]] | None,
+    skip: Callable[[nn.Module], bool],
+) -> list[UnitChoice]:
+    """The units ``policy`` picks below ``root`` (post-order), root excluded."""
+    if policy is None:
+        return []
+    if isinstance(policy, (set, frozenset)):
+        policy = ModuleWrapPolicy(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"fully_shard: policy must be a Policy or a set of module classes, got {type(policy).__name__}."
+        )
+    return policy.select(root, skip)

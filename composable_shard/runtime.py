@@ -1,0 +1,302 @@
+"""Owns: the hooks that drive one step — root pre-forward (lazy init), unit
+pre/post forward, pre-backward on the outputs, post-backward once a flat
+parameter's gradient is accumulated, the end-of-backward callback — and
+prefetching by the recorded forward order.
+
+Knows nothing of: flattening details (it calls the handle and the scheduler).
+
+Public names: ``register_hooks``, ``lazy_init``, ``reshard_unit``,
+``unshard_unit``, ``in_backward``.
+
+[Note: activation-checkpoint re-runs]
+Activation checkpointing re-runs a unit's forward inside backward. Such a
+re-run is recognised by the autograd engine running a graph task
+(``in_backward()``): the unit is then unsharded for its gradient computation,
+and its post-forward neither reshards nor registers backward hooks. The
+reentrant form runs the first forward under ``no_grad``: that forward reshards
+like an eval forward, and the re-run unshards again inside backward; the
+flat parameter's post-accumulate-grad hook reduces afterwards as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .api import BackwardPrefetch
+from .flat_param import FlatParamHandle
+from .scheduler import Scheduler
+from .state import RootContext, TrainingState, UnitState, raise_internal, unit_states_under
+
+__all__ = ["register_hooks", "lazy_init", "reshard_unit", "unshard_unit", "in_backward"]
+
+logger = logging.getLogger(__name__)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def _hook_label(state: UnitState, hook: str) -> Iterator[None]:
+    """Profiler label, debug log, and a logged error (autograd hides hook
+    tracebacks) for one hook run."""
+    label = f"composable_shard::{hook} ({state.fqn})"
+    logger.debug("%s", label)
+    with torch.profiler.record_function(label):
+        try:
+            yield
+        except Exception:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            logger.error("%s failed on rank %d in state %s", label, rank, state.training_state.name)
+            raise
+
+
+# ------------------------------------------------------------------ lazy init
+def lazy_init(state: UnitState) -> RootContext:
+    """Make ``state`` the root of its tree (idempotent): one scheduler and
+    one forward-order record shared by every unit below it."""
+    if state.root_context is not None and state.root_context.root is state:
+        return state.root_context
+    named_units = list(unit_states_under(state.module))
+    units = [unit for _, unit in named_units]
+    context = RootContext(
+        state,
+        units,
+        Scheduler(state.compute_device, limit_all_gathers=state.config.limit_all_gathers),
+    )
+    for name, unit in named_units:
+        unit.root_context = context
+        unit.fqn = name or "<root>"
+    logger.debug("composable_shard: lazy init of root %s with %d units", type(state.module).__name__, len(units))
+    return context
+
+
+# -------------------------------------------------------- unshard / reshard
+def unshard_unit(state: UnitState, *, wait: bool) -> None:
+    """Issue the unit's all-gathers (no-op where already unsharded); with
+    ``wait``, make compute wait and point the owners at unsharded views."""
+    scheduler = _scheduler(state)
+    for handle in state.handles:
+        scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
+    if wait:
+        for handle in state.handles:
+            scheduler.wait_for_unshard(handle)
+            # Views must be autograd views of the flat parameter even when
+            # built from a backward hook, where grad mode is off.
+            with torch.enable_grad():
+                handle.use_unsharded_views(as_params=False)
+
+
+def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> Any:
+    return handle.unshard(async_op=async_op)
+
+
+def reshard_unit(state: UnitState) -> None:
+    """Free every unsharded buffer of the unit and show the shards again."""
+    scheduler = _scheduler(state)
+    for handle in state.handles:
+        scheduler.wait_for_unshard(handle)
+        handle.reshard()
+
+
+def _prefetch(unit: UnitState | None) -> None:
+    if unit is not None and unit.handles:
+        unshard_unit(unit, wait=False)
+
+
+def _scheduler(state: UnitState) -> Scheduler:
+    if state.root_context is None:
+        raise_internal(state, "used before lazy init")
+    return state.root_context.scheduler  # type: ignore[union-attr]  # checked above
+
+
+# ----------------------------------------------------------------- forward
+def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    with _hook_label(state, "pre_forward"):
+        if state.root_context is None:
+            lazy_init(state)
+        if in_backward():  # [Note: activation-checkpoint re-runs]
+            if state.training_state is TrainingState.IDLE:
+                state.transition(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
+            unshard_unit(state, wait=True)
+            return args, kwargs
+        if state.is_root:
+            args, kwargs = _root_pre_forward(state, args, kwargs)
+        state.transition(TrainingState.FORWARD, TrainingState.IDLE)
+        context = state.root_context
+        if state not in context.forward_order:  # type: ignore[union-attr]  # set by lazy_init
+            context.forward_order.append(state)  # type: ignore[union-attr]
+        unshard_unit(state, wait=True)
+        if state.config.forward_prefetch:
+            _prefetch(context.next_in(context.previous_forward_order, state, +1))  # type: ignore[union-attr]
+        return _cast_inputs(state, args, kwargs, is_root=state.is_root)
+
+
+def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    context = state.root_context
+    assert context is not None  # set by lazy_init just before
+    busy = [unit.fqn for unit in context.units if unit.training_state is not TrainingState.IDLE]
+    if busy or context.post_backward_callback_queued:
+        _reset_after_error(context)
+        raise RuntimeError(
+            f"fully_shard({state.fqn}): forward called while the previous backward has not finished "
+            f"(units still in backward: {busy[:4]}). Finish backward (or call it on every output) before "
+            "the next forward; the model has been reset to its sharded state and is usable."
+        )
+    for unit in context.units:
+        for handle in unit.handles:
+            handle.writeback_orig_params()
+    _check_input_devices(state, args, kwargs)
+    if context.forward_order:
+        context.previous_forward_order = context.forward_order
+    context.forward_order = []
+    return args, kwargs
+
+
+def _check_input_devices(state: UnitState, args: tuple, kwargs: dict) -> None:
+    expected = state.compute_device
+    for value in tree_flatten((args, kwargs))[0]:
+        if isinstance(value, torch.Tensor) and value.device.type != "meta" and not _same_device(value.device, expected):
+            raise ValueError(
+                f"fully_shard({state.fqn}): got an input on {value.device}, but the module computes on "
+                f"{expected}. Move the inputs to {expected} before calling the model."
+            )
+
+
+def _same_device(device: torch.device, expected: torch.device) -> bool:
+    if device.type != expected.type:
+        return False
+    return device.index is None or expected.index is None or device.index == expected.index
+
+
+def _cast_inputs(state: UnitState, args: tuple, kwargs: dict, *, is_root: bool) -> tuple[tuple, dict]:
+    policy = state.config.mixed_precision
+    if policy is None or policy.param_dtype is None:
+        return args, kwargs
+    if not (policy.cast_root_forward_inputs if is_root else policy.cast_forward_inputs):
+        return args, kwargs
+    dtype = policy.param_dtype
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
+    with _hook_label(state, "post_forward"):
+        if in_backward():  # [Note: activation-checkpoint re-runs]
+            return output
+        state.transition(TrainingState.IDLE, TrainingState.FORWARD)
+        grad_enabled = torch.is_grad_enabled()
+        # The root's backward comes first, so its parameters stay gathered.
+        keeps_unsharded = grad_enabled and (state.is_root or not state.config.strategy.reshards_after_forward)
+        if not keeps_unsharded:
+            reshard_unit(state)
+        if grad_enabled:
+            _register_pre_backward_hooks(state, output)
+        elif state.is_root:
+            # No backward will come: free what forward prefetch left behind.
+            for unit in state.root_context.units:  # type: ignore[union-attr]  # root is initialised
+                reshard_unit(unit)
+        return output
+
+
+# ---------------------------------------------------------------- backward
+def _register_pre_backward_hooks(state: UnitState, output: Any) -> None:
+    hook = functools.partial(_pre_backward, state)
+    for value in tree_flatten(output)[0]:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(hook)
+
+
+def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
+    if state.training_state is TrainingState.PRE_BACKWARD:
+        return  # another output of the same unit already did it
+    with _hook_label(state, "pre_backward"):
+        context = state.root_context
+        assert context is not None  # hooks exist only after a forward
+        _queue_finalize_once(context)
+        state.transition(TrainingState.PRE_BACKWARD, TrainingState.IDLE, TrainingState.POST_BACKWARD)
+        unshard_unit(state, wait=True)
+        if state.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            _prefetch(context.next_in(context.forward_order, state, -1))
+
+
+def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.Tensor) -> None:
+    with _hook_label(state, "post_backward"):
+        context = state.root_context
+        assert context is not None  # hooks exist only after a forward
+        _queue_finalize_once(context)
+        if not state.skip_grad_sync:
+            context.scheduler.reduce(
+                functools.partial(_launch_reduce, handle), handle.finish_grad_reduction
+            )
+        context.scheduler.wait_for_unshard(handle)
+        handle.reshard()
+        state.reduced_handles.add(id(handle))
+        if len(state.reduced_handles) == len(state.trainable_handles):
+            state.training_state = TrainingState.POST_BACKWARD
+            if state.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                _prefetch(context.next_in(context.forward_order, state, -1))
+
+
+def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> Any:
+    return handle.reduce_grad(async_op=async_op)
+
+
+def _queue_finalize_once(context: RootContext) -> None:
+    if not context.post_backward_callback_queued:
+        context.post_backward_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
+
+
+def _finalize_backward(context: RootContext) -> None:
+    """End of backward: finish every reduction (which sets ``.grad``),
+    reshard every unit, reset states for the next step."""
+    with _hook_label(context.root, "finalize_backward"):
+        context.scheduler.wait_for_all()
+        for unit in context.units:
+            for handle in unit.handles:
+                handle.reshard()
+            unit.training_state = TrainingState.IDLE
+            unit.reduced_handles.clear()
+        context.post_backward_callback_queued = False
+
+
+def _reset_after_error(context: RootContext) -> None:
+    """Bring every unit back to IDLE and sharded (after a misuse)."""
+    context.post_backward_callback_queued = False
+    context.scheduler.wait_for_all()
+    for unit in context.units:
+        for handle in unit.handles:
+            handle.clear_unsharded_grad()
+            handle.reshard()
+        unit.training_state = TrainingState.IDLE
+        unit.reduced_handles.clear()
+
+
+# -------------------------------------------------------------- registration
+def register_hooks(state: UnitState) -> None:
+    """Attach the unit's forward hooks and its flat parameters'
+    post-accumulate-grad hooks; every handle is kept in the state."""
+    module = state.module
+    state.module_hooks.append(
+        module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+    )
+    state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
+    for handle in state.trainable_handles:
+        hook: Callable[[torch.Tensor], None] = functools.partial(_post_backward, state, handle)
+        state.module_hooks.append(handle.unsharded_flat_param.register_post_accumulate_grad_hook(hook))
