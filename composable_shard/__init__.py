@@ -8,6 +8,7 @@ gradients. See API.md for the contract.
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+from .unshard import clip_grad_norm_, no_sync, unshard_params
 
 __all__ = [
     "fully_shard",
@@ -20,4 +21,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "SizeBasedPolicy",
     "CustomPolicy",
+    "unshard_params",
+    "no_sync",
+    "clip_grad_norm_",
 ]

@@ -237,15 +237,48 @@ class FlatParamHandle:
             wrote = True
         return wrote
 
-    def writeback_unsharded_to_shard(self) -> None:
-        """Copy the (possibly edited) unsharded buffer's local window back into
-        the shard (``unshard_params(writeback=True)``)."""
-        self._check_unsharded("writeback_unsharded_to_shard")
-        if not self.needs_unshard_storage:
-            return
+    # ---------------------------------------------- full copies (unshard_params)
+    def gather_full_flat_param(self) -> torch.Tensor:
+        """A new padded unsharded copy of the flat parameter in its own dtype
+        (not the compute dtype), gathered synchronously. Collective."""
+        return self._gather_full(self.sharded_flat_param)
+
+    def gather_full_flat_grad(self) -> torch.Tensor | None:
+        """A new padded unsharded copy of the sharded gradient (None if there
+        is none). Collective: every rank must hold a gradient or none."""
+        if self.sharded_flat_grad is None:
+            return None
+        return self._gather_full(self.sharded_flat_grad)
+
+    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        shard = shard.to(self.compute_device)
+        if not self.groups.is_sharded:
+            return shard.clone()
+        full = torch.empty(self.layout.padded_unsharded_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather_into(full, shard, self.groups.shard_group, async_op=False)
+        return full
+
+    def show_full_params(self, full_flat: torch.Tensor, full_grad: torch.Tensor | None) -> None:
+        """Point each original parameter's ``.data`` (and ``.grad``, when
+        ``full_grad`` is given) at its view of the full copies."""
+        param_views = self._views_of(full_flat)
+        grad_views = self._views_of(full_grad) if full_grad is not None else [None] * len(param_views)
+        for info, param, view, grad_view in zip(self.layout.params, self.orig_params, param_views, grad_views):
+            param.data = view
+            if full_grad is not None:
+                param.grad = grad_view if grad_view.dtype == param.dtype else grad_view.to(param.dtype)
+            for owner in info.owners:
+                owner.module._parameters[owner.attr] = param
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        segments = torch.split(flat.detach(), self.layout.split_sizes)
+        return [segments[index].view(info.shape) for info, index in zip(self.layout.params, self.layout.param_segments)]
+
+    def load_shard_from_full(self, full_flat: torch.Tensor) -> None:
+        """Copy this rank's window of a full flat copy into the shard."""
         start = self.layout.shard_rank * self.layout.shard_numel
-        window = self.unsharded_flat_param.detach()[start : start + self.layout.shard_numel]
         with torch.no_grad():
+            window = full_flat[start : start + self.layout.shard_numel]
             self.sharded_flat_param.copy_(window)
 
     # ------------------------------------------------------------- gradients

@@ -1,0 +1,90 @@
+"""Owns: the small models the tests train (a GPT-like stack with a tied
+embedding and head, norms, biases; variants with frozen parameters).
+
+Knows nothing of: composable_shard (tests apply fully_shard themselves).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 32
+DIM = 16
+SEQ = 6
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block."""
+
+    def __init__(self, dim: int = DIM, hidden: int = 3 * DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc_in = nn.Linear(dim, hidden)
+        self.fc_out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        return x + self.fc_out(F.gelu(self.fc_in(self.norm(x))))
+
+
+class TinyGPT(nn.Module):
+    """Embedding -> blocks -> norm -> head, head tied to the embedding."""
+
+    def __init__(self, n_blocks: int = 3, dim: int = DIM, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(n_blocks)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update."""
+
+    def __init__(self, dim: int = DIM, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class LoRABlock(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = LoRALinear(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x))
+
+
+class LoRAGPT(TinyGPT):
+    """TinyGPT whose blocks mix frozen and trainable parameters."""
+
+    def __init__(self, n_blocks: int = 2) -> None:
+        super().__init__(n_blocks=0)
+        self.blocks = nn.ModuleList([LoRABlock() for _ in range(n_blocks)])
+
+
+def batch(step: int, global_batch: int = 8, seq: int = SEQ, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``, identical on every rank."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
