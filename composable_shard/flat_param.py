@@ -99,8 +99,11 @@ class FlatParamHandle:
         # 1-D, shard_numel: accumulated reduced gradient; None until a backward
         # reduces one (or after the user cleared every .grad).
         self.sharded_flat_grad: torch.Tensor | None = None
-        # True while the original parameters show the unsharded data.
+        # True while the unsharded buffer holds the gathered data.
         self.is_unsharded: bool = not self.needs_unshard_storage
+        # True while the owners hold forward views of the unsharded buffer
+        # instead of the original parameters.
+        self.shows_unsharded_views: bool = False
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ init
@@ -136,25 +139,18 @@ class FlatParamHandle:
             param.data = self.local_shard_view(info)
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = param
+        self.shows_unsharded_views = False
 
-    def use_unsharded_views(self, *, as_params: bool) -> None:
-        """Show the unsharded data under the original names.
-
-        ``as_params=False`` (forward): owners get autograd views of the
-        unsharded flat parameter, so gradients flow into its ``.grad``.
-        ``as_params=True`` (``unshard_params``): the original ``nn.Parameter``
-        objects' ``.data`` become the unsharded views, so in-place edits land
-        in the unsharded buffer.
-        """
+    def use_unsharded_views(self) -> None:
+        """Give the owners autograd views of the unsharded flat parameter
+        (forward and backward), so gradients flow into its ``.grad``."""
         self._check_unsharded("use_unsharded_views")
         segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
-        for info, index, param in zip(self.layout.params, self.layout.param_segments, self.orig_params):
+        for info, index in zip(self.layout.params, self.layout.param_segments):
             view = segments[index].view(info.shape)
-            if as_params:
-                param.data = view.detach()
-                view = param
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = view
+        self.shows_unsharded_views = True
 
     # ------------------------------------------------------ unshard/reshard
     def unshard(self, *, async_op: bool) -> PendingCollective | None:
@@ -205,7 +201,11 @@ class FlatParamHandle:
     def writeback_orig_params(self) -> bool:
         """Copy user changes of an original parameter's ``.data`` (a new
         tensor assigned with the same numel) into the shard. Returns whether
-        anything was written back. Raises ``ValueError`` on a changed size."""
+        anything was written back. Raises ``ValueError`` on a changed size.
+        Skipped while forward views are shown (between a forward and its
+        backward the parameters are not the user's to edit)."""
+        if self.shows_unsharded_views:
+            return False
         wrote = False
         shard_ptr = self.sharded_flat_param.untyped_storage().data_ptr()
         for info, param in zip(self.layout.params, self.orig_params):
@@ -243,12 +243,13 @@ class FlatParamHandle:
         (not the compute dtype), gathered synchronously. Collective."""
         return self._gather_full(self.sharded_flat_param)
 
-    def gather_full_flat_grad(self) -> torch.Tensor | None:
-        """A new padded unsharded copy of the sharded gradient (None if there
-        is none). Collective: every rank must hold a gradient or none."""
-        if self.sharded_flat_grad is None:
-            return None
-        return self._gather_full(self.sharded_flat_grad)
+    def gather_full_flat_grad(self) -> torch.Tensor:
+        """A new padded unsharded copy of the gradients the parameters hold
+        now (zeros where they hold none). Collective."""
+        sharded_grad = self._collect_user_grads()
+        if sharded_grad is None:
+            sharded_grad = torch.zeros_like(self.sharded_flat_param)
+        return self._gather_full(sharded_grad)
 
     def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         shard = shard.to(self.compute_device)

@@ -94,7 +94,7 @@ def unshard_unit(state: UnitState, *, wait: bool) -> None:
             # Views must be autograd views of the flat parameter even when
             # built from a backward hook, where grad mode is off.
             with torch.enable_grad():
-                handle.use_unsharded_views(as_params=False)
+                handle.use_unsharded_views()
 
 
 def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> Any:

@@ -82,7 +82,7 @@ def unshard_params(
     try:
         for handle in handles:
             full_flat = handle.gather_full_flat_param()
-            full_grad = handle.gather_full_flat_grad() if with_grads else None
+            full_grad = handle.gather_full_flat_grad() if with_grads and handle.layout.requires_grad else None
             if rank0_only and not is_rank0:
                 continue
             if offload_to_cpu:

@@ -44,6 +44,8 @@ class Parity:
     step_fn: StepFn = plain_step
     reference_step_fn: StepFn = plain_step
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = adamw
+    # Build the optimizer on the unsharded model, before fully_shard.
+    optimizer_before_shard: bool = False
     # Data-parallel rank and size (differs from the global ones only when a
     # test shards over a subgroup).
     dp_rank: int | None = None
@@ -70,8 +72,12 @@ def run_parity(parity: Parity) -> list[float]:
     torch.manual_seed(0)
     model = parity.build()
     reference = copy.deepcopy(model)
-    parity.shard(model)
-    optimizer = parity.make_optimizer(model)
+    if parity.optimizer_before_shard:
+        optimizer = parity.make_optimizer(model)
+        parity.shard(model)
+    else:
+        parity.shard(model)
+        optimizer = parity.make_optimizer(model)
     reference_optimizer = parity.make_optimizer(reference)
     losses = []
     for step in range(parity.steps):
