@@ -166,7 +166,7 @@ def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tupl
 def _check_input_devices(state: UnitState, args: tuple, kwargs: dict) -> None:
     expected = state.compute_device
     for value in tree_flatten((args, kwargs))[0]:
-        if isinstance(value, torch.Tensor) and value.device.type != "meta" and not _same_device(value.device, expected):
+        if isinstance(value, torch.Tensor) and not _same_device(value.device, expected):
             raise ValueError(
                 f"fully_shard({state.fqn}): got an input on {value.device}, but the module computes on "
                 f"{expected}. Move the inputs to {expected} before calling the model."
