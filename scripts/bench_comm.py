@@ -1,0 +1,135 @@
+"""Bandwidth the flat-parameter handle reaches for its all-gather (unshard)
+and reduce-scatter (reduce_grad), against raw torch.distributed calls on the
+same bytes, in one run.
+
+Run: python scripts/bench_comm.py [--world-size 2] [--numel 4194304] [--iters 20]
+(gloo on CPU; --device cuda uses NCCL, one GPU per rank).
+Prints, per operation, the median time and bus bandwidth of both and their
+ratio (handle / raw; 1.00 means no overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from composable_shard.comm import ShardGroups
+from composable_shard.flat_layout import ParamOwner
+from composable_shard.flat_param import FlatParamHandle, FlatParamSource
+
+
+def _median_seconds(fn: Callable[[], None], iters: int, device: torch.device) -> float:
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # host sync: timing only
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size)
+    world = args.world_size
+    # Several parameters, like a transformer block's, flattened into one handle.
+    module = nn.Module()
+    per_param = args.numel // 4
+    for index in range(4):
+        module.register_parameter(f"p{index}", nn.Parameter(torch.randn(per_param, device=device)))
+    sources = [FlatParamSource(p, (ParamOwner(module, name, name),)) for name, p in module.named_parameters()]
+    handle = FlatParamHandle(sources, ShardGroups(dist.group.WORLD, None), compute_device=device)
+    numel = handle.layout.padded_unsharded_numel
+    shard = torch.randn(numel // world, device=device)
+    full = torch.empty(numel, device=device)
+    grad = torch.randn(numel, device=device)
+    reduced = torch.empty(numel // world, device=device)
+    async_op = device.type != "cuda"
+
+    def handle_all_gather() -> None:
+        pending = handle.unshard(async_op=async_op)
+        if pending is not None and pending.work is not None:
+            pending.work.wait()
+        handle.use_unsharded_views()
+        handle.reshard()
+
+    def raw_all_gather() -> None:
+        work = dist.all_gather_single(full, shard, async_op=async_op)
+        if work is not None:
+            work.wait()
+
+    def handle_reduce_scatter() -> None:
+        handle.unsharded_flat_param.grad = grad
+        pending = handle.reduce_grad(async_op=async_op)
+        if pending is not None and pending.work is not None:
+            pending.work.wait()
+        handle.finish_grad_reduction(pending)
+        for param in handle.orig_params:
+            param.grad = None
+
+    def raw_reduce_scatter() -> None:
+        work = dist.reduce_scatter_single(reduced, grad, async_op=async_op)
+        if work is not None:
+            work.wait()
+        reduced.div_(world)
+
+    results = {}
+    for name, fn in (
+        ("all-gather handle", handle_all_gather),
+        ("all-gather raw", raw_all_gather),
+        ("reduce-scatter handle", handle_reduce_scatter),
+        ("reduce-scatter raw", raw_reduce_scatter),
+    ):
+        for _ in range(3):
+            fn()  # warm-up
+        results[name] = _median_seconds(fn, args.iters, device)
+    # Interleave a second pass so drift hits both sides equally.
+    for name, fn in (
+        ("all-gather raw", raw_all_gather),
+        ("all-gather handle", handle_all_gather),
+        ("reduce-scatter raw", raw_reduce_scatter),
+        ("reduce-scatter handle", handle_reduce_scatter),
+    ):
+        results[name] = min(results[name], _median_seconds(fn, args.iters, device))
+    if rank == 0:
+        nbytes = numel * 4
+        bus = nbytes * (world - 1) / world
+        print(f"world size {world}, {device.type}, {nbytes / 2**20:.1f} MiB unsharded per collective, median of {args.iters}")
+        print(f"{'operation':<24}{'ms':>10}{'bus GB/s':>12}")
+        for name, seconds in results.items():
+            print(f"{name:<24}{seconds * 1e3:>10.2f}{bus / seconds / 1e9:>12.2f}")
+        for op in ("all-gather", "reduce-scatter"):
+            ratio = results[f"{op} handle"] / results[f"{op} raw"]
+            print(f"{op}: handle / raw time = {ratio:.3f}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_worker, args=(args, port), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
