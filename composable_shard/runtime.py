@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .api import BackwardPrefetch
 from .flat_param import FlatParamHandle
@@ -114,10 +114,14 @@ def _prefetch(unit: UnitState | None) -> None:
         unshard_unit(unit, wait=False)
 
 
-def _scheduler(state: UnitState) -> Scheduler:
+def _context(state: UnitState) -> RootContext:
     if state.root_context is None:
         raise_internal(state, "used before lazy init")
-    return state.root_context.scheduler  # type: ignore[union-attr]  # checked above
+    return state.root_context  # type: ignore[return-value]  # raise_internal never returns
+
+
+def _scheduler(state: UnitState) -> Scheduler:
+    return _context(state).scheduler
 
 
 # ----------------------------------------------------------------- forward
@@ -133,18 +137,18 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         if state.is_root:
             args, kwargs = _root_pre_forward(state, args, kwargs)
         state.transition(TrainingState.FORWARD, TrainingState.IDLE)
-        context = state.root_context
-        if state not in context.forward_order:  # type: ignore[union-attr]  # set by lazy_init
-            context.forward_order.append(state)  # type: ignore[union-attr]
+        context = _context(state)
+        if state not in context.forward_order:
+            context.forward_order.append(state)
         unshard_unit(state, wait=True)
         if state.config.forward_prefetch:
-            _prefetch(context.next_in(context.previous_forward_order, state, +1))  # type: ignore[union-attr]
-        return _cast_inputs(state, args, kwargs, is_root=state.is_root)
+            _prefetch(context.next_in(context.previous_forward_order, state, +1))
+        args, kwargs = _cast_inputs(state, args, kwargs, is_root=state.is_root)
+        return _hook_inputs_for_frozen_reshard(state, args, kwargs)
 
 
 def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    context = state.root_context
-    assert context is not None  # set by lazy_init just before
+    context = _context(state)
     busy = [unit.fqn for unit in context.units if unit.training_state is not TrainingState.IDLE]
     if busy or context.post_backward_callback_queued:
         _reset_after_error(context)
@@ -209,7 +213,7 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
             _register_pre_backward_hooks(state, output)
         elif state.is_root:
             # No backward will come: free what forward prefetch left behind.
-            for unit in state.root_context.units:  # type: ignore[union-attr]  # root is initialised
+            for unit in _context(state).units:
                 reshard_unit(unit)
         return output
 
@@ -226,8 +230,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
     if state.training_state is TrainingState.PRE_BACKWARD:
         return  # another output of the same unit already did it
     with _hook_label(state, "pre_backward"):
-        context = state.root_context
-        assert context is not None  # hooks exist only after a forward
+        context = _context(state)
         _queue_finalize_once(context)
         state.transition(TrainingState.PRE_BACKWARD, TrainingState.IDLE, TrainingState.POST_BACKWARD)
         unshard_unit(state, wait=True)
@@ -237,8 +240,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
 
 def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.Tensor) -> None:
     with _hook_label(state, "post_backward"):
-        context = state.root_context
-        assert context is not None  # hooks exist only after a forward
+        context = _context(state)
         _queue_finalize_once(context)
         if not state.skip_grad_sync:
             context.scheduler.reduce(
@@ -249,8 +251,60 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
         state.reduced_handles.add(id(handle))
         if len(state.reduced_handles) == len(state.trainable_handles):
             state.training_state = TrainingState.POST_BACKWARD
+            _maybe_reshard_frozen(state)
             if state.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
                 _prefetch(context.next_in(context.forward_order, state, -1))
+
+
+class _ReshardFrozenAfterInputGrad(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the gradients of
+    those inputs exist, i.e. after every op of the unit that leads to them.
+
+    [Note: resharding frozen flat parameters]
+    A frozen flat parameter has no gradient, so no post-accumulate-grad hook
+    tells when backward is done with it. It is still needed by every op whose
+    gradient flows to the unit's inputs or to its trainable parameters, so it
+    is resharded once both happened for every forward use: this function's
+    backward ran for each use, and every trainable flat parameter of the unit
+    was reduced. Uses whose inputs need no gradient never report; the
+    end-of-backward callback reshards those.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        state: UnitState = ctx.state
+        with _hook_label(state, "post_backward_frozen"):
+            state.pending_backward_uses -= 1
+            _maybe_reshard_frozen(state)
+        return (None, *grads)
+
+
+def _hook_inputs_for_frozen_reshard(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not state.frozen_handles_to_reshard or not torch.is_grad_enabled():
+        return args, kwargs
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    hooked = _ReshardFrozenAfterInputGrad.apply(state, *(flat[i] for i in positions))
+    for position, tensor in zip(positions, hooked):
+        flat[position] = tensor
+    state.pending_backward_uses += 1
+    return tree_unflatten(flat, spec)
+
+
+def _maybe_reshard_frozen(state: UnitState) -> None:
+    """See [Note: resharding frozen flat parameters]."""
+    if state.pending_backward_uses == 0 and len(state.reduced_handles) == len(state.trainable_handles):
+        scheduler = _scheduler(state)
+        for handle in state.frozen_handles_to_reshard:
+            scheduler.wait_for_unshard(handle)
+            handle.reshard()
 
 
 def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> Any:
@@ -273,6 +327,7 @@ def _finalize_backward(context: RootContext) -> None:
                 handle.reshard()
             unit.training_state = TrainingState.IDLE
             unit.reduced_handles.clear()
+            unit.pending_backward_uses = 0
         context.post_backward_callback_queued = False
 
 
@@ -286,6 +341,7 @@ def _reset_after_error(context: RootContext) -> None:
             handle.reshard()
         unit.training_state = TrainingState.IDLE
         unit.reduced_handles.clear()
+        unit.pending_backward_uses = 0
 
 
 # -------------------------------------------------------------- registration

@@ -109,6 +109,11 @@ class UnitState:
         return [handle for handle in self.handles if handle.layout.requires_grad]
 
     @property
+    def frozen_handles_to_reshard(self) -> list[FlatParamHandle]:
+        """Frozen flat parameters with storage to free after backward."""
+        return [h for h in self.handles if not h.layout.requires_grad and h.needs_unshard_storage]
+
+    @property
     def is_unsharded(self) -> bool:
         return any(handle.is_unsharded and handle.needs_unshard_storage for handle in self.handles)
 

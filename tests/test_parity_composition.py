@@ -145,6 +145,44 @@ def _frozen_parameters_match_reference(rank: int, world_size: int) -> None:
     assert sorted(kinds) == [(False, False), (True, True)], kinds
 
 
+def _frozen_parameters_are_freed_before_backward_ends(rank: int, world_size: int) -> None:
+    from composable_shard import runtime
+    from composable_shard.state import get_state
+
+    torch.manual_seed(0)
+    model = LoRAGPT(n_blocks=3)
+    _shard_blocks_and_root(model)
+    held_at_end: list[int] = []
+    real_finalize = runtime._finalize_backward
+
+    def spy(context) -> None:  # calls through
+        held_at_end.extend(
+            h.unsharded_storage_bytes() for block in model.blocks for h in get_state(block).handles
+        )
+        real_finalize(context)
+
+    runtime._finalize_backward = spy
+    try:
+        inputs, targets = batch_for(rank, world_size)
+        lm_loss(model(inputs), targets).backward()
+    finally:
+        runtime._finalize_backward = real_finalize
+    assert held_at_end and all(b == 0 for b in held_at_end), held_at_end
+    assert_resharded(model)
+
+
+def batch_for(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .models import batch
+
+    inputs, targets = batch(0)
+    per_rank = inputs.shape[0] // world_size
+    return inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
+
+
+def test_frozen_flat_parameters_are_freed_during_backward_not_at_its_end() -> None:
+    run_distributed(_frozen_parameters_are_freed_before_backward_ends, 2)
+
+
 def test_frozen_and_trainable_parameters_in_one_unit_match_reference() -> None:
     run_distributed(_frozen_parameters_match_reference, 2)
 
