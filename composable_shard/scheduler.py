@@ -102,6 +102,10 @@ class Scheduler:
 
     # At most this many all-gathers issued and not yet consumed when limiting.
     MAX_ALL_GATHERS_IN_FLIGHT = 2
+    # Reductions in flight before the oldest is finished. Each holds a padded
+    # unsharded gradient, so a bound keeps gradient memory at about one unit
+    # instead of the whole model until the end of backward.
+    MAX_REDUCTIONS_IN_FLIGHT = 1
 
     def __init__(self, device: torch.device, *, limit_all_gathers: bool) -> None:
         self.device = device
@@ -150,8 +154,12 @@ class Scheduler:
         launch: Callable[[bool], PendingCollective | None],
         on_done: Callable[[PendingCollective], None],
     ) -> None:
-        """Issue a gradient reduction; ``on_done`` runs once it finished, in
-        ``wait_for_reductions``."""
+        """Issue a gradient reduction; ``on_done`` runs once it finished:
+        when a later reduction pushes it out, or in ``wait_for_reductions``."""
+        while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
+            oldest, oldest_done = self._reductions.pop(0)
+            self.reduce_scatter_lane.wait(oldest)
+            oldest_done(oldest.pending)
         in_flight = self.reduce_scatter_lane.issue(lambda: launch(self.reduce_scatter_lane.async_op))
         if in_flight is not None:
             self._reductions.append((in_flight, on_done))
