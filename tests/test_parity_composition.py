@@ -122,8 +122,9 @@ def _param_groups_match_reference(rank: int, world_size: int) -> None:
             )
 
 
-def test_optimizer_parameter_groups_before_or_after_sharding_match_reference() -> None:
-    run_distributed(_param_groups_match_reference, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_optimizer_parameter_groups_before_or_after_sharding_match_reference(world_size: int) -> None:
+    run_distributed(_param_groups_match_reference, world_size)
 
 
 def _frozen_parameters_match_reference(rank: int, world_size: int) -> None:
@@ -183,8 +184,9 @@ def test_frozen_flat_parameters_are_freed_during_backward_not_at_its_end() -> No
     run_distributed(_frozen_parameters_are_freed_before_backward_ends, 2)
 
 
-def test_frozen_and_trainable_parameters_in_one_unit_match_reference() -> None:
-    run_distributed(_frozen_parameters_match_reference, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_and_trainable_parameters_in_one_unit_match_reference(world_size: int) -> None:
+    run_distributed(_frozen_parameters_match_reference, world_size)
 
 
 def _two_forwards_one_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
