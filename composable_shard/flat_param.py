@@ -96,9 +96,6 @@ class FlatParamHandle:
         # 1-D, padded_unsharded_numel, param_dtype: autograd leaf whose storage
         # is freed while resharded (see the module note).
         self.unsharded_flat_param: torch.Tensor = self._build_unsharded()
-        # 1-D, shard_numel: accumulated reduced gradient; None until a backward
-        # reduces one (or after the user cleared every .grad).
-        self.sharded_flat_grad: torch.Tensor | None = None
         # True while the unsharded buffer holds the gathered data.
         self.is_unsharded: bool = not self.needs_unshard_storage
         # True while the owners hold forward views of the unsharded buffer
@@ -332,43 +329,67 @@ class FlatParamHandle:
         shard_grad = shard_grad.to(device=grad_device, dtype=grad_dtype)
         existing = self._collect_user_grads()
         if existing is None:
-            self.sharded_flat_grad = shard_grad
+            sharded_flat_grad = shard_grad
         else:
-            existing.add_(shard_grad.to(existing.dtype))
-        self.use_sharded_grad_views()
+            sharded_flat_grad = existing.add_(shard_grad.to(existing.dtype))
+        self.use_sharded_grad_views(sharded_flat_grad)
 
     def _collect_user_grads(self) -> torch.Tensor | None:
         """The sharded gradient to accumulate into, as the user left it.
 
-        None when every parameter's ``.grad`` is None (``zero_grad()``).
-        Otherwise the sharded gradient buffer, with gradients the user
-        assigned copied in and the ones they cleared zeroed."""
+        [Note: sharded gradient ownership]
+        The handle keeps no reference to the sharded gradient: the
+        parameters' ``.grad`` views own it, so ``zero_grad()`` (set to None)
+        frees it as it would for an unsharded model. To accumulate, the flat
+        gradient is recovered from those views when they still tile one
+        storage as the layout says (the common case), else rebuilt from
+        whatever the user left (assigned tensors copied, cleared ones zero).
+        Returns None when every ``.grad`` is None.
+        """
         grads = [param.grad for param in self.orig_params]
-        if all(grad is None for grad in grads):
+        present = [(info, grad) for info, grad in zip(self.layout.params, grads) if grad is not None]
+        if not present:
             return None
-        if self.sharded_flat_grad is None:
-            self.sharded_flat_grad = torch.zeros_like(self.sharded_flat_param)
-        flat_grad = self.sharded_flat_grad
+        recovered = self._flat_grad_under_views(grads)
+        if recovered is not None:
+            return recovered
+        dtype = present[0][1].dtype
+        flat_grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.sharded_flat_param.device)
         with torch.no_grad():
-            for info, grad in zip(self.layout.params, grads):
-                if info.local_numel == 0:
-                    continue
-                local = flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
-                if grad is None:
-                    local.zero_()
-                elif grad.data_ptr() != local.data_ptr():
-                    local.copy_(grad.reshape(-1))
+            for info, grad in present:
+                if info.local_numel:
+                    flat_grad[info.shard_offset : info.shard_offset + info.local_numel].copy_(grad.reshape(-1))
         return flat_grad
 
-    def use_sharded_grad_views(self) -> None:
-        """Set each original parameter's ``.grad`` to its slice of the sharded
-        gradient (None where this rank holds none of the parameter)."""
-        flat_grad = self.sharded_flat_grad
+    def _flat_grad_under_views(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The flat sharded gradient that every non-empty ``.grad`` is still a
+        view of, at its layout offset; None if they are not (all) such views."""
+        tiles = [(info, grad) for info, grad in zip(self.layout.params, grads) if info.local_numel]
+        if not tiles or any(grad is None for _, grad in tiles):
+            return None
+        first = tiles[0][1]
+        storage = first.untyped_storage()
+        for info, grad in tiles:
+            if (
+                grad.dtype != first.dtype
+                or not grad.is_contiguous()
+                or grad.storage_offset() != info.shard_offset
+                or grad.untyped_storage().data_ptr() != storage.data_ptr()
+            ):
+                return None
+        if storage.nbytes() < self.layout.shard_numel * first.element_size():
+            return None
+        flat = torch.empty(0, dtype=first.dtype, device=first.device)
+        return flat.set_(storage, 0, (self.layout.shard_numel,))
+
+    def use_sharded_grad_views(self, sharded_flat_grad: torch.Tensor | None) -> None:
+        """Set each original parameter's ``.grad`` to its slice of
+        ``sharded_flat_grad`` (None where this rank holds none of it)."""
         for info, param in zip(self.layout.params, self.orig_params):
-            if flat_grad is None or info.local_numel == 0:
+            if sharded_flat_grad is None or info.local_numel == 0:
                 param.grad = None
                 continue
-            local = flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
+            local = sharded_flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
             if local.dtype == param.dtype:
                 param.grad = local
             else:
