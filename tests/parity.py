@@ -51,6 +51,8 @@ class Parity:
     dp_rank: int | None = None
     dp_size: int | None = None
     global_batch: int = 8
+    # Where the models compute (the batch is moved there).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     atol: float = 2e-6
     rtol: float = 1e-5
     compared: list[str] = field(default_factory=list)
@@ -70,7 +72,7 @@ def run_parity(parity: Parity) -> list[float]:
     dp_rank = dist.get_rank() if parity.dp_rank is None else parity.dp_rank
     dp_size = dist.get_world_size() if parity.dp_size is None else parity.dp_size
     torch.manual_seed(0)
-    model = parity.build()
+    model = parity.build().to(parity.device)
     reference = copy.deepcopy(model)
     if parity.optimizer_before_shard:
         optimizer = parity.make_optimizer(model)
@@ -81,7 +83,7 @@ def run_parity(parity: Parity) -> list[float]:
     reference_optimizer = parity.make_optimizer(reference)
     losses = []
     for step in range(parity.steps):
-        inputs, targets = batch(step, parity.global_batch)
+        inputs, targets = (t.to(parity.device) for t in batch(step, parity.global_batch))
         reference_loss = parity.reference_step_fn(reference, inputs, targets)
         local = slice(dp_rank * parity.global_batch // dp_size, (dp_rank + 1) * parity.global_batch // dp_size)
         loss = parity.step_fn(model, inputs[local], targets[local])
