@@ -1,0 +1,93 @@
+"""The order in which the hooks gather and free units: forward in module
+order with each block freed after its forward, backward in reverse with the
+next unit prefetched, never more than the current and the prefetched block
+unsharded, and the root kept gathered from its forward to its backward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+
+from composable_shard import BackwardPrefetch, fully_shard
+from composable_shard.flat_param import FlatParamHandle
+from composable_shard.state import unit_states_under
+
+from .harness import run_distributed
+from .models import TinyGPT, batch, lm_loss
+
+
+@contextlib.contextmanager
+def _recording(model: nn.Module, events: list[tuple[str, str, bool]]) -> Iterator[None]:
+    """Spy on unshard/reshard (calls through) and record (event, unit, in backward)."""
+    names = {id(h): name or "root" for name, state in unit_states_under(model) for h in state.handles}
+    real_unshard, real_reshard = FlatParamHandle.unshard, FlatParamHandle.reshard
+
+    def unshard(self: FlatParamHandle, *, async_op: bool):
+        if not self.is_unsharded:
+            events.append(("unshard", names[id(self)], torch._C._current_graph_task_id() != -1))
+        return real_unshard(self, async_op=async_op)
+
+    def reshard(self: FlatParamHandle) -> None:
+        if self.is_unsharded:
+            events.append(("reshard", names[id(self)], torch._C._current_graph_task_id() != -1))
+        real_reshard(self)
+
+    FlatParamHandle.unshard, FlatParamHandle.reshard = unshard, reshard  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FlatParamHandle.unshard, FlatParamHandle.reshard = real_unshard, real_reshard  # type: ignore[method-assign]
+
+
+def _max_unsharded_blocks(events: list[tuple[str, str, bool]]) -> int:
+    live: set[str] = set()
+    peak = 0
+    for event, unit, _ in events:
+        (live.add if event == "unshard" else live.discard)(unit)
+        peak = max(peak, len({u for u in live if u != "root"}))
+    return peak
+
+
+def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(n_blocks=4)
+    backward_prefetch = None if prefetch == "none" else BackwardPrefetch[prefetch]
+    for block in model.blocks:
+        fully_shard(block, backward_prefetch=backward_prefetch)
+    fully_shard(model, backward_prefetch=backward_prefetch)
+    inputs, targets = batch(0)
+    per_rank = 8 // world_size
+    for step in range(2):
+        events: list[tuple[str, str, bool]] = []
+        with _recording(model, events):
+            loss = lm_loss(model(inputs[:per_rank]), targets[:per_rank])
+            forward_events = list(events)
+            loss.backward()
+        blocks = [f"blocks.{i}" for i in range(4)]
+        expected_forward = [("unshard", "root", False)]
+        for name in blocks:
+            expected_forward += [("unshard", name, False), ("reshard", name, False)]
+        assert forward_events == expected_forward, forward_events
+        backward_events = events[len(forward_events) :]
+        unsharded_in_backward = [unit for event, unit, _ in backward_events if event == "unshard"]
+        assert unsharded_in_backward == list(reversed(blocks)), unsharded_in_backward
+        if prefetch == "BACKWARD_PRE":
+            # Block i-1 is gathered before block i is freed.
+            for later, earlier in zip(reversed(blocks), list(reversed(blocks))[1:]):
+                assert backward_events.index(("unshard", earlier, True)) < backward_events.index(("reshard", later, True))
+            assert _max_unsharded_blocks(events) == 2
+        else:
+            # BACKWARD_POST frees block i before gathering block i-1.
+            assert _max_unsharded_blocks(events) == 1
+        # The root is freed last, once its gradient is reduced.
+        assert [e for e in events if e[1] == "root"] == [("unshard", "root", False), ("reshard", "root", True)]
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("prefetch", ["BACKWARD_PRE", "BACKWARD_POST", "none"])
+def test_units_are_gathered_and_freed_in_execution_order(prefetch: str) -> None:
+    run_distributed(_hook_order, 2, prefetch)
