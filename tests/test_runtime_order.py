@@ -91,3 +91,56 @@ def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
 @pytest.mark.parametrize("prefetch", ["BACKWARD_PRE", "BACKWARD_POST", "none"])
 def test_units_are_gathered_and_freed_in_execution_order(prefetch: str) -> None:
     run_distributed(_hook_order, 2, prefetch)
+
+
+@contextlib.contextmanager
+def _counting_collectives(counts: dict[str, int]) -> Iterator[None]:
+    """Wrap comm.py's collectives with a spy that counts and calls through."""
+    from composable_shard import comm
+
+    names = ("all_gather_into", "reduce_scatter", "all_reduce")
+    real = {name: getattr(comm, name) for name in names}
+
+    def spy(name: str):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(comm, name, spy(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(comm, name, real[name])
+
+
+def _collective_counts(rank: int, world_size: int) -> None:
+    from composable_shard import ShardingStrategy
+
+    n_blocks = 3
+    expected = {
+        # root once, each block in forward and again in backward
+        ShardingStrategy.FULL_SHARD: {"all_gather_into": 2 * n_blocks + 1, "reduce_scatter": n_blocks + 1},
+        # gathered once, kept until backward
+        ShardingStrategy.SHARD_GRAD_OP: {"all_gather_into": n_blocks + 1, "reduce_scatter": n_blocks + 1},
+        ShardingStrategy.NO_SHARD: {"all_reduce": n_blocks + 1},
+    }
+    inputs, targets = batch(0)
+    for strategy, want in expected.items():
+        torch.manual_seed(0)
+        model = TinyGPT(n_blocks=n_blocks)
+        for block in model.blocks:
+            fully_shard(block, strategy=strategy)
+        fully_shard(model, strategy=strategy)
+        for _ in range(2):
+            counts: dict[str, int] = {}
+            with _counting_collectives(counts):
+                lm_loss(model(inputs[:4]), targets[:4]).backward()
+            assert counts == want, (strategy, counts, want)
+
+
+def test_one_collective_per_unit_and_pass() -> None:
+    run_distributed(_collective_counts, 2)
