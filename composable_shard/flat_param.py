@@ -112,6 +112,10 @@ class FlatParamHandle:
                 if info.local_numel:
                     local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
                     shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local)
+        if device.type == "cpu" and self.compute_device.type == "cuda":
+            # CPU offload: pinned, so the copy to the device for the
+            # all-gather is asynchronous on the all-gather stream.
+            shard = shard.pin_memory()
         return shard
 
     def _build_unsharded(self) -> torch.Tensor:
