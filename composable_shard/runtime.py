@@ -150,6 +150,12 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
 def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     context = _context(state)
     busy = [unit.fqn for unit in context.units if unit.training_state is not TrainingState.IDLE]
+    forward_raised = all(unit.training_state in (TrainingState.IDLE, TrainingState.FORWARD) for unit in context.units)
+    if busy and forward_raised and not context.post_backward_callback_queued:
+        # The previous forward raised (user code, or a misuse reported from a
+        # hook) and left its units in FORWARD; no backward can follow it.
+        _reset_after_error(context)
+        busy = []
     if busy or context.post_backward_callback_queued:
         _reset_after_error(context)
         raise RuntimeError(

@@ -99,6 +99,10 @@ class UnitState:
         self.reduced_handles: set[int] = set()
         # Inside no_sync: gradients stay unsharded and accumulate locally.
         self.skip_grad_sync = False
+        # Original dtype of each buffer cast to the mixed-precision
+        # buffer_dtype, by name relative to the unit's module (full state
+        # dicts give buffers back in these dtypes).
+        self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
 
     @property
     def is_root(self) -> bool:

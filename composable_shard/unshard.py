@@ -45,11 +45,23 @@ def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
 
 
 def _check_idle(units: list[UnitState], what: str) -> None:
+    """Raise unless every unit is between steps: not inside a forward, not
+    inside a backward, and not holding parameters a pending backward saved."""
     busy = [unit for unit in units if unit.training_state is not TrainingState.IDLE]
-    if busy or in_backward():
+    backward_queued = any(u.root_context is not None and u.root_context.post_backward_callback_queued for u in units)
+    if busy or in_backward() or backward_queued:
         where = busy[0].fqn if busy else units[0].fqn
         raise RuntimeError(
-            f"{what}: called inside forward or backward (unit '{where}'). Call it between training steps."
+            f"{what}: called inside forward or backward (unit '{where}', state "
+            f"{(busy[0] if busy else units[0]).training_state.name}). Call it between training steps, not from "
+            "a module's forward, a forward hook or a backward hook."
+        )
+    in_use = [unit for unit in units if any(handle.shows_unsharded_views for handle in unit.handles)]
+    if in_use:
+        raise RuntimeError(
+            f"{what}: called between a forward and its backward: the parameters of unit '{in_use[0].fqn}' are "
+            "gathered and saved for that backward (or this is a forward hook of that unit). Call it after "
+            "backward, or run a forward that needs no backward under torch.no_grad()."
         )
 
 
@@ -63,22 +75,35 @@ def unshard_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
-    """Inside the context every parameter of the sharded units has its full
-    shape and value (and, ``with_grads``, ``.grad`` is the full mean
-    gradient). With ``writeback``, in-place changes are kept after it.
+    """Inside the context every parameter of the sharded units under
+    ``module`` (only ``module``'s own unit with ``recurse=False``) has its
+    full shape and value, in its own dtype (not the mixed-precision compute
+    dtype); with ``with_grads``, ``.grad`` is the full mean gradient (zeros
+    where no rank holds one; edits to it are not kept).
 
-    Collective: every rank of the shard groups must enter it.
+    With ``writeback`` (the default), changes made inside, in place or by
+    assigning a same-shaped tensor to ``.data``, are kept after it; every
+    rank must make the same change. Without it they are discarded.
+    ``rank0_only``: only global rank 0 sees full parameters, the others keep
+    their shards (needs ``writeback=False``); ``offload_to_cpu``: the full
+    copies live on CPU.
+
+    Nesting and re-entering are allowed: a parameter already shown by an
+    enclosing context stays shown, and only that context restores it (so
+    its ``writeback`` decides). Collective: every rank of the shard groups
+    must enter it. Memory: one full copy of every unit it covers (gathered
+    all at once), plus their gradients with ``with_grads``.
     """
     if rank0_only and writeback:
         raise ValueError(
-            "unshard_params: rank0_only=True with writeback=True is not supported (other ranks would not "
-            "see rank 0's edits). Pass writeback=False."
+            f"unshard_params({type(module).__name__}): rank0_only=True with writeback=True is not supported "
+            "(other ranks would not see rank 0's edits). Pass writeback=False."
         )
     units = _units(module, recurse=recurse, what="unshard_params")
     _check_idle(units, "unshard_params")
     handles = [h for unit in units for h in unit.handles if id(h) not in _ACTIVE_UNSHARDED]
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    shown = []
+    shown: list[tuple[FlatParamHandle, torch.Tensor, list[torch.Tensor | None]]] = []
     try:
         for handle in handles:
             full_flat = handle.gather_full_flat_param()
@@ -94,21 +119,75 @@ def unshard_params(
             shown.append((handle, full_flat, sharded_grads))
         yield
     finally:
+        replaced_wrongly: list[str] = []
         for handle, full_flat, sharded_grads in shown:
             _ACTIVE_UNSHARDED.discard(id(handle))
             if writeback:
+                replaced_wrongly += _absorb_replaced_data(handle, full_flat)
                 handle.load_shard_from_full(full_flat)
             handle.use_sharded_views()
             for param, grad in zip(handle.orig_params, sharded_grads):
-                param.grad = grad
+                _restore_grad(param, grad)
+        if replaced_wrongly:
+            raise ValueError(
+                f"unshard_params({type(module).__name__}): inside the context, {replaced_wrongly[:4]} got data "
+                "of another shape, which cannot be written back to the shards; their change was dropped. "
+                "Change parameters in place, or assign tensors of the full shape."
+            )
+
+
+def _absorb_replaced_data(handle: FlatParamHandle, full_flat: torch.Tensor) -> list[str]:
+    """Copy parameters whose ``.data`` the user replaced inside the context
+    (same shape) into ``full_flat``, so writeback sees them. Returns the
+    names of parameters that got another shape (their change is dropped)."""
+    layout = handle.layout
+    segments = torch.split(full_flat.detach(), layout.split_sizes)
+    wrong: list[str] = []
+    with torch.no_grad():
+        for info, index, param in zip(layout.params, layout.param_segments, handle.orig_params):
+            view = segments[index].view(info.shape)
+            if param.data_ptr() == view.data_ptr() and param.shape == info.shape:
+                continue  # still the view: in-place edits are already there
+            if param.shape != info.shape:
+                wrong.append(info.fqn)
+                continue
+            view.copy_(param.detach())
+    return wrong
+
+
+def _restore_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """Give ``param`` back the gradient it had before the context, also a
+    low-precision one (``keep_low_precision_grads``), which autograd only
+    accepts swapped in through ``.data`` (as the handle does)."""
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+    else:
+        param.grad = torch.empty_like(param)
+        param.grad.data = grad
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Backward passes inside accumulate gradients locally, without
-    communication; the next backward outside reduces the sum.
+    gradient communication; the next backward outside reduces the sum (and
+    adds it to any gradient the parameters already hold).
 
-    Costs one unsharded gradient per flat parameter until that backward.
+    No reduce-scatter or all-reduce runs inside. Sharded strategies still
+    all-gather parameters for each forward and backward (nothing is kept
+    unsharded between them); under ``NO_SHARD`` nothing is communicated.
+
+    Memory: each trainable flat parameter keeps its padded *unsharded*
+    gradient, in the compute dtype (``param_dtype`` under mixed precision,
+    so accumulation happens in that dtype), from the first backward inside
+    until the next synchronised backward reduces it. That is the whole
+    model's gradient on every rank — ``world_size`` times the sharded
+    gradient (for a 7B-parameter model in bf16, 14 GB per rank) — on top of
+    the sharded gradients the parameters may hold. Use it where that fits,
+    or accumulate sharded gradients (plain backwards, one reduction each)
+    where it does not.
+
+    Applies to every unit under ``module``; nesting restores the outer
+    setting.
     """
     units = _units(module, recurse=True, what="no_sync")
     previous = [unit.skip_grad_sync for unit in units]
@@ -122,9 +201,19 @@ def no_sync(module: nn.Module) -> Iterator[None]:
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``module``'s parameters by their total norm over
-    all ranks (what a single process with the full model computes) and
-    return that norm. Collective over every shard group in the tree."""
+    """Clip the gradients of ``module``'s parameters by their total
+    ``norm_type``-norm over all ranks (the value a single process with the
+    full model computes with ``torch.nn.utils.clip_grad_norm_``), scaling
+    every rank's local gradients in place by the same coefficient, and
+    return that norm (fp32, on the compute device, equal on every rank).
+
+    Each unit's local gradients are reduced over its shard group only:
+    replicas (``NO_SHARD``, the replicate group of hybrid sharding) hold the
+    same values and are counted once. Parameters no unit owns (ignored
+    states) count with their local gradient, as if replicated (reduce them
+    first). Frozen parameters and empty local parts add nothing.
+    Collective over every shard group in the tree.
+    """
     units = _units(module, recurse=True, what="clip_grad_norm_")
     _check_idle(units, "clip_grad_norm_")
     norm_type = float(norm_type)
@@ -139,7 +228,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             group_grads.setdefault(shard_group, []).extend(grads)
     # Parameters no unit owns (ignored states) are whole on every rank.
     for param in module.parameters():
-        if id(param) not in sharded_params and param.grad is not None:
+        if id(param) not in sharded_params and param.grad is not None and param.grad.numel() > 0:
             group_grads.setdefault(None, []).append(param.grad)
     device = units[0].compute_device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -153,9 +242,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    all_grads = [g for grads in group_grads.values() for g in grads]
-    if all_grads:
-        torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].device))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grads in group_grads.values():
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+    for grad_device, grads in by_device.items():
+        torch._foreach_mul_(grads, clip_coef.to(grad_device))
     return total_norm
 
 
