@@ -9,6 +9,9 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from .unshard import clip_grad_norm_, no_sync, unshard_params
+from .state_dict import StateDictError, StateDictOptions, get_model_state_dict, set_model_state_dict
+from .optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
     "fully_shard",
@@ -24,4 +27,13 @@ __all__ = [
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",
+    "StateDictOptions",
+    "StateDictError",
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
 ]

@@ -8,13 +8,14 @@ Only this module calls ``torch.distributed`` collectives, so tests can wrap it
 to count or order them (a spy that calls through).
 
 Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter``,
-``all_reduce``, ``broadcast``, ``Work``, ``PendingCollective``.
+``all_reduce``, ``broadcast``, ``Work``, ``PendingCollective``; for state
+dicts and checkpoints, ``broadcast_object`` and ``all_gather_object``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "broadcast",
+    "broadcast_object",
+    "all_gather_object",
     "PendingCollective",
 ]
 
@@ -118,3 +121,17 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
     """Overwrite ``tensor`` with the one on group rank ``src_group_rank`` (synchronous)."""
     dist.broadcast(tensor, group_src=src_group_rank, group=group)
+
+
+def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
+    """The picklable ``obj`` of group rank ``src_group_rank``, on every rank."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, group_src=src_group_rank, group=group)
+    return holder[0]
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group rank order, on every rank."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

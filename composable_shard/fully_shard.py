@@ -25,9 +25,10 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
 from .flat_layout import ParamOwner
 from .flat_param import FlatParamHandle, FlatParamSource
-from .init import materialize_unit, sync_unit_states
+from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy, UnitChoice, select_units
 from .runtime import register_hooks
+from .state_dict_hooks import register_state_dict_hooks
 from .state import UnitConfig, UnitState, get_state, register_state, unit_states_under
 
 __all__ = ["fully_shard", "is_fully_sharded"]
@@ -109,6 +110,7 @@ def fully_shard(
     sources = _plan_ownership(module, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, module, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in unit_kwargs]
+    check_materializable(module, param_init_fn, skip)
 
     # Validated: from here on the module is changed.
     for choice, kwargs, unit_groups in zip(choices, unit_kwargs, groups):
@@ -116,7 +118,9 @@ def fully_shard(
         materialize_unit(choice.module, compute_device, param_init_fn, skip)
         if sync_module_states:
             sync_unit_states(choice.module, unit_sources, skip)
-        _build_unit(choice.module, unit_sources, unit_groups, kwargs, compute_device)
+        orig_buffer_dtypes = cast_unit_buffers(choice.module, kwargs["mixed_precision"], skip)
+        state = _build_unit(choice.module, unit_sources, unit_groups, kwargs, compute_device)
+        state.orig_buffer_dtypes = orig_buffer_dtypes
     return module
 
 
@@ -338,7 +342,7 @@ def _build_unit(
     groups: ShardGroups,
     kwargs: dict[str, Any],
     compute_device: torch.device,
-) -> None:
+) -> UnitState:
     mixed_precision: MixedPrecision | None = kwargs["mixed_precision"]
     cpu_offload: CPUOffload | None = kwargs["cpu_offload"]
     offload = bool(cpu_offload and cpu_offload.offload_params) and compute_device.type != "cpu"
@@ -369,5 +373,7 @@ def _build_unit(
     )
     state = UnitState(module, handles, groups, config, compute_device)
     register_hooks(state)
+    state.module_hooks.extend(register_state_dict_hooks(state))
     register_state(module, state)
+    return state
 

@@ -1,0 +1,56 @@
+"""Convert between a sharded checkpoint directory and one ``torch.save`` file.
+
+Owns: the command line of ``composable_shard.checkpoint.dcp_to_torch_save`` /
+``torch_save_to_dcp``. Knows nothing of: how checkpoints are laid out (the
+library does).
+
+No process group is needed; run it on one machine that sees the directory::
+
+    # the unsharded model's state dict (original names and shapes), loadable
+    # with model.load_state_dict(torch.load("model.pt")) by the plain model:
+    python scripts/convert_checkpoint.py to-torch CHECKPOINT_DIR model.pt
+    # everything saved (model, optimizer, extra state), nested:
+    python scripts/convert_checkpoint.py to-torch CHECKPOINT_DIR all.pt --everything
+    # back: a directory load_checkpoint reads at any world size
+    python scripts/convert_checkpoint.py to-dcp model.pt CHECKPOINT_DIR
+
+The whole model is read into memory on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from composable_shard.checkpoint import dcp_to_torch_save, torch_save_to_dcp  # noqa: E402
+
+logger = logging.getLogger("convert_checkpoint")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_torch = commands.add_parser("to-torch", help="checkpoint directory -> one torch.save file")
+    to_torch.add_argument("checkpoint_dir", type=Path)
+    to_torch.add_argument("output", type=Path)
+    to_torch.add_argument("--everything", action="store_true", help="also the optimizer and extra state, nested")
+    to_dcp = commands.add_parser("to-dcp", help="torch.save file -> checkpoint directory")
+    to_dcp.add_argument("input", type=Path)
+    to_dcp.add_argument("checkpoint_dir", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "to-torch":
+        dcp_to_torch_save(args.checkpoint_dir, args.output, everything=args.everything)
+        logger.info("wrote %s", args.output)
+    else:
+        torch_save_to_dcp(args.input, args.checkpoint_dir)
+        logger.info("wrote %s", args.checkpoint_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

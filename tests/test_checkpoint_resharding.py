@@ -1,0 +1,229 @@
+"""Checkpoints across world sizes and strategies, and their safety: a
+checkpoint saved at one world size resumes at another (2 -> 4, 1 and
+4 -> 2, 1; FULL_SHARD -> NO_SHARD / HYBRID) and training then follows the
+run that never stopped; a damaged, truncated, foreign or misshaped
+checkpoint is refused before anything changes; an interrupted save leaves
+the previous checkpoint loadable.
+
+Each test saves in one ``run_distributed`` launch and loads in others, with
+a shared ``tmp_path``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import composable_shard.checkpoint as checkpoint_module
+from composable_shard import (
+    CheckpointError,
+    StateDictError,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from composable_shard.checkpoint import MANIFEST_NAME
+
+from .harness import run_distributed
+from .test_optim_state_dict import make_optimizer
+from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, full_params, shard, train_steps
+
+SAVED_AT_STEP = 2
+MORE_STEPS = 3
+# Data-parallel training at two world sizes differs by float round-off only.
+ATOL = 2e-6
+
+
+def _save_and_continue(rank: int, world_size: int, root: str, how: str) -> list[dict[str, torch.Tensor]]:
+    """Train, save (with save_checkpoint and with plain DCP), keep training;
+    return the full parameters after each further step (the run that never
+    stopped)."""
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), how)
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(SAVED_AT_STEP))
+    model.counter.count = SAVED_AT_STEP
+    save_checkpoint(f"{root}/ckpt", model, optimizer, extra_state={"step": SAVED_AT_STEP, "note": "resume"})
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=f"{root}/raw")
+    trajectory = []
+    for step in range(SAVED_AT_STEP, SAVED_AT_STEP + MORE_STEPS):
+        train_steps(model, optimizer, range(step, step + 1))
+        trajectory.append(full_params(model))
+    return trajectory
+
+
+def _resume_and_compare(rank: int, world_size: int, root: str, hows: list[str], expected: list[dict[str, torch.Tensor]]) -> None:
+    for how in hows:
+        for source in ("ckpt", "raw"):
+            torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
+            model = shard(BufferedGPT(), how)
+            optimizer = make_optimizer("adamw", model)
+            if source == "ckpt":
+                extra = load_checkpoint(f"{root}/ckpt", model, optimizer)
+                assert extra == {"step": SAVED_AT_STEP, "note": "resume"}, extra
+                assert model.counter.count == SAVED_AT_STEP
+            else:  # plain DCP with our state dicts, as they are
+                state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+                dcp.load(state, checkpoint_id=f"{root}/raw")
+                set_model_state_dict(model, state["model"])
+                set_optimizer_state_dict(model, optimizer, state["optim"])
+            for index, step in enumerate(range(SAVED_AT_STEP, SAVED_AT_STEP + MORE_STEPS)):
+                train_steps(model, optimizer, range(step, step + 1))
+                assert_same_tensors(full_params(model), expected[index], f"{how} from {source}, step {step}", atol=ATOL)
+
+
+def test_checkpoint_saved_at_2_resumes_at_4_and_1_like_uninterrupted_training(tmp_path: Path) -> None:
+    expected = run_distributed(_save_and_continue, 2, str(tmp_path), "manual")[0]
+    run_distributed(_resume_and_compare, 4, str(tmp_path), ["manual", "no_shard", "hybrid"], expected)
+    run_distributed(_resume_and_compare, 1, str(tmp_path), ["policy"], expected)
+
+
+def test_checkpoint_saved_at_4_resumes_at_2_and_1_like_uninterrupted_training(tmp_path: Path) -> None:
+    expected = run_distributed(_save_and_continue, 4, str(tmp_path), "hybrid")[0]
+    run_distributed(_resume_and_compare, 2, str(tmp_path), ["policy", "no_shard"], expected)
+    run_distributed(_resume_and_compare, 1, str(tmp_path), ["manual"], expected)
+
+
+# ------------------------------------------------------------------ safety
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": get_model_state_dict(model, options=FULL),
+        # Each parameter's state names sorted: a loaded optimizer's order follows the checkpoint.
+        "optim": {
+            fqn: dict(sorted(values.items()))
+            for fqn, values in get_optimizer_state_dict(model, optimizer, options=FULL)["state"].items()
+        },
+    }
+
+
+def _damage(path: Path, how: str) -> None:
+    """Rank 0 damages a file; every rank waits for it."""
+    if dist.get_rank() == 0:
+        if how == "truncate":
+            with open(path, "r+b") as stream:
+                stream.truncate(path.stat().st_size // 2)
+        elif how == "flip":
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            path.unlink()
+    dist.barrier()
+
+
+def _damaged_checkpoints_are_refused(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(1))
+    directory = Path(root) / "ckpt"
+    save_checkpoint(directory, model, optimizer)
+    train_steps(model, optimizer, range(1, 2))  # the model moves on from the checkpoint
+    before = _snapshot(model, optimizer)
+    data_file = sorted(directory.glob("__*.distcp"))[-1]
+
+    def refused(error: type[BaseException], match: str) -> None:
+        with pytest.raises(error, match=match):
+            load_checkpoint(directory, model, optimizer)
+        now = _snapshot(model, optimizer)
+        assert_same_tensors(now["model"], before["model"], f"model after refused load ({match})")
+        assert_same_tensors(now["optim"], before["optim"], f"optimizer after refused load ({match})")
+
+    _damage(data_file, "truncate")
+    refused(CheckpointError, rf"file '{data_file.name}' has \d+ bytes, the manifest records \d+ \(truncated")
+    save_checkpoint(directory, model, optimizer)  # overwrite: replaced in one switch
+    assert not directory.with_name("ckpt.partial").exists() and not directory.with_name("ckpt.previous").exists()
+    _damage(data_file, "flip")
+    refused(CheckpointError, rf"file '{data_file.name}' does not match its checksum \(corrupted\)")
+    save_checkpoint(directory, model, optimizer)
+    _damage(directory / ".metadata", "truncate")
+    refused(CheckpointError, r"file '.metadata' has \d+ bytes")
+    _damage(directory / MANIFEST_NAME, "delete")  # unverifiable: DCP's own read fails, we say so
+    refused(CheckpointError, "cannot read the checkpoint's metadata")
+    save_checkpoint(directory, model, optimizer)
+    _damage(directory / MANIFEST_NAME, "delete")
+    _damage(data_file, "truncate")
+    refused(CheckpointError, "reading the checkpoint failed .*The model and optimizer were not changed")
+    with pytest.raises(CheckpointError, match="no checkpoint directory at"):
+        load_checkpoint(Path(root) / "nowhere", model)
+
+    # A save that fails half-way leaves the previous checkpoint whole.
+    save_checkpoint(directory, model, optimizer)
+    saved = _snapshot(model, optimizer)
+    train_steps(model, optimizer, range(2, 3))
+    real_save = checkpoint_module.dcp.save
+
+    def failing_save(state: dict[str, Any], **kwargs: Any) -> Any:
+        real_save({"model": state["model"]}, **kwargs)  # some files written, then the crash
+        raise OSError("disk full")
+
+    checkpoint_module.dcp.save = failing_save  # type: ignore[assignment]
+    try:
+        with pytest.raises(CheckpointError, match=r"writing the checkpoint failed \(OSError: disk full\)"):
+            save_checkpoint(directory, model, optimizer)
+    finally:
+        checkpoint_module.dcp.save = real_save  # type: ignore[assignment]
+    assert directory.with_name("ckpt.partial").exists()
+    load_checkpoint(directory, model, optimizer)
+    now = _snapshot(model, optimizer)
+    assert_same_tensors(now["model"], saved["model"], "model from the checkpoint before the failed save")
+    assert_same_tensors(now["optim"], saved["optim"], "optimizer from the checkpoint before the failed save")
+    save_checkpoint(directory, model, optimizer)  # the next save cleans up
+    assert not directory.with_name("ckpt.partial").exists()
+    train_steps(model, optimizer, range(3, 4))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_damaged_checkpoint_is_refused_and_failed_save_keeps_the_previous(world_size: int, tmp_path: Path) -> None:
+    run_distributed(_damaged_checkpoints_are_refused, world_size, str(tmp_path))
+
+
+def _save_small(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(1))
+    save_checkpoint(f"{root}/ckpt", model, optimizer)
+
+
+def _foreign_checkpoints_are_refused(rank: int, world_size: int, root: str) -> None:
+    directory = f"{root}/ckpt"
+    for build, match in (
+        (lambda: BufferedGPT(dim=24), r"'tok_emb.weight': shape \(32, 16\) does not match the model's \(32, 24\)"),
+        (lambda: BufferedGPT(n_blocks=2), r"Unexpected key\(s\) in state_dict: 'blocks\.2\."),
+        (lambda: BufferedGPT(n_blocks=4), r"Missing key\(s\) in state_dict: 'blocks\.3\.seen', 'blocks\.3\.norm\.weight'"),
+    ):
+        torch.manual_seed(0)
+        model = shard(build(), "manual")
+        optimizer = make_optimizer("adamw", model)
+        train_steps(model, optimizer, range(1))
+        before = _snapshot(model, optimizer)
+        with pytest.raises(StateDictError, match=match):
+            load_checkpoint(directory, model, optimizer)
+        now = _snapshot(model, optimizer)
+        assert_same_tensors(now["model"], before["model"], f"model after refusing ({match})")
+        assert_same_tensors(now["optim"], before["optim"], f"optimizer after refusing ({match})")
+        train_steps(model, optimizer, range(1, 2))
+    # strict=False loads what both have: the first two blocks.
+    torch.manual_seed(3)
+    small = shard(BufferedGPT(n_blocks=2), "manual")
+    small_optimizer = make_optimizer("adamw", small)
+    load_checkpoint(directory, small, small_optimizer, strict=False)
+    torch.manual_seed(0)
+    reference = shard(BufferedGPT(), "manual")
+    reference_optimizer = make_optimizer("adamw", reference)
+    load_checkpoint(directory, reference, reference_optimizer)
+    loaded, expected = get_model_state_dict(small, options=FULL), get_model_state_dict(reference, options=FULL)
+    assert_same_tensors(loaded, {k: v for k, v in expected.items() if k in loaded}, "strict=False load")
+
+
+def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    run_distributed(_save_small, 2, str(tmp_path))
+    run_distributed(_foreign_checkpoints_are_refused, 4, str(tmp_path))
