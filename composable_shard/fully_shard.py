@@ -330,7 +330,8 @@ def _intra_node_groups(group: ProcessGroup) -> tuple[ProcessGroup, ProcessGroup]
         created = dist.new_group(members)
         if dist.get_rank() in members:
             replicate_group = created
-    assert shard_group is not None and replicate_group is not None  # this rank is in one of each
+    if shard_group is None or replicate_group is None:  # every rank is in one of each by construction
+        raise RuntimeError(f"composable_shard internal error: rank {dist.get_rank()} is in no hybrid group of {ranks}")
     _HYBRID_GROUPS_CACHE[key] = (shard_group, replicate_group)
     return shard_group, replicate_group
 

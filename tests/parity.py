@@ -123,3 +123,20 @@ def compare_full(model: nn.Module, reference: nn.Module, parity: Parity, when: s
                 param.grad, expected.grad, atol=parity.atol, rtol=parity.rtol, msg=lambda m: f"{when}, gradient of {name}: {m}"
             )
             parity.compared.append(name)
+
+
+def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard, replicate) groups for hybrid sharding tests: 2x2 at 4 ranks,
+    1 x world_size otherwise. Every rank creates every group."""
+    shard_size = 2 if world_size == 4 else 1
+    rank = dist.get_rank()
+    shard_group = replicate_group = None
+    for start in range(0, world_size, shard_size):
+        group = dist.new_group(list(range(start, start + shard_size)))
+        if rank in range(start, start + shard_size):
+            shard_group = group
+    for offset in range(shard_size):
+        group = dist.new_group(list(range(offset, world_size, shard_size)))
+        if rank % shard_size == offset:
+            replicate_group = group
+    return shard_group, replicate_group  # type: ignore[return-value]  # this rank is in one of each

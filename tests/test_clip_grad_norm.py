@@ -26,17 +26,9 @@ from composable_shard import (
 
 from .harness import run_distributed
 from .models import Block, LoRAGPT, TinyGPT, batch, lm_loss
-from .parity import Parity, plain_step, run_parity
+from .parity import Parity, hybrid_groups, plain_step, run_parity
 
 NORM_TYPES = (2.0, math.inf, 1.0, 3.0, 0.5)
-
-
-def _hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(shard, replicate) groups: 2x2 at 4 ranks, 1x2 at 2 ranks."""
-    from .test_parity_strategies import _hybrid_groups as groups
-
-    shard_group, replicate_group, _, _ = groups(world_size)
-    return shard_group, replicate_group
 
 
 def _shardings(world_size: int) -> dict[str, Callable[[nn.Module], None]]:
@@ -58,7 +50,7 @@ def _shardings(world_size: int) -> dict[str, Callable[[nn.Module], None]]:
 
         fully_shard(model, policy=CustomPolicy(decide))
 
-    hybrid = _hybrid_groups(world_size)
+    hybrid = hybrid_groups(world_size)
     return {
         "FULL_SHARD": manual(ShardingStrategy.FULL_SHARD),
         "SHARD_GRAD_OP": manual(ShardingStrategy.SHARD_GRAD_OP),

@@ -19,7 +19,7 @@ from composable_shard import (
 
 from .harness import run_distributed
 from .models import Block, TinyGPT
-from .parity import Parity, run_parity
+from .parity import Parity, hybrid_groups, run_parity
 
 
 def _shard_manually(strategy: ShardingStrategy, **kwargs: object):
@@ -31,27 +31,11 @@ def _shard_manually(strategy: ShardingStrategy, **kwargs: object):
     return shard
 
 
-def _hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
-    """(shard, replicate) groups: 2x2 at 4 ranks, 1x2 at 2 ranks."""
-    shard_size = 2 if world_size == 4 else 1
-    rank = dist.get_rank()
-    shard_group = replicate_group = None
-    for start in range(0, world_size, shard_size):
-        group = dist.new_group(list(range(start, start + shard_size)))
-        if rank in range(start, start + shard_size):
-            shard_group = group
-    for offset in range(shard_size):
-        group = dist.new_group(list(range(offset, world_size, shard_size)))
-        if rank % shard_size == offset:
-            replicate_group = group
-    return shard_group, replicate_group, shard_size, world_size // shard_size
-
-
 def _strategies_match_reference(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy)))
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
-        shard_group, replicate_group, _, _ = _hybrid_groups(world_size)
+        shard_group, replicate_group = hybrid_groups(world_size)
         run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy, process_group=(shard_group, replicate_group))))
 
 
@@ -74,7 +58,7 @@ def test_hybrid_shard_over_a_2d_device_mesh_matches_reference() -> None:
 
 
 def _hybrid_shard_is_sharded_within_and_replicated_across(rank: int, world_size: int) -> None:
-    shard_group, replicate_group, shard_size, _ = _hybrid_groups(world_size)
+    shard_group, replicate_group = hybrid_groups(world_size)
     torch.manual_seed(0)
     model = TinyGPT()
     numels = {name: p.numel() for name, p in model.named_parameters()}

@@ -37,6 +37,7 @@ from composable_shard.state_dict_shards import is_sharded_tensor, range_boxes, s
 
 from .harness import run_distributed, world_sizes
 from .models import DIM, Block, LoRAGPT, TinyGPT, batch, lm_loss
+from .parity import hybrid_groups
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -72,22 +73,6 @@ class BufferedGPT(TinyGPT):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return super().forward(idx) * self.temperature
-
-
-def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(shard, replicate) groups: 2x2 at 4 ranks, 1 x world otherwise."""
-    shard_size = 2 if world_size == 4 else 1
-    rank = dist.get_rank()
-    shard_group = replicate_group = None
-    for start in range(0, world_size, shard_size):
-        group = dist.new_group(list(range(start, start + shard_size)))
-        if rank in range(start, start + shard_size):
-            shard_group = group
-    for offset in range(shard_size):
-        group = dist.new_group(list(range(offset, world_size, shard_size)))
-        if rank % shard_size == offset:
-            replicate_group = group
-    return shard_group, replicate_group  # type: ignore[return-value]
 
 
 def shard(model: nn.Module, how: str) -> nn.Module:

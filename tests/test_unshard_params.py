@@ -18,7 +18,7 @@ from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unsh
 
 from .harness import run_distributed
 from .models import Block, TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full, plain_step
+from .parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step
 
 
 def _local(rank: int, world_size: int) -> slice:
@@ -26,9 +26,7 @@ def _local(rank: int, world_size: int) -> slice:
 
 
 def _shardings(world_size: int) -> dict[str, Callable[[nn.Module], None]]:
-    from .test_parity_strategies import _hybrid_groups
-
-    shard_group, replicate_group, _, _ = _hybrid_groups(world_size)
+    shard_group, replicate_group = hybrid_groups(world_size)
     policy = {Block}
     return {
         "FULL_SHARD": lambda m: fully_shard(m, policy=policy),
