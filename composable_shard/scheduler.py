@@ -9,7 +9,7 @@ tracked by opaque keys).
 Public names: ``Scheduler``, ``Lane``, ``InFlight``.
 
 [Note: buffer lifetimes across lanes]
-No ``record_stream``. A collective's buffers travel in an ``InFlight`` with
+Buffers are never tied to a stream through the caching allocator. A collective's buffers travel in an ``InFlight`` with
 the lane's completion event; the scheduler drops that reference only after
 the consumer (the compute stream, or the CPU) waited on the event. Before a
 lane issues work it waits for everything the compute stream enqueued so far,
