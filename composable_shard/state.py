@@ -82,6 +82,12 @@ class UnitState:
         self.module = module
         # One flat parameter per (dtype, requires_grad) group of the unit.
         self.handles = handles
+        # The handles with gradients (computed once: hooks read them per step).
+        self.trainable_handles: list[FlatParamHandle] = [h for h in handles if h.layout.requires_grad]
+        # Frozen handles with storage to free after backward.
+        self.frozen_handles_to_reshard: list[FlatParamHandle] = [
+            h for h in handles if not h.layout.requires_grad and h.needs_unshard_storage
+        ]
         self.groups = groups
         self.config = config
         self.compute_device = compute_device
@@ -107,15 +113,6 @@ class UnitState:
     @property
     def is_root(self) -> bool:
         return self.root_context is not None and self.root_context.root is self
-
-    @property
-    def trainable_handles(self) -> list[FlatParamHandle]:
-        return [handle for handle in self.handles if handle.layout.requires_grad]
-
-    @property
-    def frozen_handles_to_reshard(self) -> list[FlatParamHandle]:
-        """Frozen flat parameters with storage to free after backward."""
-        return [h for h in self.handles if not h.layout.requires_grad and h.needs_unshard_storage]
 
     @property
     def is_unsharded(self) -> bool:
