@@ -242,7 +242,7 @@ class FlatParamHandle:
     def gather_full_flat_param(self) -> torch.Tensor:
         """A new padded unsharded copy of the flat parameter in its own dtype
         (not the compute dtype), gathered synchronously. Collective."""
-        return self._gather_full(self.sharded_flat_param)
+        return self.gather_full(self.sharded_flat_param)
 
     def gather_full_flat_grad(self) -> torch.Tensor:
         """A new padded unsharded copy of the gradients the parameters hold
@@ -250,9 +250,11 @@ class FlatParamHandle:
         sharded_grad = self._collect_user_grads()
         if sharded_grad is None:
             sharded_grad = torch.zeros_like(self.sharded_flat_param)
-        return self._gather_full(sharded_grad)
+        return self.gather_full(sharded_grad)
 
-    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new padded unsharded tensor gathered from every rank's
+        ``shard`` (shard_numel each, any dtype). Collective."""
         shard = shard.to(self.compute_device)
         if not self.groups.is_sharded:
             return shard.clone()

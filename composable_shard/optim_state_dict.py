@@ -274,11 +274,7 @@ def _gather_state(
         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
         if info.local_numel and _is_local_shaped(value, op.param):
             shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(value.detach().reshape(-1))
-    if not handle.groups.is_sharded:
-        return shard
-    full_flat = torch.empty(layout.padded_unsharded_numel, dtype=dtype, device=shard.device)
-    comm.all_gather_into(full_flat, shard, handle.groups.shard_group, async_op=False)
-    return full_flat
+    return handle.gather_full(shard)
 
 
 # -------------------------------------------------------------------- set

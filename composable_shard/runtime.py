@@ -149,9 +149,10 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
 
 def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     context = _context(state)
-    busy = [unit.fqn for unit in context.units if unit.training_state is not TrainingState.IDLE]
-    forward_raised = all(unit.training_state in (TrainingState.IDLE, TrainingState.FORWARD) for unit in context.units)
-    if busy and forward_raised and not context.post_backward_callback_queued:
+    busy = [unit for unit in context.units if unit.training_state is not TrainingState.IDLE]
+    if busy and not context.post_backward_callback_queued and all(
+        unit.training_state is TrainingState.FORWARD for unit in busy
+    ):
         # The previous forward raised (user code, or a misuse reported from a
         # hook) and left its units in FORWARD; no backward can follow it.
         _reset_after_error(context)
@@ -160,7 +161,7 @@ def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tupl
         _reset_after_error(context)
         raise RuntimeError(
             f"fully_shard({state.fqn}): forward called while the previous backward has not finished "
-            f"(units still in backward: {busy[:4]}). Finish backward (or call it on every output) before "
+            f"(units still in backward: {[unit.fqn for unit in busy[:4]]}). Finish backward (or call it on every output) before "
             "the next forward; the model has been reset to its sharded state and is usable."
         )
     for unit in context.units:

@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import comm
-from . import unshard as _unshard
 from .flat_layout import ParamInfo
 from .flat_param import FlatParamHandle
 from .runtime import in_backward
+from .unshard import is_inside_unshard_params
 from .state import TrainingState, UnitState, unit_states_under
 from .state_dict_shards import (
     RangeSharding,
@@ -155,7 +155,7 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
             entries.extra_states[prefix + "_extra_state"] = submodule
     for unit in units:
         for prefix in prefixes_of.get(id(unit.module), []):
-            for name, dtype in getattr(unit, "orig_buffer_dtypes", {}).items():
+            for name, dtype in unit.orig_buffer_dtypes.items():
                 if prefix + name in entries.buffers:
                     entries.buffer_dtypes[prefix + name] = dtype
         for handle in unit.handles:
@@ -171,7 +171,7 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
 def is_shown_unsharded(handle: FlatParamHandle) -> bool:
     """Whether the parameters show full tensors now (forward views, or inside
     ``unshard_params``, whose registry of shown handles lives in unshard.py)."""
-    return handle.shows_unsharded_views or id(handle) in getattr(_unshard, "_ACTIVE_UNSHARDED", ())
+    return handle.shows_unsharded_views or is_inside_unshard_params(handle)
 
 
 def prepare_units(module: nn.Module, what: str) -> list[UnitState]:

@@ -30,6 +30,12 @@ __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
 _ACTIVE_UNSHARDED: set[int] = set()
 
 
+def is_inside_unshard_params(handle: FlatParamHandle) -> bool:
+    """Whether an enclosing ``unshard_params`` shows this handle's full
+    parameters now."""
+    return id(handle) in _ACTIVE_UNSHARDED
+
+
 def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
     if recurse:
         units = [state for _, state in unit_states_under(module)]
