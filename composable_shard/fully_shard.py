@@ -1,6 +1,7 @@
-"""Owns: the entry point ``fully_shard`` — argument checks, units from the
-policy, who owns each parameter, building the flat-parameter handles, and
-attaching state and hooks.
+"""Owns: the entry point ``fully_shard`` — argument checks, process groups,
+the compute device, building the flat-parameter handles, and attaching state
+and hooks. Which modules are units, who owns each parameter and how they
+group into flat parameters come from ``units.py`` (shared with ``plan``).
 
 Knows nothing of: runtime details (it calls ``runtime.register_hooks``).
 
@@ -13,7 +14,6 @@ leaves the module as it was.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,30 +23,24 @@ from torch.distributed import ProcessGroup
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
-from .flat_layout import ParamOwner
 from .flat_param import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
-from .policy import Policy, UnitChoice, select_units
+from .policy import Policy
 from .runtime import register_hooks
 from .state_dict_hooks import register_state_dict_hooks
-from .state import UnitConfig, UnitState, get_state, register_state, unit_states_under
-
-__all__ = ["fully_shard", "is_fully_sharded"]
-
-# Keyword arguments a CustomPolicy may override per unit.
-_OVERRIDABLE = frozenset(
-    {
-        "strategy",
-        "mixed_precision",
-        "cpu_offload",
-        "forward_prefetch",
-        "backward_prefetch",
-        "limit_all_gathers",
-        "process_group",
-        "device_mesh",
-    }
+from .state import UnitConfig, UnitState, get_state, register_state
+from .units import (
+    choose_units,
+    flat_param_dtypes,
+    group_sources,
+    offloads_params,
+    plan_ownership,
+    split_ignored,
+    unit_kwargs,
+    unit_skipper,
 )
 
+__all__ = ["fully_shard", "is_fully_sharded"]
 
 def fully_shard(
     module: nn.Module,
@@ -90,7 +84,7 @@ def fully_shard(
             f"fully_shard({name}): torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group() first (torchrun sets up the environment)."
         )
-    ignored_modules, ignored_params = _split_ignored(name, ignored_states)
+    ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base_kwargs = dict(
         strategy=strategy,
         mixed_precision=mixed_precision,
@@ -102,18 +96,17 @@ def fully_shard(
         device_mesh=device_mesh,
     )
 
-    def skip(candidate: nn.Module) -> bool:
-        return get_state(candidate) is not None or candidate in ignored_modules
-
-    choices = select_units(module, policy, skip) + [UnitChoice(module)]
-    unit_kwargs = [_unit_kwargs(name, base_kwargs, choice) for choice in choices]
-    sources = _plan_ownership(module, choices, ignored_modules, ignored_params)
+    # [Note: one copy of the unit rules] (units.py): plan() calls the same.
+    skip = unit_skipper(ignored_modules)
+    choices = choose_units(module, policy, ignored_modules)
+    kwargs_per_unit = [unit_kwargs(name, base_kwargs, choice) for choice in choices]
+    sources = plan_ownership(module, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, module, sources, device_id)
-    groups = [_resolve_groups(name, kwargs) for kwargs in unit_kwargs]
+    groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
     check_materializable(module, param_init_fn, skip)
 
     # Validated: from here on the module is changed.
-    for choice, kwargs, unit_groups in zip(choices, unit_kwargs, groups):
+    for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         unit_sources = sources[id(choice.module)]
         materialize_unit(choice.module, compute_device, param_init_fn, skip)
         if sync_module_states:
@@ -130,111 +123,6 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------ checks
-def _split_ignored(
-    name: str, ignored_states: Iterable[nn.Module | nn.Parameter] | None
-) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    modules: set[nn.Module] = set()
-    params: set[nn.Parameter] = set()
-    for item in ignored_states or ():
-        if isinstance(item, nn.Parameter):
-            params.add(item)
-        elif isinstance(item, nn.Module):
-            modules.add(item)
-        else:
-            raise TypeError(
-                f"fully_shard({name}): ignored_states holds a {type(item).__name__}; pass modules or "
-                "nn.Parameters."
-            )
-    for ignored in modules:
-        params.update(ignored.parameters())
-    return modules, params
-
-
-def _unit_kwargs(name: str, base: dict[str, Any], choice: UnitChoice) -> dict[str, Any]:
-    unknown = set(choice.overrides) - _OVERRIDABLE
-    if unknown:
-        raise ValueError(
-            f"fully_shard({name}): the policy's overrides for {type(choice.module).__name__} name "
-            f"{sorted(unknown)}, which cannot differ per unit. Overridable: {sorted(_OVERRIDABLE)}."
-        )
-    kwargs = {**base, **choice.overrides}
-    if not isinstance(kwargs["strategy"], ShardingStrategy):
-        raise TypeError(f"fully_shard({name}): strategy must be a ShardingStrategy, got {kwargs['strategy']!r}.")
-    return kwargs
-
-
-def _plan_ownership(
-    root: nn.Module,
-    choices: list[UnitChoice],
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
-) -> dict[int, list[FlatParamSource]]:
-    """For each new unit (by module id), its parameters and their owners.
-
-    A parameter belongs to the closest unit containing every module that
-    registers it. A parameter already owned by an earlier unit that is also
-    registered outside that unit cannot be owned by anyone: error.
-    """
-    new_units = {id(choice.module) for choice in choices}
-    owned_before: dict[int, tuple[str, UnitState]] = {}
-    for unit_name, state in unit_states_under(root):
-        for handle in state.handles:
-            for param in handle.orig_params:
-                owned_before[id(param)] = (unit_name, state)
-
-    # id(param) -> (param, [(owner, chain of enclosing unit module ids)])
-    registrations: OrderedDict[int, tuple[nn.Parameter, list[tuple[ParamOwner, tuple[int, ...]]]]] = OrderedDict()
-
-    def visit(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
-        if module in ignored_modules:
-            return
-        if id(module) in new_units or get_state(module) is not None:
-            chain = chain + (id(module),)
-        for attr, param in module._parameters.items():
-            if param is None or param in ignored_params:
-                continue
-            owner = ParamOwner(module, attr, f"{prefix}{attr}")
-            registrations.setdefault(id(param), (param, []))[1].append((owner, chain))
-        for child_name, child in module._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", chain)
-
-    visit(root, "", ())
-    sources: dict[int, list[FlatParamSource]] = {id(choice.module): [] for choice in choices}
-    for param, regs in registrations.values():
-        chains = [chain for _, chain in regs]
-        if id(param) in owned_before:
-            unit_name, state = owned_before[id(param)]
-            outside = [owner.fqn for owner, chain in regs if id(state.module) not in chain]
-            if outside:
-                raise ValueError(
-                    f"fully_shard({type(root).__name__}): parameter '{outside[0]}' is the same tensor as a "
-                    f"parameter of the already sharded unit '{unit_name or type(state.module).__name__}', "
-                    "so it would be split between two units. Shard the module that contains both uses "
-                    "instead (for tied weights: leave both under one unit, e.g. the root)."
-                )
-            continue
-        common = _common_prefix(chains)
-        owner_unit = next((uid for uid in reversed(common) if uid in new_units), None)
-        if owner_unit is None or any(uid not in new_units for uid in common[common.index(owner_unit) :]):
-            raise ValueError(
-                f"fully_shard({type(root).__name__}): parameter '{regs[0][0].fqn}' was registered inside an "
-                "already sharded unit after that unit was sharded. Register parameters before calling "
-                "fully_shard on their module."
-            )
-        sources[owner_unit].append(FlatParamSource(param, tuple(owner for owner, _ in regs)))
-    return sources
-
-
-def _common_prefix(chains: list[tuple[int, ...]]) -> list[int]:
-    prefix: list[int] = []
-    for ids in zip(*chains):
-        if any(uid != ids[0] for uid in ids):
-            break
-        prefix.append(ids[0])
-    return prefix
-
-
 def _compute_device(
     name: str,
     module: nn.Module,
@@ -346,21 +234,18 @@ def _build_unit(
 ) -> UnitState:
     mixed_precision: MixedPrecision | None = kwargs["mixed_precision"]
     cpu_offload: CPUOffload | None = kwargs["cpu_offload"]
-    offload = bool(cpu_offload and cpu_offload.offload_params) and compute_device.type != "cpu"
-    by_group: OrderedDict[tuple[torch.dtype, bool], list[FlatParamSource]] = OrderedDict()
-    for source in sources:
-        by_group.setdefault((source.param.dtype, source.param.requires_grad), []).append(source)
+    offload = offloads_params(cpu_offload, compute_device)
     handles = []
-    for (dtype, _), group_sources in by_group.items():
-        low_precision = mixed_precision is not None and dtype.is_floating_point
+    for flat_sources in group_sources(sources):
+        dtypes = flat_param_dtypes(flat_sources[0].param.dtype, mixed_precision)
         handles.append(
             FlatParamHandle(
-                group_sources,
+                flat_sources,
                 groups,
                 compute_device=compute_device,
-                param_dtype=mixed_precision.param_dtype if low_precision else None,  # type: ignore[union-attr]
-                reduce_dtype=mixed_precision.reduce_dtype if low_precision else None,  # type: ignore[union-attr]
-                keep_low_precision_grads=bool(low_precision and mixed_precision.keep_low_precision_grads),  # type: ignore[union-attr]
+                param_dtype=dtypes.param_dtype,
+                reduce_dtype=dtypes.reduce_dtype,
+                keep_low_precision_grads=dtypes.keep_low_precision_grads,
                 offload_params=offload,
             )
         )

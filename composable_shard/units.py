@@ -1,0 +1,224 @@
+"""Owns: the unit rules shared by ``fully_shard`` and ``plan`` — which modules
+become units (policy plus modules already sharded), each unit's keyword
+arguments, which unit owns each parameter, how a unit's parameters group
+into flat parameters, and the dtypes and placement of each flat parameter.
+
+Knows nothing of: process groups, storage, hooks (it returns descriptions;
+``fully_shard`` builds handles from them and ``plan`` sizes them).
+
+Public names: ``OVERRIDABLE``, ``split_ignored``, ``unit_skipper``,
+``choose_units``, ``unit_kwargs``, ``plan_ownership``, ``group_sources``,
+``FlatParamDtypes``, ``flat_param_dtypes``, ``offloads_params``.
+
+[Note: one copy of the unit rules]
+``fully_shard`` and ``plan`` both call these functions, and both lay out
+flat parameters with ``flat_layout.compute_layout``, so a plan describes
+exactly what ``fully_shard`` would build. Change a rule here, never in a
+caller.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from .api import CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_layout import ParamOwner
+from .flat_param import FlatParamSource
+from .policy import Policy, UnitChoice, select_units
+from .state import UnitState, get_state, unit_states_under
+
+__all__ = [
+    "OVERRIDABLE",
+    "split_ignored",
+    "unit_skipper",
+    "choose_units",
+    "unit_kwargs",
+    "plan_ownership",
+    "group_sources",
+    "FlatParamDtypes",
+    "flat_param_dtypes",
+    "offloads_params",
+]
+
+# Keyword arguments a CustomPolicy may override per unit.
+OVERRIDABLE = frozenset(
+    {
+        "strategy",
+        "mixed_precision",
+        "cpu_offload",
+        "forward_prefetch",
+        "backward_prefetch",
+        "limit_all_gathers",
+        "process_group",
+        "device_mesh",
+    }
+)
+
+
+def split_ignored(
+    name: str, ignored_states: Iterable[nn.Module | nn.Parameter] | None
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """Ignored modules and every ignored parameter (those of ignored modules
+    included)."""
+    modules: set[nn.Module] = set()
+    params: set[nn.Parameter] = set()
+    for item in ignored_states or ():
+        if isinstance(item, nn.Parameter):
+            params.add(item)
+        elif isinstance(item, nn.Module):
+            modules.add(item)
+        else:
+            raise TypeError(
+                f"fully_shard({name}): ignored_states holds a {type(item).__name__}; pass modules or "
+                "nn.Parameters."
+            )
+    for ignored in modules:
+        params.update(ignored.parameters())
+    return modules, params
+
+
+def unit_skipper(ignored_modules: set[nn.Module]) -> Callable[[nn.Module], bool]:
+    """The predicate policies and initialisation use: modules already sharded
+    and ignored modules are skipped with their subtrees."""
+
+    def skip(candidate: nn.Module) -> bool:
+        return get_state(candidate) is not None or candidate in ignored_modules
+
+    return skip
+
+
+def choose_units(
+    module: nn.Module,
+    policy: Policy | set[type[nn.Module]] | None,
+    ignored_modules: set[nn.Module],
+) -> list[UnitChoice]:
+    """The new units of a ``fully_shard(module, policy=...)`` call: the
+    policy's choices (post-order), then ``module`` itself."""
+    return select_units(module, policy, unit_skipper(ignored_modules)) + [UnitChoice(module)]
+
+
+def unit_kwargs(name: str, base: dict[str, Any], choice: UnitChoice) -> dict[str, Any]:
+    """``base`` with the policy's overrides for ``choice`` applied."""
+    unknown = set(choice.overrides) - OVERRIDABLE
+    if unknown:
+        raise ValueError(
+            f"fully_shard({name}): the policy's overrides for {type(choice.module).__name__} name "
+            f"{sorted(unknown)}, which cannot differ per unit. Overridable: {sorted(OVERRIDABLE)}."
+        )
+    kwargs = {**base, **choice.overrides}
+    if not isinstance(kwargs["strategy"], ShardingStrategy):
+        raise TypeError(f"fully_shard({name}): strategy must be a ShardingStrategy, got {kwargs['strategy']!r}.")
+    return kwargs
+
+
+def plan_ownership(
+    root: nn.Module,
+    choices: list[UnitChoice],
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+) -> dict[int, list[FlatParamSource]]:
+    """For each new unit (by module id), its parameters and their owners.
+
+    A parameter belongs to the closest unit containing every module that
+    registers it. A parameter already owned by an earlier unit that is also
+    registered outside that unit cannot be owned by anyone: error.
+    """
+    new_units = {id(choice.module) for choice in choices}
+    owned_before: dict[int, tuple[str, UnitState]] = {}
+    for unit_name, state in unit_states_under(root):
+        for handle in state.handles:
+            for param in handle.orig_params:
+                owned_before[id(param)] = (unit_name, state)
+
+    # id(param) -> (param, [(owner, chain of enclosing unit module ids)])
+    registrations: OrderedDict[int, tuple[nn.Parameter, list[tuple[ParamOwner, tuple[int, ...]]]]] = OrderedDict()
+
+    def visit(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
+        if module in ignored_modules:
+            return
+        if id(module) in new_units or get_state(module) is not None:
+            chain = chain + (id(module),)
+        for attr, param in module._parameters.items():
+            if param is None or param in ignored_params:
+                continue
+            owner = ParamOwner(module, attr, f"{prefix}{attr}")
+            registrations.setdefault(id(param), (param, []))[1].append((owner, chain))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", chain)
+
+    visit(root, "", ())
+    sources: dict[int, list[FlatParamSource]] = {id(choice.module): [] for choice in choices}
+    for param, regs in registrations.values():
+        chains = [chain for _, chain in regs]
+        if id(param) in owned_before:
+            unit_name, state = owned_before[id(param)]
+            outside = [owner.fqn for owner, chain in regs if id(state.module) not in chain]
+            if outside:
+                raise ValueError(
+                    f"fully_shard({type(root).__name__}): parameter '{outside[0]}' is the same tensor as a "
+                    f"parameter of the already sharded unit '{unit_name or type(state.module).__name__}', "
+                    "so it would be split between two units. Shard the module that contains both uses "
+                    "instead (for tied weights: leave both under one unit, e.g. the root)."
+                )
+            continue
+        common = _common_prefix(chains)
+        owner_unit = next((uid for uid in reversed(common) if uid in new_units), None)
+        if owner_unit is None or any(uid not in new_units for uid in common[common.index(owner_unit) :]):
+            raise ValueError(
+                f"fully_shard({type(root).__name__}): parameter '{regs[0][0].fqn}' was registered inside an "
+                "already sharded unit after that unit was sharded. Register parameters before calling "
+                "fully_shard on their module."
+            )
+        sources[owner_unit].append(FlatParamSource(param, tuple(owner for owner, _ in regs)))
+    return sources
+
+
+def _common_prefix(chains: list[tuple[int, ...]]) -> list[int]:
+    prefix: list[int] = []
+    for ids in zip(*chains):
+        if any(uid != ids[0] for uid in ids):
+            break
+        prefix.append(ids[0])
+    return prefix
+
+
+def group_sources(sources: list[FlatParamSource]) -> list[list[FlatParamSource]]:
+    """A unit's parameters split into flat parameters: one per (dtype,
+    requires_grad), in order of first appearance, so frozen parameters cost
+    no gradient memory and no reduction."""
+    by_group: OrderedDict[tuple[torch.dtype, bool], list[FlatParamSource]] = OrderedDict()
+    for source in sources:
+        by_group.setdefault((source.param.dtype, source.param.requires_grad), []).append(source)
+    return list(by_group.values())
+
+
+@dataclass(frozen=True)
+class FlatParamDtypes:
+    """The dtypes one flat parameter uses under a mixed-precision policy."""
+
+    # Unsharded buffer (all-gather and compute); None: the parameters' dtype.
+    param_dtype: torch.dtype | None
+    # Gradient reduction; None: the compute dtype.
+    reduce_dtype: torch.dtype | None
+    # Sharded gradients stay in ``reduce_dtype`` after the reduction.
+    keep_low_precision_grads: bool
+
+
+def flat_param_dtypes(dtype: torch.dtype, mixed_precision: MixedPrecision | None) -> FlatParamDtypes:
+    """Mixed precision applies to floating-point flat parameters only."""
+    if mixed_precision is None or not dtype.is_floating_point:
+        return FlatParamDtypes(None, None, False)
+    return FlatParamDtypes(
+        mixed_precision.param_dtype, mixed_precision.reduce_dtype, mixed_precision.keep_low_precision_grads
+    )
+
+
+def offloads_params(cpu_offload: CPUOffload | None, compute_device: torch.device) -> bool:
+    """Offloading only means something when compute is not on the CPU."""
+    return bool(cpu_offload and cpu_offload.offload_params) and compute_device.type != "cpu"
