@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import composable_shard.checkpoint as checkpoint_module
+import composable_shard.state_dict.checkpoint as checkpoint_module
 from composable_shard import (
     CheckpointError,
     StateDictError,

@@ -37,13 +37,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import comm
-from .flat_layout import ParamInfo
-from .flat_param import FlatParamHandle
-from .runtime import in_backward
-from .unshard import is_inside_unshard_params
-from .state import TrainingState, UnitState, unit_states_under
-from .state_dict_shards import (
+from .. import comm
+from ..flat_layout import ParamInfo
+from ..flat_param import FlatParamHandle
+from ..runtime import in_backward
+from ..unshard import is_inside_unshard_params
+from ..state import TrainingState, UnitState, unit_states_under
+from .shards import (
     RangeSharding,
     global_shape,
     range_sharding,

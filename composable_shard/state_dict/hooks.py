@@ -1,0 +1,168 @@
+"""Owns: the ``nn.Module`` state-dict hooks on every unit root that make
+``module.state_dict()`` and ``module.load_state_dict()`` give and take full
+tensors with exactly the unsharded model's keys and shapes, while the user's
+classes stay unchanged.
+
+Knows nothing of: DCP, optimizers, the training step's hooks.
+
+Public names: ``register_state_dict_hooks``.
+
+[Note: module state-dict hooks]
+``nn.Module.state_dict`` saves each module's ``_parameters`` (here: 1-D
+shards) and then runs the module's post-hooks once its whole subtree is
+saved. The post-hook of a unit root all-gathers each of its flat parameters
+(a collective: every rank calls ``state_dict``; the traversal order is the
+same on every rank) and replaces the shards under every name the unit's
+parameters go by — relative to the unit, below the ``prefix`` of this call —
+with full clones.
+
+``nn.Module.load_state_dict`` runs a module's pre-hooks before the module
+loads its own tensors and before it filters the dict for its children, so the
+pre-hook of a unit root can replace each full tensor in the dict with this
+rank's 1-D slice of it; ``_load_from_state_dict`` then ``copy_``s the slice
+into the parameter, which is a view of the shard: identity is kept and no
+collective runs. A full tensor of the wrong shape is reported in
+``error_msgs`` with the unsharded shapes (and replaced by the parameter's own
+data, so nothing is copied for it). With ``assign=True`` torch replaces the
+parameter objects; the post-hook copies their data into the shard and puts
+the original objects back. Inside ``unshard_params`` the parameters are full
+already and the hooks leave them to torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils.hooks import RemovableHandle
+
+from ..flat_layout import ParamInfo
+from ..flat_param import FlatParamHandle
+from ..runtime import in_backward
+from ..state import TrainingState, UnitState
+from .model import is_shown_unsharded
+from .shards import global_shape
+
+__all__ = ["register_state_dict_hooks"]
+
+logger = logging.getLogger(__name__)
+
+
+def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
+    """Attach the state-dict hooks to the unit's root module."""
+    module = state.module
+    return [
+        module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
+        module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
+        module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
+    ]
+
+
+def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
+    """The unit must be idle; user edits of ``.data`` go into the shards first."""
+    if state.training_state is not TrainingState.IDLE or in_backward():
+        raise RuntimeError(
+            f"{what}: called inside forward or backward (unit '{state.fqn}' is "
+            f"{state.training_state.name}). Call it between training steps."
+        )
+    for handle in handles:
+        handle.writeback_orig_params()
+
+
+def _relative_prefixes(root: nn.Module) -> dict[int, list[str]]:
+    """Every name prefix (relative to ``root``) each module is reachable by."""
+    prefixes: dict[int, list[str]] = {}
+    for name, submodule in root.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(submodule), []).append(f"{name}." if name else "")
+    return prefixes
+
+
+def _keys(info: ParamInfo, prefixes: dict[int, list[str]], prefix: str) -> list[str]:
+    return [prefix + rel + owner.attr for owner in info.owners for rel in prefixes.get(id(owner.module), [])]
+
+
+def _post_state_dict(
+    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
+    logger.debug("composable_shard::state_dict_post_hook (%s)", state.fqn)
+    for name, dtype in state.orig_buffer_dtypes.items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            state_dict[prefix + name] = value.to(dtype)  # the original dtype, as unsharded
+    handles = [handle for handle in state.handles if not is_shown_unsharded(handle)]
+    if not handles:
+        return
+    _prepare(state, handles, "state_dict")
+    prefixes = _relative_prefixes(module)
+    for handle in handles:
+        keys_per_param = [
+            [key for key in _keys(info, prefixes, prefix) if key in state_dict] for info in handle.layout.params
+        ]
+        if not any(keys_per_param):
+            continue  # the same on every rank: the traversal is
+        full_flat = handle.gather_full_flat_param()  # collective over the shard group
+        for info, keys in zip(handle.layout.params, keys_per_param):
+            if keys:
+                value = full_flat[info.offset : info.offset + info.numel].view(info.shape).clone()
+                state_dict.update((key, value) for key in keys)
+        del full_flat
+
+
+def _pre_load_state_dict(
+    state: UnitState,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    logger.debug("composable_shard::load_state_dict_pre_hook (%s)", state.fqn)
+    handles = [handle for handle in state.handles if not is_shown_unsharded(handle)]
+    if not handles:
+        return
+    _prepare(state, handles, "load_state_dict")
+    prefixes = _relative_prefixes(module)
+    for handle in handles:
+        for info, param in zip(handle.layout.params, handle.orig_params):
+            for key in _keys(info, prefixes, prefix):
+                if key in state_dict:
+                    state_dict[key] = _local_slice(key, state_dict[key], info, param, error_msgs)
+
+
+def _local_slice(key: str, value: Any, info: ParamInfo, param: nn.Parameter, error_msgs: list[str]) -> Any:
+    """This rank's slice of a full tensor (what the 1-D parameter takes)."""
+    if not isinstance(value, torch.Tensor):
+        return value  # torch reports it
+    if global_shape(value) != info.shape:
+        error_msgs.append(
+            f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the shape "
+            f"in current model is {tuple(info.shape)}."
+        )
+        return param.detach()  # copying a parameter onto itself changes nothing
+    return value.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+
+
+def _post_load_state_dict(state: UnitState, module: nn.Module, incompatible_keys: _IncompatibleKeys) -> None:
+    """After ``load_state_dict(assign=True)``: copy the parameters torch
+    assigned into the shard and register the original objects again."""
+    for handle in state.handles:
+        _restore_identity(handle)
+
+
+def _restore_identity(handle: FlatParamHandle) -> None:
+    with torch.no_grad():
+        for info, param in zip(handle.layout.params, handle.orig_params):
+            for owner in info.owners:
+                current = owner.module._parameters.get(owner.attr)
+                if current is None or current is param:
+                    continue
+                if current.numel() == param.numel():
+                    param.copy_(current.detach().reshape(param.shape))
+                owner.module._parameters[owner.attr] = param

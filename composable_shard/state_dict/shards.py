@@ -1,0 +1,274 @@
+"""Owns: how one parameter's local part appears in a sharded state dict — a
+``ShardedTensor`` of the parameter's original shape whose local shards are the
+rectangular boxes that tile this rank's contiguous range — and reading a
+rank's range back out of such a tensor (or out of a full tensor).
+
+Knows nothing of: modules, units, optimizers, collectives (everything here is
+computed locally, from the layout).
+
+Public names: ``RangeSharding``, ``range_sharding``, ``range_boxes``,
+``stored_shape``, ``sharded_tensor_of_range``, ``range_source_error``,
+``read_range``, ``is_sharded_tensor``, ``global_shape``.
+
+[Note: sharded state dict representation]
+Outside forward and backward a rank holds one contiguous range
+``[local_start, local_start + local_numel)`` of each flattened parameter (see
+[Note: flat layout]). Such a range of a multi-dimensional tensor is generally
+not a rectangular block, but it always splits into at most ``2 * ndim - 1``
+rectangular boxes (a partial innermost row, partial rows of the next
+dimension, ..., full leading slices, ..., a partial last row), and each box is
+itself a contiguous piece of the range, so a *view* of the rank's 1-D slice.
+A sharded state dict therefore holds, per parameter, a ``ShardedTensor`` with
+the **original shape** whose local shards are these boxes (views: building it
+copies nothing). Its global metadata lists the boxes of every rank of the
+shard group; every rank computes them from the layout alone (rank ``r``'s
+range is the parameter's intersection with ``r``'s window of the flat
+buffer), so building a state dict needs no collective.
+
+Why boxes of the original shape rather than a 1-D tensor over the flattened
+parameter: ``torch.distributed.checkpoint`` then records the original shape
+in the checkpoint metadata, reads any overlap of saved and requested boxes
+(so a checkpoint saved at one world size or strategy loads at another), and
+its ``format_utils`` converters and any unsharded reader (a plain model,
+FSDP2) see ordinary tensors with the original names and shapes.
+
+Replicas (hybrid sharding, ``NO_SHARD``) build identical boxes; DCP's save
+planner keeps one copy of each box (its write items are keyed by name and
+offset), so replicated data is written once.
+
+Every rank holds at least one local shard, even where its range is empty: a
+zero-size box just past the end of dimension 0 (a unique, in-bounds offset).
+DCP drops a ShardedTensor without local shards from that rank's state dict
+(``_flatten_sharded_tensors``), and a key missing on one rank makes its load
+planner fall back to the pre-2.4 flattening, which breaks the nested parts
+(optimizer ``param_groups``, extra states) of the same state dict. A 0-dim
+parameter cannot have a zero-size box, so it is stored with shape ``(1,)``
+(``stored_shape``; ``nn.Module.load_state_dict`` accepts that for a 0-dim
+parameter). Parameters with no elements are plain empty tensors (a
+ShardedTensor needs a non-empty global shape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from ..flat_layout import FlatParamLayout, ParamInfo
+
+__all__ = [
+    "RangeSharding",
+    "range_sharding",
+    "range_boxes",
+    "stored_shape",
+    "sharded_tensor_of_range",
+    "range_source_error",
+    "read_range",
+    "is_sharded_tensor",
+    "global_shape",
+]
+
+# (offsets, sizes, flat start) of one rectangular box of a flattened range.
+Box = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class RangeSharding:
+    """Which contiguous range of one flattened parameter every rank holds."""
+
+    # The shape stored in state dicts (``stored_shape`` of the parameter's).
+    shape: torch.Size
+    # This rank's range of the flattened parameter.
+    local_start: int
+    local_numel: int
+    # This rank's global rank (placement of its boxes).
+    rank: int
+    # (global rank, start, numel) of every rank of the shard group, in group
+    # rank order (numel may be 0; replicas list only their own shard group).
+    rank_ranges: tuple[tuple[int, int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def range_sharding(info: ParamInfo, layout: FlatParamLayout, group_ranks: Sequence[int], rank: int) -> RangeSharding:
+    """The ranges of ``info``'s parameter over the shard group whose global
+    ranks are ``group_ranks`` (in group rank order), from the layout alone."""
+    rank_ranges = []
+    for group_rank, global_rank in enumerate(group_ranks):
+        window_start = group_rank * layout.shard_numel
+        start = max(info.offset, window_start)
+        end = min(info.offset + info.numel, window_start + layout.shard_numel)
+        rank_ranges.append((global_rank, start - info.offset, end - start) if end > start else (global_rank, 0, 0))
+    return RangeSharding(stored_shape(info.shape), info.local_start, info.local_numel, rank, tuple(rank_ranges))
+
+
+def stored_shape(shape: Sequence[int]) -> torch.Size:
+    """The shape a parameter has in sharded state dicts: its own, except
+    ``(1,)`` for a 0-dim one. See [Note: sharded state dict representation]."""
+    return torch.Size(shape) if len(shape) else torch.Size([1])
+
+
+def _shard_boxes(shape: torch.Size, start: int, numel: int) -> list[Box]:
+    """The boxes of one rank's range, or one zero-size box past the end of
+    dimension 0 when the range is empty (see the module note)."""
+    if numel:
+        return range_boxes(shape, start, start + numel)
+    return [((shape[0],) + (0,) * (len(shape) - 1), (0, *shape[1:]), start)]
+
+
+def range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """Split the range ``[start, end)`` of the row-major flattening of a tensor
+    of ``shape`` into rectangular boxes, in flat order."""
+    if start >= end:
+        return []
+    ndim = len(shape)
+    if ndim == 0:
+        return [((), (), start)]
+    if ndim == 1:
+        return [((start,), (end - start,), start)]
+    inner = math.prod(shape[1:])
+    first_row, end_row = start // inner, end // inner
+    boxes: list[Box] = []
+    if start % inner:  # a partial first row
+        row_end = min(end, (first_row + 1) * inner)
+        base = first_row * inner
+        for offsets, sizes, flat in range_boxes(shape[1:], start - base, row_end - base):
+            boxes.append(((first_row, *offsets), (1, *sizes), flat + base))
+        first_row += 1
+        if row_end == end:
+            return boxes
+    if end_row > first_row:  # whole rows
+        boxes.append(((first_row,) + (0,) * (ndim - 1), (end_row - first_row, *shape[1:]), first_row * inner))
+    if end % inner:  # a partial last row
+        base = end_row * inner
+        for offsets, sizes, flat in range_boxes(shape[1:], 0, end - base):
+            boxes.append(((end_row, *offsets), (1, *sizes), flat + base))
+    return boxes
+
+
+def sharded_tensor_of_range(local: torch.Tensor, sharding: RangeSharding) -> torch.Tensor:
+    """A ShardedTensor of the original shape whose local shards are views of
+    ``local`` (1-D, this rank's range). See [Note: sharded state dict
+    representation]. An empty parameter gives a plain empty tensor."""
+    if sharding.numel == 0:
+        return local.new_empty(sharding.shape)
+    device = str(local.device)
+    shards_metadata = [
+        ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
+        for rank, start, numel in sharding.rank_ranges
+        for offsets, sizes, _ in _shard_boxes(sharding.shape, start, numel)
+    ]
+    local_shards = []
+    for offsets, sizes, flat in _shard_boxes(sharding.shape, sharding.local_start, sharding.local_numel):
+        begin = flat - sharding.local_start
+        piece = local[begin : begin + math.prod(sizes)].view(sizes)
+        local_shards.append(Shard(piece, ShardMetadata(list(offsets), list(sizes), f"rank:{sharding.rank}/{device}")))
+    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
+    metadata = ShardedTensorMetadata(shards_metadata, torch.Size(sharding.shape), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    return isinstance(value, ShardedTensor)
+
+
+def global_shape(value: Any) -> torch.Size | None:
+    """The full shape of a tensor or ShardedTensor (None for anything else).
+    Reads ShardedTensor metadata directly (its tensor methods warn)."""
+    if isinstance(value, ShardedTensor):
+        return torch.Size(value.metadata().size)
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    return None
+
+
+def _flat_pieces(value: ShardedTensor) -> list[tuple[int, torch.Tensor]] | None:
+    """(flat start, 1-D data) of every non-empty local shard, or None if one
+    of them is not a contiguous piece of the flattening."""
+    shape = value.metadata().size
+    strides = [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
+    pieces = []
+    for shard in value.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        numel = math.prod(sizes)
+        if numel == 0:
+            continue
+        first = sum(o * s for o, s in zip(offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, sizes, strides))
+        if last - first + 1 != numel:
+            return None
+        pieces.append((first, shard.tensor.reshape(-1)))
+    return pieces
+
+
+def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) -> str | None:
+    """Why ``value`` cannot give the range ``[start, start + numel)`` of a
+    tensor of ``shape`` (None when it can): a full tensor of that shape, or a
+    ShardedTensor of that shape whose local shards cover the range."""
+    found = global_shape(value)
+    if found is None:
+        return f"expected a tensor, got {type(value).__name__}"
+    if found != shape and not (len(shape) == 0 and found == stored_shape(shape)):
+        return f"shape {tuple(found)} does not match the model's {tuple(shape)}"
+    if not isinstance(value, ShardedTensor) or numel == 0:
+        return None
+    pieces = _flat_pieces(value)
+    if pieces is None:
+        return "its local shards are not contiguous ranges of the flattened tensor"
+    covered = sum(max(0, min(first + len(data), start + numel) - max(first, start)) for first, data in pieces)
+    if covered < numel:
+        return (
+            f"its local shards hold {covered} of the {numel} elements this rank needs; pass the state dict "
+            "get_model_state_dict / get_optimizer_state_dict built for this model"
+        )
+    return None
+
+
+def _span_view(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
+    """One 1-D view over consecutive pieces that are consecutive views of one
+    storage (as ``sharded_tensor_of_range`` builds them), else None."""
+    if not pieces:
+        return None
+    first0, data0 = pieces[0]
+    storage = data0.untyped_storage().data_ptr()
+    expected_ptr, expected_first = data0.data_ptr(), first0
+    for first, data in pieces:
+        if (
+            first != expected_first
+            or data.untyped_storage().data_ptr() != storage
+            or data.data_ptr() != expected_ptr
+            or data.dtype != data0.dtype
+        ):
+            return None
+        expected_first += len(data)
+        expected_ptr += len(data) * data.element_size()
+    return data0.as_strided((expected_first - first0,), (1,), data0.storage_offset())
+
+
+def read_range(value: Any, start: int, numel: int) -> torch.Tensor:
+    """This rank's range (1-D) of ``value``, which ``range_source_error``
+    accepted. A view when the source is one piece; otherwise a new tensor."""
+    if not isinstance(value, ShardedTensor):
+        return value.detach().reshape(-1)[start : start + numel]
+    pieces = sorted(_flat_pieces(value) or [], key=lambda piece: piece[0])
+    for first, data in pieces:
+        if first <= start and start + numel <= first + len(data):
+            return data[start - first : start - first + numel]
+    span = _span_view(pieces)
+    if span is not None and pieces[0][0] <= start and start + numel <= pieces[0][0] + len(span):
+        return span[start - pieces[0][0] : start - pieces[0][0] + numel]
+    dtype = pieces[0][1].dtype if pieces else value.metadata().tensor_properties.dtype
+    device = pieces[0][1].device if pieces else torch.device("cpu")
+    out = torch.empty(numel, dtype=dtype, device=device)
+    for first, data in pieces:
+        lo, hi = max(first, start), min(first + len(data), start + numel)
+        if hi > lo:
+            out[lo - start : hi - start].copy_(data[lo - first : hi - first])
+    return out
