@@ -390,12 +390,27 @@ class FlatParamHandle:
 
     def use_sharded_grad_views(self, sharded_flat_grad: torch.Tensor | None) -> None:
         """Set each original parameter's ``.grad`` to its slice of
-        ``sharded_flat_grad`` (None where this rank holds none of it)."""
+        ``sharded_flat_grad`` (all None when it is None).
+
+        [Note: empty gradients on empty ranges]
+        A parameter of which this rank holds no element gets an *empty*
+        ``.grad`` (a new 0-element tensor, not a view, so it keeps no storage
+        alive), never None: optimizers skip parameters whose ``.grad`` is
+        None, so AdamW's ``step`` (and any other per-parameter counter) would
+        stop advancing on that rank only, and after a resume the stale value
+        could be the one a state dict saves. With an empty ``.grad`` every
+        rank's optimizer steps every parameter, and the scalar state agrees
+        across ranks whatever the layout. ``_collect_user_grads`` and
+        ``clip_grad_norm_`` ignore empty gradients.
+        """
         for info, param in zip(self.layout.params, self.orig_params):
-            if sharded_flat_grad is None or info.local_numel == 0:
+            if sharded_flat_grad is None:
                 param.grad = None
                 continue
-            local = sharded_flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
+            if info.local_numel == 0:
+                local = sharded_flat_grad.new_empty(0)
+            else:
+                local = sharded_flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
             if local.dtype == param.dtype:
                 param.grad = local
             else:
