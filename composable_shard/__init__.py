@@ -8,6 +8,7 @@ gradients. See API.md for the contract.
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+from .plan import ShardingPlan, describe, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
 from .state_dict import StateDictError, StateDictOptions, get_model_state_dict, set_model_state_dict
 from .optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -27,6 +28,9 @@ __all__ = [
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",
+    "plan",
+    "describe",
+    "ShardingPlan",
     "StateDictOptions",
     "StateDictError",
     "get_model_state_dict",

@@ -1,0 +1,465 @@
+"""Owns: the sharding plan — per unit layout and per rank memory, computed
+before a run (``plan``, no process group, meta-device models welcome) or read
+from a sharded model (``describe``), and its printed table.
+
+Knows nothing of: hooks, collectives, storage (it reads layouts, and the
+memory arithmetic lives in ``plan_memory.py``).
+
+Public names: ``plan``, ``describe``, ``ShardingPlan``.
+
+[Note: plan and fully_shard share one copy of the rules]
+``plan`` chooses units, owners and flat-parameter groups with ``units.py``
+and lays each flat parameter out with ``flat_layout.compute_layout``: the
+functions ``fully_shard`` calls (see [Note: one copy of the unit rules]).
+``describe`` reads the layouts ``fully_shard`` built. Both feed the same
+``_assemble``, so ``plan(model, ...) == describe(sharded model)`` whenever the
+arguments match, and the tests compare both with what the allocator holds.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_layout import FlatParamLayout, compute_layout
+from .plan_memory import (
+    OPTIMIZERS,
+    FlatParamPlan,
+    StepPeak,
+    UnitPlan,
+    measure_activations,
+    optimizer_bytes,
+    optimizer_step_bytes,
+    step_peak,
+)
+from .policy import Policy
+from .state import UnitState, get_state, unit_states_under
+from .units import choose_units, flat_param_dtypes, group_sources, offloads_params, plan_ownership, split_ignored, unit_kwargs
+
+__all__ = ["plan", "describe", "ShardingPlan"]
+
+# A unit this many times the median unit sets the peak on its own.
+_LARGE_UNIT_RATIO = 4.0
+# Padding above this fraction of a unit's unsharded buffer is worth a warning.
+_PADDING_WARN_FRACTION = 0.03
+_MORE = {
+    "rank",
+    "forward_prefetch",
+    "backward_prefetch",
+    "limit_all_gathers",
+    "device",
+    "hybrid_shard_size",
+    "example_inputs",
+    "input_shape",
+    "input_dtype",
+    "loss_fn",
+    "warn",
+}
+
+
+@dataclass
+class ShardingPlan:
+    """What each unit and each rank holds. ``units`` in module pre-order
+    (root first); ``rank_bytes`` for rank ``rank``:
+
+    - ``params``, ``grads``, ``optimizer``: the sharded model state after an
+      optimizer step (exactly what ``fully_shard`` and ``torch.optim``
+      allocate); ``model_state`` their sum; ``optimizer_by_kind`` splits the
+      optimizer state;
+    - ``unsharded_params``, ``unsharded_grads``, ``comm``,
+      ``optimizer_step``: alive at the step's worst moment (``peak_moment``),
+      when ``grads_at_peak`` of the sharded gradients exist;
+    - ``activations``: measured under fake tensors (0 without an input);
+    - ``total``: the peak — params + optimizer + grads_at_peak + the
+      moment's transients + activations;
+    - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
+    """
+
+    world_size: int
+    rank: int
+    optimizer: str
+    units: list[UnitPlan]
+    rank_bytes: dict[str, int]
+    optimizer_by_kind: dict[str, int]
+    peak_moment: str
+    warnings: list[str] = field(default_factory=list)
+    # "plan" (computed before sharding) or "fully_shard" (read from a model).
+    source: str = "plan"
+
+    def __str__(self) -> str:
+        from .plan_table import format_plan
+
+        return format_plan(self)
+
+
+def plan(
+    module: nn.Module,
+    *,
+    world_size: int,
+    policy: Policy | set[type[nn.Module]] | None = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+    optimizer: str = "adamw",
+    **more: Any,
+) -> ShardingPlan:
+    """Plan ``fully_shard(module, policy=..., ...)`` on ``world_size`` ranks
+    without a process group and without allocating parameters.
+
+    ``more``: ``rank`` (0: the rank with the most parameter elements),
+    ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers`` as for
+    ``fully_shard``; ``device`` the compute device type (default: where the
+    parameters are, ``"cuda"`` for a meta model); ``hybrid_shard_size`` ranks
+    per shard group under hybrid strategies (default ``LOCAL_WORLD_SIZE`` or
+    ``world_size``); ``example_inputs`` (tuple) or ``input_shape`` (+
+    ``input_dtype``, default ``torch.long``) and ``loss_fn`` to measure
+    activations; ``warn=True`` to also emit the plan's warnings.
+    """
+    name = type(module).__name__
+    unknown = set(more) - _MORE
+    if unknown:
+        raise TypeError(f"plan({name}): unknown keyword arguments {sorted(unknown)}; known extras: {sorted(_MORE)}.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan({name}): world_size must be a positive int, got {world_size!r}.")
+    rank = more.get("rank", 0)
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"plan({name}): rank must be in [0, {world_size}), got {rank!r}.")
+    _check_optimizer(name, optimizer)
+    device_type = more.get("device") or _device_type(module)
+    ignored_modules, ignored_params = split_ignored(name, ignored_states)
+    base = dict(
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        forward_prefetch=more.get("forward_prefetch", False),
+        backward_prefetch=more.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE),
+        limit_all_gathers=more.get("limit_all_gathers", True),
+        process_group=None,
+        device_mesh=None,
+    )
+    if get_state(module) is not None:
+        raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
+    # [Note: plan and fully_shard share one copy of the rules]
+    choices = choose_units(module, policy, ignored_modules)
+    sources = plan_ownership(module, choices, ignored_modules, ignored_params)
+    hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    compute_device = torch.device(device_type)
+    specs: dict[int, UnitPlan] = {}
+    for choice in choices:
+        kwargs = unit_kwargs(name, base, choice)
+        shard_size, shard_rank = _shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
+        offload = offloads_params(kwargs["cpu_offload"], compute_device)
+        flat_params = []
+        for flat_sources in group_sources(sources[id(choice.module)]):
+            first = flat_sources[0].param
+            layout = compute_layout(
+                [(src.param.shape, src.owners) for src in flat_sources],
+                dtype=first.dtype,
+                requires_grad=first.requires_grad,
+                shard_rank=shard_rank,
+                shard_world_size=shard_size,
+            )
+            dtypes = flat_param_dtypes(first.dtype, kwargs["mixed_precision"])
+            flat_params.append(
+                _flat_param_plan(layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload)
+            )
+        specs[id(choice.module)] = _unit_plan(choice.module, kwargs, flat_params)
+    # Units marked by earlier manual fully_shard calls keep their own layout
+    # rules: recompute them at this world size.
+    for _, state in unit_states_under(module):
+        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size)
+    names = {id(m): n for n, m in module.named_modules()}
+    units = sorted(
+        (_renamed(spec, names[key]) for key, spec in specs.items()),
+        key=lambda u: _preorder_index(module, u.name),
+    )
+    activations = _activations(name, module, units, mixed_precision, more)
+    shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
+    result = _assemble(units, world_size, rank, optimizer, device_type, activations, shared, source="plan")
+    if more.get("warn", False):
+        for message in result.warnings:
+            warnings.warn(message, stacklevel=2)
+    return result
+
+
+def describe(module: nn.Module, *, optimizer: str = "adamw", activations: int = 0) -> ShardingPlan:
+    """The plan of a model ``fully_shard`` already sharded, read from its
+    real layouts, on this rank (same table and numbers as ``plan``)."""
+    name = type(module).__name__
+    _check_optimizer(name, optimizer)
+    named = list(unit_states_under(module))
+    if not named:
+        raise ValueError(f"describe({name}): no fully_shard unit in this module. Call fully_shard first, or use plan().")
+    units = []
+    device_type = "cpu"
+    for unit_name, state in named:
+        flat_params = [
+            _flat_param_plan(
+                h.layout, h.param_dtype, h.reduce_dtype if h.reduce_dtype != h.param_dtype else None,
+                h.keep_low_precision_grads, h.offload_params,
+            )
+            for h in state.handles
+        ]
+        units.append(_unit_plan_from_state(unit_name, state, flat_params))
+        device_type = state.compute_device.type
+    world = named[0][1].groups.data_parallel_world_size
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    owners = {id(m) for _, s in named for m in [s.module]}
+    shared = _shared_params_from_states(module, owners, named)
+    return _assemble(units, world, rank, optimizer, device_type, activations, shared, source="fully_shard")
+
+
+# ---------------------------------------------------------------- helpers
+def _check_optimizer(name: str, optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan({name}): optimizer {optimizer!r} is unknown; pick one of {sorted(OPTIMIZERS)}.")
+
+
+def _device_type(module: nn.Module) -> str:
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device.type
+    return "cuda"
+
+
+def _shard_group(name: str, strategy: ShardingStrategy, world: int, rank: int, hybrid_size: int) -> tuple[int, int]:
+    """(shard world size, shard rank) as ``fully_shard._resolve_groups``
+    builds the groups from the world group."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1, 0
+    if strategy.is_hybrid:
+        if hybrid_size < 1 or world % hybrid_size:
+            raise ValueError(
+                f"plan({name}): hybrid sharding needs world_size ({world}) to be a multiple of "
+                f"hybrid_shard_size ({hybrid_size})."
+            )
+        return hybrid_size, rank % hybrid_size
+    return world, rank
+
+
+def _flat_param_plan(
+    layout: FlatParamLayout,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    keep_low_precision_grads: bool,
+    offload: bool,
+) -> FlatParamPlan:
+    """What ``FlatParamHandle`` allocates for ``layout`` (see its
+    constructor, ``reduce_grad`` and ``finish_grad_reduction``)."""
+    compute = param_dtype or layout.dtype
+    reduce = reduce_dtype or compute
+    is_sharded = layout.shard_world_size > 1
+    local = [info.local_numel for info in layout.params if info.local_numel]
+    return FlatParamPlan(
+        dtype=layout.dtype,
+        requires_grad=layout.requires_grad,
+        numel=layout.total_param_numel,
+        padded_numel=layout.padded_unsharded_numel,
+        shard_numel=layout.shard_numel,
+        local_numel=sum(local),
+        local_param_count=len(local),
+        max_local_numel=max(local, default=0),
+        param_dtype=compute,
+        reduce_dtype=reduce,
+        grad_dtype=reduce if keep_low_precision_grads else layout.dtype,
+        needs_unshard_storage=is_sharded or compute != layout.dtype or offload,
+        offload=offload,
+        is_sharded=is_sharded,
+        param_count=len(layout.params),
+    )
+
+
+def _unit_plan(module: nn.Module, kwargs: dict[str, Any], flat_params: list[FlatParamPlan]) -> UnitPlan:
+    return UnitPlan(
+        name="",
+        module_type=type(module).__name__,
+        strategy=kwargs["strategy"],
+        flat_params=tuple(flat_params),
+        forward_prefetch=kwargs["forward_prefetch"],
+        backward_prefetch=kwargs["backward_prefetch"],
+    )
+
+
+def _unit_plan_from_state(name: str, state: UnitState, flat_params: list[FlatParamPlan]) -> UnitPlan:
+    return UnitPlan(
+        name=name,
+        module_type=type(state.module).__name__,
+        strategy=state.config.strategy,
+        flat_params=tuple(flat_params),
+        forward_prefetch=state.config.forward_prefetch,
+        backward_prefetch=state.config.backward_prefetch,
+    )
+
+
+def _replan_existing(name: str, state: UnitState, world: int, rank: int, hybrid_size: int) -> UnitPlan:
+    shard_size, shard_rank = _shard_group(name, state.config.strategy, world, rank, hybrid_size)
+    flat_params = []
+    for handle in state.handles:
+        old = handle.layout
+        layout = compute_layout(
+            [(info.shape, info.owners) for info in old.params],
+            dtype=old.dtype,
+            requires_grad=old.requires_grad,
+            shard_rank=shard_rank,
+            shard_world_size=shard_size,
+        )
+        reduce = handle.reduce_dtype if handle.reduce_dtype != handle.param_dtype else None
+        flat_params.append(_flat_param_plan(layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params))
+    return _unit_plan_from_state("", state, flat_params)
+
+
+def _renamed(unit: UnitPlan, name: str) -> UnitPlan:
+    return UnitPlan(name, unit.module_type, unit.strategy, unit.flat_params, unit.forward_prefetch, unit.backward_prefetch)
+
+
+def _preorder_index(module: nn.Module, name: str) -> int:
+    for index, (candidate, _) in enumerate(module.named_modules()):
+        if candidate == name:
+            return index
+    return -1
+
+
+def _unit_modules(module: nn.Module, specs: dict[int, UnitPlan]) -> list[nn.Module]:
+    return [m for m in module.modules() if id(m) in specs]
+
+
+def _innermost_unit(module: nn.Module, unit_ids: set[int]) -> dict[int, str]:
+    """Module id -> name of the innermost unit containing it."""
+    result: dict[int, str] = {}
+
+    def visit(current: nn.Module, prefix: str, unit_name: str) -> None:
+        if id(current) in unit_ids:
+            unit_name = prefix.rstrip(".")
+        result.setdefault(id(current), unit_name)
+        for child_name, child in current._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", unit_name)
+
+    visit(module, "", "")
+    return result
+
+
+def _shared_params(module: nn.Module, unit_ids: set[int], sources: dict[int, list[Any]]) -> list[tuple[str, list[str]]]:
+    unit_of = _innermost_unit(module, unit_ids)
+    found = []
+    for unit_sources in sources.values():
+        for source in unit_sources:
+            users = sorted({unit_of[id(owner.module)] for owner in source.owners})
+            if len(users) > 1:
+                found.append((source.owners[0].fqn, users))
+    return found
+
+
+def _shared_params_from_states(
+    module: nn.Module, unit_ids: set[int], named: Sequence[tuple[str, UnitState]]
+) -> list[tuple[str, list[str]]]:
+    unit_of = _innermost_unit(module, unit_ids)
+    found = []
+    for _, state in named:
+        for handle in state.handles:
+            for info in handle.layout.params:
+                users = sorted({unit_of.get(id(owner.module), "") for owner in info.owners})
+                if len(users) > 1:
+                    found.append((info.fqn, users))
+    return found
+
+
+def _activations(
+    name: str, module: nn.Module, units: list[UnitPlan], mixed_precision: MixedPrecision | None, more: dict[str, Any]
+) -> int:
+    args = more.get("example_inputs")
+    shape = more.get("input_shape")
+    if args is None and shape is None:
+        return 0
+    if args is None:
+        dtype = more.get("input_dtype", torch.long)
+        device = next((p.device for p in module.parameters()), torch.device("meta"))
+        args = (torch.zeros(tuple(shape), dtype=dtype, device=device),)
+    elif not isinstance(args, tuple):
+        args = (args,)
+    if any(get_state(m) is not None for m in module.modules()):
+        raise ValueError(f"plan({name}): activations can only be measured on a model without fully_shard units.")
+    compute = mixed_precision.param_dtype if mixed_precision is not None else None
+    loss_fn: Callable[[Any], torch.Tensor] | None = more.get("loss_fn")
+    return measure_activations(module, args, compute_dtype=compute, loss_fn=loss_fn)
+
+
+def _assemble(
+    units: list[UnitPlan],
+    world_size: int,
+    rank: int,
+    optimizer: str,
+    device_type: str,
+    activations: int,
+    shared: list[tuple[str, list[str]]],
+    *,
+    source: str,
+) -> ShardingPlan:
+    flat_params = [fp for unit in units for fp in unit.flat_params]
+    by_kind = optimizer_bytes(flat_params, optimizer)
+    params = sum(fp.shard_bytes for fp in flat_params)
+    grads = sum(fp.grad_bytes for fp in flat_params)
+    optim = sum(by_kind.values())
+    peak: StepPeak = step_peak(
+        units, optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type), all_grads=grads
+    )
+    offloaded = [fp for fp in flat_params if fp.offload]
+    cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
+    rank_bytes = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optim,
+        "model_state": params + grads + optim,
+        "grads_at_peak": peak.sharded_grads,
+        "unsharded_params": peak.unsharded_params,
+        "unsharded_grads": peak.unsharded_grads,
+        "comm": peak.comm,
+        "optimizer_step": peak.optimizer_step,
+        "activations": activations,
+        "total": params + optim + peak.transient + activations,
+        "cpu": cpu,
+    }
+    return ShardingPlan(
+        world_size=world_size,
+        rank=rank,
+        optimizer=optimizer,
+        units=units,
+        rank_bytes=rank_bytes,
+        optimizer_by_kind=by_kind,
+        peak_moment=peak.moment,
+        warnings=_warnings(units, shared),
+        source=source,
+    )
+
+
+def _warnings(units: list[UnitPlan], shared: list[tuple[str, list[str]]]) -> list[str]:
+    messages = []
+    sizes = sorted(unit.padded_numel for unit in units)
+    if len(units) >= 3:
+        median = sizes[len(sizes) // 2]
+        for unit in units:
+            if median and unit.padded_numel > _LARGE_UNIT_RATIO * median:
+                messages.append(
+                    f"unit '{unit.name or '<root>'}' has {unit.numel:,} parameters, "
+                    f"{unit.padded_numel / median:.1f}x the median unit: gathered whole, it sets the peak. "
+                    "Split it into more units (a policy on its submodules)."
+                )
+    for unit in units:
+        if unit.padded_numel and unit.padding / unit.padded_numel > _PADDING_WARN_FRACTION:
+            messages.append(
+                f"unit '{unit.name or '<root>'}': {unit.padding:,} of {unit.padded_numel:,} unsharded elements "
+                f"({100 * unit.padding / unit.padded_numel:.1f}%) are padding; fewer ranks or larger units waste less."
+            )
+    for fqn, users in shared:
+        messages.append(
+            f"parameter '{fqn}' is used by units {users}; it is owned by their common unit, gathered for "
+            "that unit's whole forward and backward."
+        )
+    return messages

@@ -1,0 +1,353 @@
+"""Owns: the per-rank memory arithmetic of a sharding plan — what one flat
+parameter costs in each state, the optimizer state per kind, the worst moment
+of a training step (replaying the order in which the runtime gathers, frees
+and reduces), and activations measured under fake tensors.
+
+Knows nothing of: process groups, hooks, how units are chosen (``plan.py``
+gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
+
+Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
+``optimizer_bytes``, ``optimizer_step_bytes``, ``step_peak``,
+``measure_activations``, ``OPTIMIZERS``.
+
+[Note: the step the plan replays]
+The plan assumes the usual loop ``zero_grad(set_to_none=True)``, forward,
+backward, ``optimizer.step()`` after the first step (optimizer state exists).
+Forward runs the units in module pre-order; a unit's ancestors stay gathered
+while it runs; the root stays gathered from its forward to its backward (as
+``runtime._post_forward`` does); ``SHARD_GRAD_OP`` units stay gathered until
+their backward; forward prefetch gathers the next unit early. Backward runs in
+reverse: the unit's gathered parameters, its ancestors', the unit
+``BACKWARD_PRE`` prefetches, its unsharded gradient (the per-parameter pieces
+and the padded flat gradient they are concatenated into exist together for a
+moment), the unsharded gradients of its ancestors (held by autograd until
+their last use), one reduction in flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``)
+and the sharded gradients reduced so far. ``optimizer.step()`` holds every
+sharded gradient plus the optimizer's temporaries. The worst of these moments
+is the plan's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .api import BackwardPrefetch, ShardingStrategy
+
+__all__ = [
+    "OPTIMIZERS",
+    "FlatParamPlan",
+    "UnitPlan",
+    "StepPeak",
+    "optimizer_bytes",
+    "optimizer_step_bytes",
+    "step_peak",
+    "measure_activations",
+]
+
+# Optimizer kinds the plan knows, with the per-parameter state each keeps.
+OPTIMIZERS = {
+    "adamw": ("exp_avg", "exp_avg_sq", "step"),
+    "adam": ("exp_avg", "exp_avg_sq", "step"),
+    "sgd": ("momentum_buffer",),
+    "none": (),
+}
+# torch.optim's Adam keeps ``step`` as a float32 scalar tensor per parameter.
+_STEP_BYTES = 4
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class FlatParamPlan:
+    """One flat parameter on this rank, as ``fully_shard`` builds it."""
+
+    dtype: torch.dtype
+    requires_grad: bool
+    # Elements of the original parameters (each once, tied ones included).
+    numel: int
+    # Numel of the padded unsharded flat buffer.
+    padded_numel: int
+    # Numel of one rank's shard.
+    shard_numel: int
+    # Parameter elements (not padding) in this rank's shard.
+    local_numel: int
+    # Parameters with at least one element on this rank (they get a .grad
+    # and optimizer state; the others' local part is empty).
+    local_param_count: int
+    # Largest local part of one parameter (single-tensor optimizer temporaries).
+    max_local_numel: int
+    # Compute / all-gather dtype, reduction dtype, sharded gradient dtype.
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    # Whether the unsharded buffer is its own allocation (see flat_param.py).
+    needs_unshard_storage: bool
+    # Whether the shard, its gradient and optimizer state live on the CPU.
+    offload: bool
+    is_sharded: bool
+    param_count: int
+
+    @property
+    def padding(self) -> int:
+        """Alignment and tail padding elements of the unsharded buffer."""
+        return self.padded_numel - self.numel
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * _itemsize(self.dtype)
+
+    @property
+    def grad_bytes(self) -> int:
+        """The sharded gradient after backward: one flat tensor, or none when
+        this rank holds no element of any parameter."""
+        if not self.requires_grad or self.local_param_count == 0:
+            return 0
+        return self.shard_numel * _itemsize(self.grad_dtype)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.padded_numel * _itemsize(self.param_dtype) if self.needs_unshard_storage else 0
+
+    @property
+    def gather_source_bytes(self) -> int:
+        """A temporary copy of the shard in the compute dtype/device for the
+        all-gather (mixed precision or offload)."""
+        if self.param_dtype == self.dtype and not self.offload:
+            return 0
+        return self.shard_numel * _itemsize(self.param_dtype)
+
+    @property
+    def unsharded_grad_bytes(self) -> int:
+        return self.padded_numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+
+    @property
+    def grad_pieces_bytes(self) -> int:
+        """Per-parameter gradients autograd holds before it concatenates them
+        into the padded flat gradient."""
+        return self.numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+
+    @property
+    def conversion_bytes(self) -> int:
+        """The unsharded gradient in the compute dtype while it is copied to
+        the reduction dtype."""
+        return self.unsharded_grad_bytes if self.reduce_dtype != self.param_dtype else 0
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Buffers of this flat parameter's reduction while it is in flight."""
+        if not self.requires_grad:
+            return 0
+        size = _itemsize(self.reduce_dtype)
+        output = self.shard_numel * size if self.is_sharded else 0
+        return self.padded_numel * size + output
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: its name in the model (``""`` for the root) and its flat
+    parameters on this rank."""
+
+    name: str
+    module_type: str
+    strategy: ShardingStrategy
+    flat_params: tuple[FlatParamPlan, ...]
+    forward_prefetch: bool
+    backward_prefetch: BackwardPrefetch | None
+
+    @property
+    def numel(self) -> int:
+        return sum(fp.numel for fp in self.flat_params)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(fp.padded_numel for fp in self.flat_params)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(fp.shard_numel for fp in self.flat_params)
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(fp.shard_bytes for fp in self.flat_params)
+
+    @property
+    def padding(self) -> int:
+        return sum(fp.padding for fp in self.flat_params)
+
+    def bytes_of(self, attr: str) -> int:
+        return sum(getattr(fp, attr) for fp in self.flat_params)
+
+    def is_ancestor_of(self, other: UnitPlan) -> bool:
+        return other is not self and (self.name == "" or other.name.startswith(self.name + "."))
+
+
+def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dict[str, int]:
+    """Optimizer state by kind, as ``torch.optim`` allocates it for the
+    original parameters' local parts (padding gets none)."""
+    kinds = dict.fromkeys(OPTIMIZERS[optimizer], 0)
+    for fp in flat_params:
+        if not fp.requires_grad:
+            continue
+        for kind in kinds:
+            if kind == "step":
+                kinds[kind] += _STEP_BYTES * fp.local_param_count
+            elif kind == "momentum_buffer":
+                kinds[kind] += fp.local_numel * _itemsize(fp.grad_dtype)
+            else:
+                kinds[kind] += fp.local_numel * _itemsize(fp.dtype)
+    return kinds
+
+
+def optimizer_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, device_type: str) -> int:
+    """Temporaries of one ``optimizer.step()``: Adam's foreach path (CUDA)
+    keeps ``sqrt(exp_avg_sq)`` for every parameter at once; the per-parameter
+    path (CPU) two parameter-sized temporaries for the largest parameter."""
+    if optimizer not in ("adam", "adamw"):
+        return 0
+    trainable = [fp for fp in flat_params if fp.requires_grad]
+    if device_type == "cuda":
+        return sum(fp.local_numel * _itemsize(fp.dtype) for fp in trainable)
+    return max((2 * fp.max_local_numel * _itemsize(fp.dtype) for fp in trainable), default=0)
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The worst moment of a step and what is alive then, besides the
+    sharded parameters and optimizer state (always alive)."""
+
+    moment: str
+    sharded_grads: int
+    unsharded_params: int
+    unsharded_grads: int
+    comm: int
+    optimizer_step: int
+
+    @property
+    def transient(self) -> int:
+        return self.sharded_grads + self.unsharded_params + self.unsharded_grads + self.comm + self.optimizer_step
+
+
+def step_peak(units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int) -> StepPeak:
+    """Replay one step over ``units`` (module pre-order, root first; see
+    [Note: the step the plan replays]) and return its worst moment."""
+    moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
+    gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
+
+    def gather(index: int) -> int:
+        """Unshard units[index]; returns its all-gather source temporaries."""
+        gathered[index] = units[index].bytes_of("unsharded_bytes")
+        return units[index].bytes_of("gather_source_bytes")
+
+    def moment(label: str, grads: int, unsharded_grads: int, comm: int) -> None:
+        moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0))
+
+    def reshard_finished(running: UnitPlan | None) -> None:
+        """Post-forward of every unit that finished: free unless the root or
+        kept until backward (SHARD_GRAD_OP)."""
+        for index in list(gathered):
+            unit = units[index]
+            still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
+            if index != 0 and not still_running and unit.strategy.reshards_after_forward:
+                del gathered[index]
+
+    for index, unit in enumerate(units):  # forward
+        reshard_finished(unit)
+        source = gather(index)
+        if unit.forward_prefetch and index + 1 < len(units):
+            source += gather(index + 1)
+        moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)
+    reshard_finished(None)
+
+    reduced = 0  # sharded gradients finished so far
+    in_flight = 0  # the one reduction the scheduler keeps in flight
+    for index in range(len(units) - 1, -1, -1):  # backward
+        unit = units[index]
+        source = gather(index)
+        if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
+            source += gather(index - 1)
+        held = sum(u.bytes_of("grad_pieces_bytes") for u in units if u.is_ancestor_of(unit))
+        pieces, flat = unit.bytes_of("grad_pieces_bytes"), unit.bytes_of("unsharded_grad_bytes")
+        name = unit.name or "<root>"
+        moment(f"backward of '{name}'", reduced, held + pieces + flat, in_flight + source)
+        # Post-backward: the previous reduction finishes (its output becomes
+        # a sharded gradient), this one is issued, the unit reshards.
+        if index + 1 < len(units):
+            reduced += units[index + 1].bytes_of("grad_bytes")
+        in_flight = unit.bytes_of("reduction_bytes")
+        converting = unit.bytes_of("conversion_bytes")
+        moment(f"reduce-scatter of '{name}'", reduced, held + converting, in_flight)
+        gathered.pop(index, None)
+    return max(moments, key=lambda m: m.transient)
+
+
+def measure_activations(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    *,
+    compute_dtype: torch.dtype | None,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> int:
+    """Peak bytes of the tensors a forward and backward of ``module`` on
+    ``args`` allocate besides parameters and inputs, measured by running
+    them under ``FakeTensorMode`` (shapes and dtypes only, no memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    class _LiveBytes(TorchDispatchMode):
+        def __init__(self, excluded: set[StorageWeakRef]) -> None:
+            super().__init__()
+            self.excluded = excluded
+            self.live: dict[StorageWeakRef, int] = {}
+            self.peak = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    ref = StorageWeakRef(value.untyped_storage())
+                    if ref not in self.excluded:
+                        self.live[ref] = value.untyped_storage().nbytes()
+            self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
+            self.peak = max(self.peak, sum(self.live.values()))
+            return out
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        params = {}
+        for name, param in module.named_parameters():
+            fake = fake_mode.from_tensor(param.detach())
+            if compute_dtype is not None and fake.is_floating_point():
+                fake = fake.to(compute_dtype)
+            params[name] = fake.requires_grad_(param.requires_grad)
+        buffers = {name: fake_mode.from_tensor(b) for name, b in module.named_buffers()}
+        fake_args = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+        excluded = {StorageWeakRef(t.untyped_storage()) for t in [*params.values(), *buffers.values()]}
+        excluded |= {StorageWeakRef(t.untyped_storage()) for t in tree_flatten(fake_args)[0] if isinstance(t, torch.Tensor)}
+        tracker = _LiveBytes(excluded)
+        with tracker:
+            output = torch.func.functional_call(module, {**params, **buffers}, fake_args)
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            trainable = [p for p in params.values() if p.requires_grad]
+            if loss.requires_grad and trainable:
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+        return tracker.peak
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("plan: the model's output has no floating-point tensor; pass loss_fn= to measure activations.")
+    loss = tensors[0].float().sum()
+    for tensor in tensors[1:]:
+        loss = loss + tensor.float().sum()
+    return loss

@@ -1,0 +1,113 @@
+"""Owns: the printed form of a ``ShardingPlan`` (``str(plan)``).
+
+Knows nothing of: how the numbers are computed (it only reads the plan).
+
+Public names: ``format_plan``, ``format_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .plan import ShardingPlan
+
+__all__ = ["format_plan", "format_bytes"]
+
+
+def format_bytes(count: int) -> str:
+    """Bytes for people: exact below 1 KiB, else two decimals of KiB/MiB/GiB."""
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.2f} {unit}"
+    return f"{count} B"  # unreachable
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def format_plan(plan: ShardingPlan) -> str:
+    header = ["unit", "type", "params", "flat param", "padded", "padding", "shard"]
+    rows: list[list[str]] = []
+    for unit in plan.units:
+        for index, fp in enumerate(unit.flat_params):
+            kind = "trainable" if fp.requires_grad else "frozen"
+            first = index == 0
+            rows.append(
+                [
+                    (unit.name or "<root>") if first else "",
+                    unit.module_type if first else "",
+                    f"{unit.numel:,}" if first else "",
+                    f"{_dtype_name(fp.dtype)} {kind} ({fp.param_count})"
+                    + (f" as {_dtype_name(fp.param_dtype)}" if fp.param_dtype != fp.dtype else ""),
+                    f"{fp.padded_numel:,}",
+                    f"{fp.padding:,}",
+                    format_bytes(fp.shard_bytes),
+                ]
+            )
+        if not unit.flat_params:
+            rows.append([unit.name or "<root>", unit.module_type, "0", "-", "0", "0", "0 B"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    left = {0, 1, 3}
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    flat_params = [fp for unit in plan.units for fp in unit.flat_params]
+    total_numel = sum(unit.numel for unit in plan.units)
+    strategies = sorted({unit.strategy.name for unit in plan.units})
+    lines = [
+        f"ShardingPlan ({plan.source}): {len(plan.units)} units, {total_numel:,} parameters, "
+        f"world size {plan.world_size}, {'/'.join(strategies)}, rank {plan.rank}",
+        line(header),
+        line(["-" * w for w in widths]),
+        *[line(r) for r in rows],
+        "",
+        f"per rank (rank {plan.rank}):",
+    ]
+    rb = plan.rank_bytes
+    trainable = sum(fp.shard_bytes for fp in flat_params if fp.requires_grad)
+    frozen = sum(fp.shard_bytes for fp in flat_params if not fp.requires_grad)
+    kinds = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in plan.optimizer_by_kind.items()) or "no state"
+    items = [
+        ("sharded parameters", rb["params"], f"trainable {format_bytes(trainable)}, frozen {format_bytes(frozen)}"),
+        ("sharded gradients", rb["grads"], "trainable flat parameters only"),
+        (f"optimizer state ({plan.optimizer})", rb["optimizer"], kinds),
+        ("model state", rb["model_state"], "after optimizer.step()"),
+    ]
+    peak_items = [
+        ("sharded gradients", rb["grads_at_peak"], "reduced so far"),
+        ("unsharded parameters", rb["unsharded_params"], "gathered units"),
+        ("unsharded gradients", rb["unsharded_grads"], "before reduce-scatter"),
+        ("communication buffers", rb["comm"], "reduction in flight, all-gather sources"),
+        ("optimizer step temporaries", rb["optimizer_step"], ""),
+    ]
+    label_width = max(len(label) for label, _, _ in items + peak_items) + 4
+    value_width = max(len(format_bytes(n)) for _, n, _ in items + peak_items + [("", rb["total"], "")])
+
+    def item(label: str, count: int, note: str, indent: int = 2) -> str:
+        text = f"{' ' * indent}{label.ljust(label_width - indent)}{format_bytes(count).rjust(value_width)}"
+        return f"{text}  {note}".rstrip()
+
+    lines += [item(*entry) for entry in items]
+    lines.append(f"  worst moment: {plan.peak_moment}")
+    lines += [item(label, count, note, indent=4) for label, count, note in peak_items]
+    if rb["activations"]:
+        lines.append(item("activations", rb["activations"], "measured under FakeTensorMode"))
+    else:
+        lines.append("  activations: not measured (pass input_shape= or example_inputs= to plan)")
+    lines.append(item("peak total", rb["total"], ""))
+    if rb["cpu"]:
+        lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
+    if plan.warnings:
+        lines.append("")
+        lines.append("warnings:")
+        lines += [f"  - {message}" for message in plan.warnings]
+    return "\n".join(lines)
