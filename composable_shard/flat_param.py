@@ -166,19 +166,35 @@ class FlatParamHandle:
         # ``.data`` so the write is not seen by autograd's version counter:
         # tensors saved for backward alias this storage on purpose.
         output = self.unsharded_flat_param.data
-        source = self._all_gather_source()
         self.is_unsharded = True
         if not self.groups.is_sharded:
-            output.copy_(source)
+            # The shard is this rank's whole flat parameter: copied into the
+            # buffer (uploaded first when a cast is needed, so the cast runs
+            # on the device). No collective, but the copy is the lane's work,
+            # fenced by the scheduler like one (see [Note: lane fences]).
+            shard = self.sharded_flat_param
+            if shard.dtype != output.dtype:
+                shard = self._shard_on_compute_device()
+            output.copy_(shard, non_blocking=True)
             return None
+        source = self._all_gather_source()
         work = comm.all_gather_into(output, source, self.groups.shard_group, async_op=async_op)
         return PendingCollective(work, output, (source,))
 
+    def _shard_on_compute_device(self) -> torch.Tensor:
+        """The shard in its own dtype on the compute device. With CPU offload,
+        a temporary uploaded from the pinned shard without blocking the host
+        (see [Note: CPU offload copies]); else the shard itself."""
+        shard = self.sharded_flat_param
+        if shard.device == self.compute_device:
+            return shard
+        return shard.to(self.compute_device, non_blocking=True)
+
     def _all_gather_source(self) -> torch.Tensor:
         """The shard as the all-gather reads it: on the compute device, in the
-        compute dtype (a temporary copy when either differs)."""
-        shard = self.sharded_flat_param
-        return shard.to(device=self.compute_device, dtype=self.param_dtype, non_blocking=True)
+        compute dtype (a temporary when either differs; the cast runs on the
+        device, after the upload)."""
+        return self._shard_on_compute_device().to(self.param_dtype)
 
     def reshard(self) -> None:
         """Free the unsharded buffer's storage and show the shard again."""
@@ -298,6 +314,11 @@ class FlatParamHandle:
         if unsharded_grad is None:
             return None
         self.unsharded_flat_param.grad = None
+        # Kept in the pending collective: on CUDA the cast below reads it on
+        # the lane's stream, and compute (which allocated it) may reuse its
+        # memory only after waiting on the fence ([Note: buffer lifetimes
+        # across lanes] in scheduler.py).
+        computed_grad = unsharded_grad
         if unsharded_grad.dtype != self.reduce_dtype:
             unsharded_grad = unsharded_grad.to(self.reduce_dtype)
         predivide = self._predivide_factor()
@@ -306,11 +327,11 @@ class FlatParamHandle:
         if self.groups.is_sharded:
             output = torch.empty(self.layout.shard_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
             work = comm.reduce_scatter(output, unsharded_grad, self.groups.shard_group, async_op=async_op)
-            return PendingCollective(work, output, (unsharded_grad,))
+            return PendingCollective(work, output, (unsharded_grad, computed_grad))
         work = None
         if self.groups.replicate_group is not None:
             work = comm.all_reduce(unsharded_grad, self.groups.replicate_group, async_op=async_op)
-        return PendingCollective(work, unsharded_grad, ())
+        return PendingCollective(work, unsharded_grad, (computed_grad,))
 
     def _predivide_factor(self) -> float:
         # Low-precision sums can overflow: split the division around the
@@ -331,14 +352,51 @@ class FlatParamHandle:
         if postdivide != 1.0:
             shard_grad.div_(postdivide)
         grad_dtype = self.reduce_dtype if self.keep_low_precision_grads else self.layout.dtype
-        grad_device = self.sharded_flat_param.device
-        shard_grad = shard_grad.to(device=grad_device, dtype=grad_dtype)
+        # Cast where it was reduced (the device); with offload, then download.
+        shard_grad = shard_grad.to(grad_dtype)
         existing = self._collect_user_grads()
-        if existing is None:
+        if self.offload_params:
+            sharded_flat_grad = self._download_grad(shard_grad, existing)
+        elif existing is None:
             sharded_flat_grad = shard_grad
         else:
             sharded_flat_grad = existing.add_(shard_grad.to(existing.dtype))
         self.use_sharded_grad_views(sharded_flat_grad)
+
+    def _download_grad(self, shard_grad: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor:
+        """CPU offload: the sharded gradient (on the device) into host memory,
+        added to ``existing`` (the host gradient to accumulate into), without
+        blocking the host.
+
+        [Note: CPU offload copies]
+        With ``offload_params`` the fp32 shard lives in pinned host memory and
+        only the device computes. Uploads (``_shard_on_compute_device``) copy
+        the pinned shard as it is with ``non_blocking=True`` (an asynchronous
+        DMA on the lane's stream) and cast on the device afterwards; a cast
+        on the host would first write a pageable temporary, whose upload
+        blocks the host. Downloads go the other way on the compute stream: the
+        gradient is cast on the device, then copied with ``non_blocking=True``
+        into pinned host memory (a new block from the pinned caching
+        allocator, which reuses a block only after the copies recorded on it
+        finished). To accumulate, the host gradient is uploaded, summed on the
+        device and downloaded into the same host memory, so the ``.grad``
+        views stay valid; both copies are on one stream, hence ordered.
+
+        Nothing on the host reads or writes that memory while the device may
+        still use it: the gradients' values are undefined until the end of
+        backward, where the runtime makes the host wait once for the compute
+        stream (``Scheduler.synchronize_host``), after every fence and
+        download was enqueued on it; the optimizer (on CPU, on the offloaded
+        shards) and ``clip_grad_norm_`` run after that. Host writes to the
+        shard (optimizer step, state-dict loads, write-back) happen after a
+        backward, or after a forward that no backward follows, at whose end
+        the runtime waits the same way.
+        """
+        if existing is None:
+            host = torch.empty(shard_grad.shape, dtype=shard_grad.dtype, pin_memory=True)
+            return host.copy_(shard_grad, non_blocking=True)
+        total = existing.to(shard_grad.device, non_blocking=True).add_(shard_grad.to(existing.dtype))
+        return existing.copy_(total, non_blocking=True)
 
     def _collect_user_grads(self) -> torch.Tensor | None:
         """The sharded gradient to accumulate into, as the user left it.

@@ -220,8 +220,10 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
             _register_pre_backward_hooks(state, output)
         elif state.is_root:
             # No backward will come: free what forward prefetch left behind.
-            for unit in _context(state).units:
+            context = _context(state)
+            for unit in context.units:
                 reshard_unit(unit)
+            _synchronize_host_copies(context)
         return output
 
 
@@ -336,6 +338,18 @@ def _finalize_backward(context: RootContext) -> None:
             unit.reduced_handles.clear()
             unit.pending_backward_uses = 0
         context.post_backward_callback_queued = False
+        _synchronize_host_copies(context)
+
+
+def _synchronize_host_copies(context: RootContext) -> None:
+    """With CPU offload, the host's one wait per step: gradient downloads into
+    pinned memory are complete (the optimizer may read them) and no upload
+    still reads the shards (the optimizer may write them). Autograd runs this
+    callback on the stream that was current around ``backward()``, which
+    waited on the streams the post-backward hooks enqueued downloads on. See
+    [Note: CPU offload copies] in flat_param.py."""
+    if any(handle.offload_params for unit in context.units for handle in unit.handles):
+        context.scheduler.synchronize_host()
 
 
 def _reset_after_error(context: RootContext) -> None:
@@ -349,6 +363,7 @@ def _reset_after_error(context: RootContext) -> None:
         unit.training_state = TrainingState.IDLE
         unit.reduced_handles.clear()
         unit.pending_backward_uses = 0
+    _synchronize_host_copies(context)
 
 
 # -------------------------------------------------------------- registration

@@ -1,21 +1,73 @@
 """Owns: where and when communication runs — the lanes (a CUDA stream beside
-the compute stream, or asynchronous gloo work on CPU), the events between
-them, keeping buffers alive until their consumer has finished, and the limit
-on all-gathers in flight.
+the compute stream, or asynchronous gloo work on CPU), the fences between
+them, keeping buffers alive until their consumer has finished, the limit on
+all-gathers in flight, and the host's wait for the device.
 
 Knows nothing of: parameters, modules (work is issued through callables and
 tracked by opaque keys).
 
 Public names: ``Scheduler``, ``Lane``, ``InFlight``.
 
+[Note: lane fences]
+Whatever a lane runs is fenced, whether or not it launched a collective: a
+``launch`` may enqueue only copies and casts (the shard copied into its own
+unsharded buffer when the shard group has one rank, gradients cast to the
+reduction dtype) and return no ``PendingCollective``, and compute must still
+not read what those kernels write before they ran. So ``issue`` always
+returns an ``InFlight`` and the scheduler always keeps it until compute
+waited on it (``wait_for_unshard``; reductions before ``on_done``).
+
+Why that is enough on CUDA, from the stream semantics: kernels on one stream
+run in the order they were enqueued; two streams are ordered only by events.
+``CudaStreamLane.issue`` enqueues ``launch`` on the lane's stream and then
+records an event on that stream. An event completes only once every piece
+of work enqueued on its stream before the record has completed, whatever
+that work is (a cast, a ``copy_`` from pinned host memory, an NCCL
+collective: with ``async_op=False`` the process group makes the issuing
+stream, here the lane, wait for its own NCCL stream before returning).
+``wait`` makes the compute stream wait on that event (``wait_event``, no host
+sync), so every kernel compute enqueues afterwards — building views, forward
+and backward reading the unsharded buffer, finishing a reduction — runs after
+all of the lane's work for that key. Before the fix an issue that returned no
+collective recorded no event, and compute read a buffer the lane was still
+filling (wrong results, NaN, at world size 1 and under ``NO_SHARD`` with
+mixed precision or CPU offload). In the other direction, ``issue`` first makes
+the lane wait for the compute stream (``wait_stream``), so the lane never
+reads a gradient or a shard before compute finished writing it. On CPU the
+lane's copies run synchronously in the calling thread and only gloo work is
+asynchronous; waiting on its handle orders the rest.
+
+The host is a third party: CPU offload has the device read pinned host
+memory (shard uploads) and write it (gradient downloads) without blocking
+the host. ``synchronize_host`` blocks the calling thread until the compute
+stream — which waited on every lane's fences and enqueued the downloads —
+is done; the runtime calls it once at the end of backward, before the
+optimizer may read the gradients or write the shards.
+
 [Note: buffer lifetimes across lanes]
-Buffers are never tied to a stream through the caching allocator. A collective's buffers travel in an ``InFlight`` with
-the lane's completion event; the scheduler drops that reference only after
-the consumer (the compute stream, or the CPU) waited on the event. Before a
-lane issues work it waits for everything the compute stream enqueued so far,
-so a buffer freed by compute (a resharded unsharded buffer, say) is never
-reused by the lane while compute may still read it. On CPU the "event" is
-the gloo work handle; waiting on it blocks the calling thread only.
+Buffers are never tied to a stream through the caching allocator. The
+allocator gives a freed block back to the stream it was allocated on, and
+that stream's next allocation may reuse it at once; so a block is safe to
+free on the host when every stream other than its own that uses it is
+ordered before the allocating stream's next work. The scheduler keeps that
+true in both directions:
+
+- Lane work reading or writing a tensor that compute allocated (a gradient
+  cast from, a shard copied from): ``launch`` puts every such tensor in the
+  ``PendingCollective`` it returns, which the ``InFlight`` keeps referenced
+  until compute waited on the fence; only then may compute's stream reuse
+  the block, and all its later work is ordered after the fence.
+- Blocks allocated on a lane (unsharded buffers refilled in ``unshard``,
+  all-gather sources, reduce-scatter outputs that become the sharded
+  gradient) and freed by the host after compute used them (``reshard``,
+  ``zero_grad``): lanes allocate only inside ``issue``, after
+  ``wait_stream`` on compute, so every use compute had enqueued before the
+  free is ordered before the lane reuses the block. Temporaries a lane both
+  allocates and frees (the fp32 upload before the cast) are only used on
+  that lane, in stream order.
+
+On CPU the "event" is the gloo work handle; waiting on it blocks the calling
+thread only.
 """
 
 from __future__ import annotations
@@ -34,41 +86,49 @@ logger = logging.getLogger(__name__)
 
 
 class InFlight(NamedTuple):
-    """An issued collective, its buffers, and the event that marks its end
-    on the lane (None on CPU, where the work handle is the event)."""
+    """Work issued on a lane — a collective, copies, or nothing at all — the
+    buffers it uses, and its fence (see [Note: lane fences])."""
 
-    pending: PendingCollective
+    # The collective and its buffers; None when the launch returned none
+    # (copies only, or nothing to do): the fence still covers it.
+    pending: PendingCollective | None
+    # Recorded on the lane's stream after the launch; None on CPU, where the
+    # work handle (if any) is the fence.
     event: torch.cuda.Event | None
 
 
 class Lane(Protocol):
-    """Somewhere collectives run beside compute."""
+    """Somewhere work runs beside compute."""
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight | None:
-        """Launch a collective on this lane; None if nothing was launched."""
+    # Whether collectives are launched with async_op=True on this lane.
+    async_op: bool
+
+    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
+        """Run ``launch`` on this lane; the returned fence covers everything
+        it enqueued, whether or not it launched a collective."""
         ...
 
     def wait(self, in_flight: InFlight) -> None:
-        """Make compute wait until ``in_flight`` finished."""
+        """Make compute wait until everything ``in_flight`` fences finished."""
         ...
 
 
 class CpuLane:
-    """Collectives as asynchronous gloo work run by the backend's threads."""
+    """Collectives as asynchronous gloo work run by the backend's threads;
+    anything else a launch does runs synchronously in the calling thread."""
 
     async_op = True
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight | None:
-        pending = launch()
-        return None if pending is None else InFlight(pending, None)
+    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
+        return InFlight(launch(), None)
 
     def wait(self, in_flight: InFlight) -> None:
-        if in_flight.pending.work is not None:
+        if in_flight.pending is not None and in_flight.pending.work is not None:
             in_flight.pending.work.wait()
 
 
 class CudaStreamLane:
-    """Collectives on their own CUDA stream, ordered by events."""
+    """Work on its own CUDA stream, fenced by an event (see [Note: lane fences])."""
 
     # NCCL work is already asynchronous to the host; issuing it synchronously
     # inside the stream context orders it on this stream.
@@ -79,14 +139,14 @@ class CudaStreamLane:
         self.stream = torch.cuda.Stream(device=device, priority=priority)
         self.device = device
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight | None:
+    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
         # See [Note: buffer lifetimes across lanes]: everything compute has
         # enqueued so far (gradients written, buffers last read) comes first.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             pending = launch()
-            if pending is None:
-                return None
+            # The fence: recorded whether or not a collective was launched,
+            # so copies and casts the launch enqueued are covered too.
             event = torch.cuda.Event()
             event.record(self.stream)
         return InFlight(pending, event)
@@ -111,13 +171,14 @@ class Scheduler:
         self.device = device
         self.limit_all_gathers = limit_all_gathers
         if device.type == "cuda":
-            self.all_gather_lane: CpuLane | CudaStreamLane = CudaStreamLane(device, priority=-1)
-            self.reduce_scatter_lane: CpuLane | CudaStreamLane = CudaStreamLane(device, priority=0)
+            self.all_gather_lane: Lane = CudaStreamLane(device, priority=-1)
+            self.reduce_scatter_lane: Lane = CudaStreamLane(device, priority=0)
         else:
             self.all_gather_lane = CpuLane()
             self.reduce_scatter_lane = CpuLane()
-        # Issued all-gathers by key, oldest first; the entry keeps the
-        # gathered buffer and its source alive until wait_for_unshard.
+        # Issued unshards by key, oldest first (every issue, collective or
+        # not: see [Note: lane fences]); the entry keeps the gathered buffer
+        # and its source alive until wait_for_unshard.
         self._all_gathers: OrderedDict[Hashable, InFlight] = OrderedDict()
         # Issued reductions with what to do once each is done, in issue order.
         self._reductions: list[tuple[InFlight, Callable[[PendingCollective], None]]] = []
@@ -135,9 +196,7 @@ class Scheduler:
             while len(self._all_gathers) >= self.MAX_ALL_GATHERS_IN_FLIGHT:
                 oldest = next(iter(self._all_gathers))
                 self.wait_for_unshard(oldest)
-        in_flight = self.all_gather_lane.issue(lambda: launch(self.all_gather_lane.async_op))
-        if in_flight is not None:
-            self._all_gathers[key] = in_flight
+        self._all_gathers[key] = self.all_gather_lane.issue(lambda: launch(self.all_gather_lane.async_op))
 
     def wait_for_unshard(self, key: Hashable) -> None:
         """Make compute wait for ``key``'s all-gather (no-op if none pending)."""
@@ -154,21 +213,25 @@ class Scheduler:
         launch: Callable[[bool], PendingCollective | None],
         on_done: Callable[[PendingCollective], None],
     ) -> None:
-        """Issue a gradient reduction; ``on_done`` runs once it finished:
-        when a later reduction pushes it out, or in ``wait_for_reductions``."""
+        """Issue a gradient reduction; ``on_done`` runs on the compute side
+        once it finished (when a later reduction pushes it out, or in
+        ``wait_for_reductions``), and not at all if ``launch`` returned None."""
         while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
-            oldest, oldest_done = self._reductions.pop(0)
-            self.reduce_scatter_lane.wait(oldest)
-            oldest_done(oldest.pending)
+            self._finish_reduction(*self._reductions.pop(0))
         in_flight = self.reduce_scatter_lane.issue(lambda: launch(self.reduce_scatter_lane.async_op))
-        if in_flight is not None:
-            self._reductions.append((in_flight, on_done))
+        self._reductions.append((in_flight, on_done))
 
     def wait_for_reductions(self) -> None:
         """Wait for every issued reduction, oldest first, and finish each."""
         reductions, self._reductions = self._reductions, []
         for in_flight, on_done in reductions:
-            self.reduce_scatter_lane.wait(in_flight)
+            self._finish_reduction(in_flight, on_done)
+
+    def _finish_reduction(self, in_flight: InFlight, on_done: Callable[[PendingCollective], None]) -> None:
+        # The fence first, also when nothing was returned: the launch may
+        # still have enqueued work (see [Note: lane fences]).
+        self.reduce_scatter_lane.wait(in_flight)
+        if in_flight.pending is not None:
             on_done(in_flight.pending)
 
     def wait_for_all(self) -> None:
@@ -176,3 +239,12 @@ class Scheduler:
         for key in list(self._all_gathers):
             self.wait_for_unshard(key)
         self.wait_for_reductions()
+
+    # ------------------------------------------------------------------ host
+    def synchronize_host(self) -> None:
+        """Block the calling thread until the compute stream finished all
+        work enqueued so far (no-op on CPU). The host's single wait for
+        device copies from and to pinned host memory: see
+        [Note: lane fences]."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
