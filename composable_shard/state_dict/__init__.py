@@ -46,6 +46,7 @@ from .model import (
     value_mismatch_message,
 )
 from .optim import get_optimizer_state_dict, set_optimizer_state_dict
+from .range_tensor import RangeShardedTensor
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "RangeShardedTensor",
     "ModelEntries",
     "ShardedParamEntry",
     "model_entries",

@@ -77,6 +77,7 @@ from .model import (
     sharding_of,
     value_mismatch_message,
 )
+from .range_tensor import HAS_DCP_TENSOR_PROTOCOL
 from .shards import sharded_tensor_of_range, stored_shape
 
 __all__ = [
@@ -94,9 +95,9 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "composable_shard.manifest.json"
 _FORMAT = 1
 _MODEL, _OPTIM, _EXTRA = "model", "optim", "extra"
-# ShardedTensor is deprecated in favour of DTensor; DCP's own accesses to it
-# warn on every call. See [Note: sharded state dict representation] for why
-# we use it.
+# Only where torch predates DCP's tensor protocol do our state dicts hold
+# PyTorch's deprecated ShardedTensor, whose every access in DCP warns. See
+# [Note: DCP tensor protocol].
 _SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
 
 
@@ -107,6 +108,9 @@ class CheckpointError(RuntimeError):
 
 @contextlib.contextmanager
 def _quiet_sharded_tensor() -> Iterator[None]:
+    if HAS_DCP_TENSOR_PROTOCOL:  # nothing deprecated is used: let every warning through
+        yield
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
         yield

@@ -18,8 +18,8 @@ A full state dict holds plain tensors with the original names and shapes:
 every parameter (tied aliases and shared-module paths included, as
 ``nn.Module.state_dict`` names them), every persistent buffer and every extra
 state. A sharded state dict holds the same keys; each sharded parameter is a
-``ShardedTensor`` over views of this rank's shard (see [Note: sharded state
-dict representation]), everything else is a plain tensor (replicated: DCP
+``RangeShardedTensor`` over views of this rank's shard (see [Note: sharded
+state dict representation]), everything else is a plain tensor (replicated: DCP
 writes it once). Loading validates every key and shape first and copies only
 then, so a state dict that does not fit leaves the model as it was.
 """
@@ -273,7 +273,7 @@ def get_model_state_dict(module: nn.Module, *, options: StateDictOptions | None 
     all-gather per flat parameter, one at a time); with ``cpu_offload`` only
     rank 0 keeps the tensors (on CPU) and the other ranks return ``{}``.
     ``full_state_dict=False`` (default) runs no collective: every rank builds
-    its ShardedTensors from the layout, as views of its shard (copies on CPU
+    its RangeShardedTensors from the layout, as views of its shard (copies on CPU
     with ``cpu_offload``).
     """
     what = f"get_model_state_dict({type(module).__name__})"

@@ -12,7 +12,7 @@ Public names: ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
 
 A per-parameter state tensor shaped like the (1-D, local) parameter is
 sharded exactly like the parameter: in a sharded state dict it is a
-ShardedTensor of the parameter's original shape (see [Note: sharded state
+RangeShardedTensor of the parameter's original shape (see [Note: sharded state
 dict representation]), in a full one a plain tensor of that shape. Anything
 else (``step``, other scalars) is kept as it is. A parameter goes by its
 canonical name (the one ``named_parameters()`` yields; tied aliases share

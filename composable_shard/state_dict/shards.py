@@ -1,14 +1,14 @@
 """Owns: how one parameter's local part appears in a sharded state dict — a
-``ShardedTensor`` of the parameter's original shape whose local shards are the
-rectangular boxes that tile this rank's contiguous range — and reading a
-rank's range back out of such a tensor (or out of a full tensor).
+``RangeShardedTensor`` of the parameter's original shape whose boxes are the
+rectangular pieces that tile this rank's contiguous range — and reading a
+rank's range back out of such a value (or out of a full tensor).
 
 Knows nothing of: modules, units, optimizers, collectives (everything here is
 computed locally, from the layout).
 
 Public names: ``RangeSharding``, ``range_sharding``, ``range_boxes``,
 ``stored_shape``, ``sharded_tensor_of_range``, ``range_source_error``,
-``read_range``, ``is_sharded_tensor``, ``global_shape``.
+``read_range``, ``is_sharded_tensor``, ``global_shape``, ``local_range_of``.
 
 [Note: sharded state dict representation]
 Outside forward and backward a rank holds one contiguous range
@@ -18,48 +18,45 @@ not a rectangular block, but it always splits into at most ``2 * ndim - 1``
 rectangular boxes (a partial innermost row, partial rows of the next
 dimension, ..., full leading slices, ..., a partial last row), and each box is
 itself a contiguous piece of the range, so a *view* of the rank's 1-D slice.
-A sharded state dict therefore holds, per parameter, a ``ShardedTensor`` with
-the **original shape** whose local shards are these boxes (views: building it
-copies nothing). Its global metadata lists the boxes of every rank of the
-shard group; every rank computes them from the layout alone (rank ``r``'s
-range is the parameter's intersection with ``r``'s window of the flat
-buffer), so building a state dict needs no collective.
+A sharded state dict therefore holds, per parameter, a ``RangeShardedTensor``
+(range_tensor.py) with the **original shape** whose boxes are these (views:
+building it copies nothing, and needs no collective: DCP's save planner
+learns every rank's boxes from the ranks themselves).
 
 Why boxes of the original shape rather than a 1-D tensor over the flattened
 parameter: ``torch.distributed.checkpoint`` then records the original shape
 in the checkpoint metadata, reads any overlap of saved and requested boxes
-(so a checkpoint saved at one world size or strategy loads at another), and
-its ``format_utils`` converters and any unsharded reader (a plain model,
-FSDP2) see ordinary tensors with the original names and shapes.
+(so a checkpoint saved at one world size or strategy loads at another, and
+FSDP2's DTensor rows and our boxes read each other), and its ``format_utils``
+converters and any unsharded reader see ordinary tensors with the original
+names and shapes.
 
 Replicas (hybrid sharding, ``NO_SHARD``) build identical boxes; DCP's save
 planner keeps one copy of each box (its write items are keyed by name and
-offset), so replicated data is written once.
+offset), so replicated data is written once. A 0-dim parameter is stored
+with shape ``(1,)`` (``stored_shape``; ``nn.Module.load_state_dict`` accepts
+that for a 0-dim parameter, and checkpoints of earlier versions hold it so).
+Parameters with no elements are plain empty tensors.
 
-Every rank holds at least one local shard, even where its range is empty: a
-zero-size box just past the end of dimension 0 (a unique, in-bounds offset).
-DCP drops a ShardedTensor without local shards from that rank's state dict
-(``_flatten_sharded_tensors``), and a key missing on one rank makes its load
-planner fall back to the pre-2.4 flattening, which breaks the nested parts
-(optimizer ``param_groups``, extra states) of the same state dict. A 0-dim
-parameter cannot have a zero-size box, so it is stored with shape ``(1,)``
-(``stored_shape``; ``nn.Module.load_state_dict`` accepts that for a 0-dim
-parameter). Parameters with no elements are plain empty tensors (a
-ShardedTensor needs a non-empty global shape).
+Where the installed torch predates DCP's tensor protocol
+(``HAS_DCP_TENSOR_PROTOCOL`` is False) the same boxes become the local shards
+of PyTorch's deprecated ``ShardedTensor`` instead; every rank then keeps one
+zero-size box just past the end of dimension 0 where its range is empty,
+because DCP drops a ShardedTensor without local shards from that rank's
+state dict. Reading accepts either form.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from ..flat_layout import FlatParamLayout, ParamInfo
+from .range_tensor import HAS_DCP_TENSOR_PROTOCOL, Box, RangeShardedTensor
 
 __all__ = [
     "RangeSharding",
@@ -71,10 +68,8 @@ __all__ = [
     "read_range",
     "is_sharded_tensor",
     "global_shape",
+    "local_range_of",
 ]
-
-# (offsets, sizes, flat start) of one rectangular box of a flattened range.
-Box = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -115,14 +110,6 @@ def stored_shape(shape: Sequence[int]) -> torch.Size:
     return torch.Size(shape) if len(shape) else torch.Size([1])
 
 
-def _shard_boxes(shape: torch.Size, start: int, numel: int) -> list[Box]:
-    """The boxes of one rank's range, or one zero-size box past the end of
-    dimension 0 when the range is empty (see the module note)."""
-    if numel:
-        return range_boxes(shape, start, start + numel)
-    return [((shape[0],) + (0,) * (len(shape) - 1), (0, *shape[1:]), start)]
-
-
 def range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     """Split the range ``[start, end)`` of the row-major flattening of a tensor
     of ``shape`` into rectangular boxes, in flat order."""
@@ -154,19 +141,38 @@ def range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
 
 
 def sharded_tensor_of_range(local: torch.Tensor, sharding: RangeSharding) -> torch.Tensor:
-    """A ShardedTensor of the original shape whose local shards are views of
-    ``local`` (1-D, this rank's range). See [Note: sharded state dict
+    """A ``RangeShardedTensor`` of the original shape whose boxes are views
+    of ``local`` (1-D, this rank's range). See [Note: sharded state dict
     representation]. An empty parameter gives a plain empty tensor."""
     if sharding.numel == 0:
         return local.new_empty(sharding.shape)
+    if not HAS_DCP_TENSOR_PROTOCOL:
+        return _legacy_sharded_tensor(local, sharding)
+    end = sharding.local_start + sharding.local_numel
+    boxes = tuple(range_boxes(sharding.shape, sharding.local_start, end))
+    return RangeShardedTensor(local, sharding.shape, sharding.local_start, boxes)
+
+
+def _legacy_sharded_tensor(local: torch.Tensor, sharding: RangeSharding) -> torch.Tensor:
+    """The same boxes as a ShardedTensor, for a torch without DCP's tensor
+    protocol (see the module note)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    def boxes(start: int, numel: int) -> list[Box]:
+        if numel:
+            return range_boxes(sharding.shape, start, start + numel)
+        return [((sharding.shape[0],) + (0,) * (len(sharding.shape) - 1), (0, *sharding.shape[1:]), start)]
+
     device = str(local.device)
     shards_metadata = [
         ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
         for rank, start, numel in sharding.rank_ranges
-        for offsets, sizes, _ in _shard_boxes(sharding.shape, start, numel)
+        for offsets, sizes, _ in boxes(start, numel)
     ]
     local_shards = []
-    for offsets, sizes, flat in _shard_boxes(sharding.shape, sharding.local_start, sharding.local_numel):
+    for offsets, sizes, flat in boxes(sharding.local_start, sharding.local_numel):
         begin = flat - sharding.local_start
         piece = local[begin : begin + math.prod(sizes)].view(sizes)
         local_shards.append(Shard(piece, ShardMetadata(list(offsets), list(sizes), f"rank:{sharding.rank}/{device}")))
@@ -175,23 +181,45 @@ def sharded_tensor_of_range(local: torch.Tensor, sharding: RangeSharding) -> tor
     return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
+def _legacy_type() -> type | None:
+    """PyTorch's ShardedTensor class if anything imported it (else no value
+    can be one)."""
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    return getattr(module, "ShardedTensor", None)
+
+
+def _is_legacy(value: Any) -> bool:
+    legacy = _legacy_type()
+    return legacy is not None and isinstance(value, legacy)
+
+
 def is_sharded_tensor(value: Any) -> bool:
-    return isinstance(value, ShardedTensor)
+    """Whether ``value`` is one rank's part of a sharded tensor (ours, or a
+    ShardedTensor)."""
+    return isinstance(value, RangeShardedTensor) or _is_legacy(value)
 
 
 def global_shape(value: Any) -> torch.Size | None:
-    """The full shape of a tensor or ShardedTensor (None for anything else).
+    """The full shape of a tensor or sharded value (None for anything else).
     Reads ShardedTensor metadata directly (its tensor methods warn)."""
-    if isinstance(value, ShardedTensor):
+    if _is_legacy(value):
         return torch.Size(value.metadata().size)
     if isinstance(value, torch.Tensor):
         return value.shape
     return None
 
 
-def _flat_pieces(value: ShardedTensor) -> list[tuple[int, torch.Tensor]] | None:
-    """(flat start, 1-D data) of every non-empty local shard, or None if one
-    of them is not a contiguous piece of the flattening."""
+def local_range_of(value: RangeShardedTensor) -> tuple[int, torch.Tensor]:
+    """(flat start, 1-D data) of the range a RangeShardedTensor holds."""
+    return value.local_start, value.local
+
+
+def _flat_pieces(value: Any) -> list[tuple[int, torch.Tensor]] | None:
+    """(flat start, 1-D data) of every non-empty local piece of a sharded
+    value, or None if one of them is not a contiguous piece of the
+    flattening."""
+    if isinstance(value, RangeShardedTensor):
+        return [(value.local_start, value.local)] if value.local.numel() else []
     shape = value.metadata().size
     strides = [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
     pieces = []
@@ -211,13 +239,13 @@ def _flat_pieces(value: ShardedTensor) -> list[tuple[int, torch.Tensor]] | None:
 def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) -> str | None:
     """Why ``value`` cannot give the range ``[start, start + numel)`` of a
     tensor of ``shape`` (None when it can): a full tensor of that shape, or a
-    ShardedTensor of that shape whose local shards cover the range."""
+    sharded value of that shape whose local pieces cover the range."""
     found = global_shape(value)
     if found is None:
         return f"expected a tensor, got {type(value).__name__}"
     if found != shape and not (len(shape) == 0 and found == stored_shape(shape)):
         return f"shape {tuple(found)} does not match the model's {tuple(shape)}"
-    if not isinstance(value, ShardedTensor) or numel == 0:
+    if not is_sharded_tensor(value) or numel == 0:
         return None
     pieces = _flat_pieces(value)
     if pieces is None:
@@ -233,7 +261,7 @@ def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) ->
 
 def _span_view(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
     """One 1-D view over consecutive pieces that are consecutive views of one
-    storage (as ``sharded_tensor_of_range`` builds them), else None."""
+    storage (as the legacy ShardedTensor's local shards are), else None."""
     if not pieces:
         return None
     first0, data0 = pieces[0]
@@ -255,7 +283,7 @@ def _span_view(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
 def read_range(value: Any, start: int, numel: int) -> torch.Tensor:
     """This rank's range (1-D) of ``value``, which ``range_source_error``
     accepted. A view when the source is one piece; otherwise a new tensor."""
-    if not isinstance(value, ShardedTensor):
+    if not is_sharded_tensor(value):
         return value.detach().reshape(-1)[start : start + numel]
     pieces = sorted(_flat_pieces(value) or [], key=lambda piece: piece[0])
     for first, data in pieces:
@@ -264,7 +292,7 @@ def read_range(value: Any, start: int, numel: int) -> torch.Tensor:
     span = _span_view(pieces)
     if span is not None and pieces[0][0] <= start and start + numel <= pieces[0][0] + len(span):
         return span[start - pieces[0][0] : start - pieces[0][0] + numel]
-    dtype = pieces[0][1].dtype if pieces else value.metadata().tensor_properties.dtype
+    dtype = pieces[0][1].dtype if pieces else value.dtype
     device = pieces[0][1].device if pieces else torch.device("cpu")
     out = torch.empty(numel, dtype=dtype, device=device)
     for first, data in pieces:

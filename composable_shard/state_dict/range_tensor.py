@@ -1,0 +1,142 @@
+"""Owns: ``RangeShardedTensor``, the value a sharded state dict holds for a
+sharded parameter (or per-element optimizer state): a tensor of the
+parameter's full shape of which this rank holds the rectangular boxes that
+tile its contiguous range, speaking the tensor protocol of
+``torch.distributed.checkpoint`` so that ``dcp.save`` / ``dcp.load`` take it
+as it is.
+
+Knows nothing of: modules, units, optimizers, collectives (a value is built
+from one rank's 1-D range and the layout's ``RangeSharding``).
+
+Public names: ``RangeShardedTensor``, ``HAS_DCP_TENSOR_PROTOCOL``.
+
+[Note: DCP tensor protocol]
+``torch.distributed.checkpoint`` asks every state-dict value that has them
+for three hooks, before its own ``isinstance`` checks for ShardedTensor and
+plain tensors (``planner_helpers._create_write_items`` /
+``_create_chunk_list``, ``utils.find_tensor_shard``); DTensor implements
+them, and the protocol is declared in ``torch.distributed._checkpointable``:
+
+- ``__create_write_items__(fqn, object)``: on save, one ``WriteItem`` of type
+  ``SHARD`` per box, indexed by (fqn, box offsets), carrying the box
+  (``ChunkStorageMetadata``), the dtype and the full size. The coordinator
+  merges every rank's items into the checkpoint metadata and drops duplicate
+  indices (replicas write a box once).
+- ``__create_chunk_list__()``: on load, this rank's boxes; DCP reads the
+  overlap of each with every saved chunk, whatever world size or sharding
+  (ours, FSDP2's DTensor rows, a plain tensor) wrote them.
+- ``__get_tensor_shard__(index)``: the box at ``index.offset`` as a plain
+  tensor (a view of the rank's range), which DCP reads from when saving and
+  writes into when loading, so loading into a state dict from
+  ``get_model_state_dict`` writes straight into the shards.
+
+DCP only reaches the shard lookup for values that are ``torch.Tensor``
+instances, and compares ``.size()`` with the saved size; so this is a wrapper
+subclass with the full shape and no storage of its own. A rank holding no
+element has no boxes: it writes and reads nothing for the key but still has
+it (so every rank's state dict has the same keys; DCP's load planner treats
+a key missing on one rank as a pre-2.4 checkpoint). No collective runs.
+
+Any other tensor operation on it raises ``TypeError``: read it through
+``set_model_state_dict`` / ``set_optimizer_state_dict``, or its ``local``.
+
+``HAS_DCP_TENSOR_PROTOCOL`` says whether the installed torch consults the
+hooks: the protocol module and the hook calls in DCP came in together
+(pytorch#127628, mid-2024). Where it is False the state dicts fall back to
+PyTorch's deprecated ShardedTensor (see shards.py) and its FutureWarnings
+are silenced around DCP calls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["RangeShardedTensor", "HAS_DCP_TENSOR_PROTOCOL"]
+
+HAS_DCP_TENSOR_PROTOCOL = importlib.util.find_spec("torch.distributed._checkpointable") is not None
+
+# (offsets, sizes, flat start) of one rectangular box of a flattened range.
+Box = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+class RangeShardedTensor(torch.Tensor):
+    """A tensor of ``shape`` of which this rank holds the range ``[start,
+    start + local.numel())`` of the row-major flattening, as the rectangular
+    ``boxes`` tiling it (views of ``local``). See [Note: DCP tensor protocol].
+    """
+
+    # 1-D, this rank's range of the flattened tensor (may be empty).
+    local: torch.Tensor
+    # Where ``local`` starts in the flattened tensor.
+    local_start: int
+    # This rank's boxes, in flat order (empty when ``local`` is).
+    boxes: tuple[Box, ...]
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, shape: torch.Size, local_start: int, boxes: tuple[Box, ...]) -> "RangeShardedTensor":
+        value = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]  # torch's own API for wrapper subclasses
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        value.local = local
+        value.local_start = local_start
+        value.boxes = boxes
+        return value
+
+    # No torch function handling: only metadata (size, dtype, device) is read.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise TypeError(
+            f"composable_shard.state_dict: {func} is not supported on a RangeShardedTensor (one rank's part of a "
+            "sharded state dict). Load it with set_model_state_dict / set_optimizer_state_dict or "
+            "torch.distributed.checkpoint, read its .local, or ask for StateDictOptions(full_state_dict=True)."
+        )
+
+    def __repr__(self) -> str:  # the default would run tensor operations
+        return (
+            f"RangeShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"local range=[{self.local_start}, {self.local_start + self.local.numel()}), boxes={len(self.boxes)})"
+        )
+
+    def box_view(self, box: Box) -> torch.Tensor:
+        """The plain tensor of one of this rank's boxes (a view of ``local``)."""
+        offsets, sizes, flat = box
+        begin = flat - self.local_start
+        return self.local[begin : begin + math.prod(sizes)].view(sizes)
+
+    # ---------------------------------------------------- the DCP protocol
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(self.local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=properties,
+                    size=self.shape,
+                ),
+            )
+            for offsets, sizes, _ in self.boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)) for offsets, sizes, _ in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for box in self.boxes:
+            if index.offset is not None and torch.Size(box[0]) == index.offset:
+                return self.box_view(box)
+        raise ValueError(
+            f"composable_shard.state_dict: '{index.fqn}' has no box at offset {index.offset} on this rank "
+            f"(its boxes start at {[box[0] for box in self.boxes]})."
+        )
