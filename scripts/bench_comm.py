@@ -85,12 +85,24 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             work.wait()
         reduced.div_(world)
 
+    scratch = torch.empty_like(grad)
+
+    def raw_all_reduce_keep_chunk() -> None:
+        # The alternative to reduce-scatter: sum the whole padded gradient in
+        # place, then copy this rank's chunk out (twice the bytes on the wire).
+        scratch.copy_(grad)  # reduce-scatter leaves its input intact; pay the same here
+        work = dist.all_reduce(scratch, async_op=async_op)
+        if work is not None:
+            work.wait()
+        torch.div(scratch[rank * (numel // world) : (rank + 1) * (numel // world)], world, out=reduced)
+
     results = {}
     for name, fn in (
         ("all-gather handle", handle_all_gather),
         ("all-gather raw", raw_all_gather),
         ("reduce-scatter handle", handle_reduce_scatter),
         ("reduce-scatter raw", raw_reduce_scatter),
+        ("all-reduce+chunk raw", raw_all_reduce_keep_chunk),
     ):
         for _ in range(3):
             fn()  # warm-up
@@ -99,6 +111,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     for name, fn in (
         ("all-gather raw", raw_all_gather),
         ("all-gather handle", handle_all_gather),
+        ("all-reduce+chunk raw", raw_all_reduce_keep_chunk),
         ("reduce-scatter raw", raw_reduce_scatter),
         ("reduce-scatter handle", handle_reduce_scatter),
     ):
@@ -113,6 +126,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         for op in ("all-gather", "reduce-scatter"):
             ratio = results[f"{op} handle"] / results[f"{op} raw"]
             print(f"{op}: handle / raw time = {ratio:.3f}")
+        ratio = results["all-reduce+chunk raw"] / results["reduce-scatter raw"]
+        print(f"gradient reduction: all-reduce+chunk / reduce-scatter time = {ratio:.3f}")
     dist.destroy_process_group()
 
 
