@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import harness
+from tests import harness_pool
 from tests.harness import (
     DistributedTestError,
     requires_cuda,
@@ -184,7 +184,7 @@ def test_rank_raising_reports_its_traceback_and_keeps_pool(world_size: int) -> N
 def test_rank_hung_in_collective_after_another_raises_does_not_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(harness, "_FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(harness_pool, "_FAILURE_GRACE_S", 1.0)
     world_size = 2
     pids_before = run_distributed(_getpid, world_size)
     began = time.monotonic()
@@ -286,3 +286,14 @@ def test_nccl_all_reduce_on_one_gpu() -> None:
 @requires_gpus(2)
 def test_nccl_all_reduce_on_two_gpus() -> None:
     assert run_distributed(_nccl_all_reduce, 2, backend="nccl") == [3.0, 3.0]
+
+
+@requires_cuda
+def test_failure_on_an_nccl_pool_keeps_the_pool() -> None:
+    """The group check after a failure communicates on the rank's GPU: NCCL has
+    no CPU tensors, and a check on one killed every NCCL pool after any failure."""
+    pids_before = run_distributed(_getpid, 1, backend="nccl")
+    with pytest.raises(DistributedTestError, match="deliberate failure on rank 0"):
+        run_distributed(_raise_on_last_rank, 1, backend="nccl")
+    assert run_distributed(_getpid, 1, backend="nccl") == pids_before
+    assert run_distributed(_nccl_all_reduce, 1, backend="nccl") == [1.0]
