@@ -37,7 +37,7 @@ element has no boxes: it writes and reads nothing for the key but still has
 it (so every rank's state dict has the same keys; DCP's load planner treats
 a key missing on one rank as a pre-2.4 checkpoint). No collective runs.
 
-Any other tensor operation on it raises ``TypeError``: read it through
+Any other tensor operation on it raises ``RuntimeError``: read it through
 ``set_model_state_dict`` / ``set_optimizer_state_dict``, or its ``local``.
 
 ``HAS_DCP_TENSOR_PROTOCOL`` says whether the installed torch consults the
@@ -95,7 +95,9 @@ class RangeShardedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
-        raise TypeError(
+        # RuntimeError, not TypeError: Python turns a TypeError from a tensor
+        # operator (``value + 1``) into NotImplemented and loses this message.
+        raise RuntimeError(
             f"composable_shard.state_dict: {func} is not supported on a RangeShardedTensor (one rank's part of a "
             "sharded state dict). Load it with set_model_state_dict / set_optimizer_state_dict or "
             "torch.distributed.checkpoint, read its .local, or ask for StateDictOptions(full_state_dict=True)."

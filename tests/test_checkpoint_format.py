@@ -1,0 +1,131 @@
+"""The sharded checkpoint format uses nothing deprecated: saving and loading
+(plain DCP with our state dicts, and the safe helpers) raise no
+FutureWarning or DeprecationWarning (turned into errors here), no value is a
+ShardedTensor, and ``RangeShardedTensor`` answers DCP's tensor protocol
+consistently: every rank's boxes tile each parameter exactly once, a rank
+holding no element has no boxes but still has the key, and the box DCP
+reads or writes is a view of the model's own shard."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from composable_shard import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from composable_shard.state_dict import RangeShardedTensor
+from composable_shard.state_dict.range_tensor import HAS_DCP_TENSOR_PROTOCOL
+
+from .harness import run_distributed
+from .test_optim_state_dict import make_optimizer
+from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, shard, train_steps
+
+
+def _leaves(state: Any) -> list[Any]:
+    if isinstance(state, dict):
+        return [leaf for value in state.values() for leaf in _leaves(value)]
+    if isinstance(state, (list, tuple)):
+        return [leaf for value in state for leaf in _leaves(value)]
+    return [state]
+
+
+def _sorted_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # Each parameter's state names sorted: a loaded optimizer's order follows the checkpoint.
+    state = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
+    return {fqn: dict(sorted(values.items())) for fqn, values in state.items()}
+
+
+def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        torch.manual_seed(0)
+        model = shard(BufferedGPT(), "manual")
+        optimizer = make_optimizer("adamw", model)
+        train_steps(model, optimizer, range(2))
+        expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        tensors = [leaf for leaf in _leaves(state) if isinstance(leaf, torch.Tensor)]
+        assert all(type(leaf) in (torch.Tensor, RangeShardedTensor) for leaf in tensors), {type(leaf) for leaf in tensors}
+        assert sum(isinstance(leaf, RangeShardedTensor) for leaf in tensors) > 20
+        dcp.save(state, checkpoint_id=f"{root}/raw")
+        save_checkpoint(f"{root}/safe", model, optimizer, extra_state={"step": 2})
+
+        for source in ("raw", "safe"):
+            torch.manual_seed(1)
+            fresh = shard(BufferedGPT(), "policy")
+            fresh_optimizer = make_optimizer("adamw", fresh)
+            if source == "raw":
+                destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+                dcp.load(destination, checkpoint_id=f"{root}/raw")
+                set_model_state_dict(fresh, destination["model"])
+                set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+            else:
+                assert load_checkpoint(f"{root}/safe", fresh, fresh_optimizer) == {"step": 2}
+            assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"model from {source}")
+            assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], f"optimizer from {source}")
+            train_steps(fresh, fresh_optimizer, range(2, 3))
+
+
+@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_saving_and_loading_raise_no_deprecation_warning(world_size: int, tmp_path: Path) -> None:
+    run_distributed(_no_deprecated_parts, world_size, str(tmp_path))
+
+
+def _boxes_tile_every_parameter(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("sgd", model)
+    train_steps(model, optimizer, range(1))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    flat = {f"model.{key}": value for key, value in state["model"].items()}
+    flat.update({f"optim.{fqn}.{key}": value for fqn, values in state["optim"]["state"].items() for key, value in values.items()})
+    sharded = {key: value for key, value in flat.items() if isinstance(value, RangeShardedTensor)}
+    mine = {key: [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()] for key, value in sharded.items()}
+    every = dist.get_world_size()
+    gathered: list[Any] = [None] * every
+    dist.all_gather_object(gathered, mine)
+    assert all(sorted(rank_boxes) == sorted(mine) for rank_boxes in gathered)  # every rank has every key
+    empty_somewhere = False
+    for key, value in sharded.items():
+        boxes = [box for rank_boxes in gathered for box in rank_boxes[key]]
+        empty_somewhere |= any(not rank_boxes[key] for rank_boxes in gathered)
+        assert sum(math.prod(sizes) for _, sizes in boxes) == value.numel(), key  # no overlap, no gap (with the next check)
+        covered = torch.zeros(value.shape, dtype=torch.int32)
+        for offsets, sizes in boxes:
+            covered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+        assert bool((covered == 1).all()), key
+        items = value.__create_write_items__(key, value)
+        assert [(tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes)) for i in items] == mine[key]
+        assert all(i.tensor_data.size == value.shape and i.tensor_data.properties.dtype == value.dtype for i in items)
+        for offsets, sizes in mine[key]:
+            box = value.__get_tensor_shard__(MetadataIndex(key, torch.Size(offsets)))
+            assert box.shape == torch.Size(sizes)
+            assert box.untyped_storage().data_ptr() == value.local.untyped_storage().data_ptr()  # a view: no copy
+    assert empty_somewhere or world_size < 4
+    param = model.get_parameter("blocks.0.fc_in.weight")
+    value = state["model"]["blocks.0.fc_in.weight"]
+    assert value.local.numel() == 0 or value.local.data_ptr() == param.data_ptr()  # views of the model's shard
+    with pytest.raises(RuntimeError, match="not supported on a RangeShardedTensor"):
+        value + 1
+
+
+@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_range_sharded_tensor_boxes_tile_every_parameter_once(world_size: int) -> None:
+    run_distributed(_boxes_tile_every_parameter, world_size)
