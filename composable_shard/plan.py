@@ -28,12 +28,12 @@ import torch.nn as nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_layout import FlatParamLayout, compute_layout
+from .plan_activations import ActivationProfile, measure_activations
 from .plan_memory import (
     OPTIMIZERS,
     FlatParamPlan,
     StepPeak,
     UnitPlan,
-    measure_activations,
     optimizer_bytes,
     optimizer_step_bytes,
     step_peak,
@@ -75,9 +75,10 @@ class ShardingPlan:
     - ``unsharded_params``, ``unsharded_grads``, ``comm``,
       ``optimizer_step``: alive at the step's worst moment (``peak_moment``),
       when ``grads_at_peak`` of the sharded gradients exist;
-    - ``activations``: measured under fake tensors (0 without an input);
+    - ``activations``: measured under fake tensors, alive at that moment;
+      ``activations_peak`` their own peak over the step (0 without an input);
     - ``total``: the peak — params + optimizer + grads_at_peak + the
-      moment's transients + activations;
+      moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
     """
 
@@ -180,7 +181,8 @@ def plan(
         (_renamed(spec, names[key]) for key, spec in specs.items()),
         key=lambda u: _preorder_index(module, u.name),
     )
-    activations = _activations(name, module, units, mixed_precision, more)
+    unit_names = {key: names[key] for key in specs}
+    activations = _activations(name, module, unit_names, mixed_precision, more)
     shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
     result = _assemble(units, world_size, rank, optimizer, device_type, activations, shared, source="plan")
     if more.get("warn", False):
@@ -189,7 +191,7 @@ def plan(
     return result
 
 
-def describe(module: nn.Module, *, optimizer: str = "adamw", activations: int = 0) -> ShardingPlan:
+def describe(module: nn.Module, *, optimizer: str = "adamw") -> ShardingPlan:
     """The plan of a model ``fully_shard`` already sharded, read from its
     real layouts, on this rank (same table and numbers as ``plan``)."""
     name = type(module).__name__
@@ -213,7 +215,7 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", activations: int = 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     owners = {id(m) for _, s in named for m in [s.module]}
     shared = _shared_params_from_states(module, owners, named)
-    return _assemble(units, world, rank, optimizer, device_type, activations, shared, source="fully_shard")
+    return _assemble(units, world, rank, optimizer, device_type, None, shared, source="fully_shard")
 
 
 # ---------------------------------------------------------------- helpers
@@ -273,6 +275,7 @@ def _flat_param_plan(
         offload=offload,
         is_sharded=is_sharded,
         param_count=len(layout.params),
+        tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
     )
 
 
@@ -372,12 +375,16 @@ def _shared_params_from_states(
 
 
 def _activations(
-    name: str, module: nn.Module, units: list[UnitPlan], mixed_precision: MixedPrecision | None, more: dict[str, Any]
-) -> int:
+    name: str,
+    module: nn.Module,
+    unit_names: dict[int, str],
+    mixed_precision: MixedPrecision | None,
+    more: dict[str, Any],
+) -> ActivationProfile | None:
     args = more.get("example_inputs")
     shape = more.get("input_shape")
     if args is None and shape is None:
-        return 0
+        return None
     if args is None:
         dtype = more.get("input_dtype", torch.long)
         device = next((p.device for p in module.parameters()), torch.device("meta"))
@@ -388,7 +395,7 @@ def _activations(
         raise ValueError(f"plan({name}): activations can only be measured on a model without fully_shard units.")
     compute = mixed_precision.param_dtype if mixed_precision is not None else None
     loss_fn: Callable[[Any], torch.Tensor] | None = more.get("loss_fn")
-    return measure_activations(module, args, compute_dtype=compute, loss_fn=loss_fn)
+    return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn)
 
 
 def _assemble(
@@ -397,7 +404,7 @@ def _assemble(
     rank: int,
     optimizer: str,
     device_type: str,
-    activations: int,
+    activations: ActivationProfile | None,
     shared: list[tuple[str, list[str]]],
     *,
     source: str,
@@ -408,7 +415,10 @@ def _assemble(
     grads = sum(fp.grad_bytes for fp in flat_params)
     optim = sum(by_kind.values())
     peak: StepPeak = step_peak(
-        units, optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type), all_grads=grads
+        units,
+        optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type),
+        all_grads=grads,
+        activations=activations.by_window if activations is not None else {},
     )
     offloaded = [fp for fp in flat_params if fp.offload]
     cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
@@ -422,8 +432,9 @@ def _assemble(
         "unsharded_grads": peak.unsharded_grads,
         "comm": peak.comm,
         "optimizer_step": peak.optimizer_step,
-        "activations": activations,
-        "total": params + optim + peak.transient + activations,
+        "activations": peak.activations,
+        "activations_peak": activations.peak if activations is not None else 0,
+        "total": params + optim + peak.transient,
         "cpu": cpu,
     }
     return ShardingPlan(

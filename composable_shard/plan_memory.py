@@ -8,7 +8,7 @@ gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
 
 Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
 ``optimizer_bytes``, ``optimizer_step_bytes``, ``step_peak``,
-``measure_activations``, ``OPTIMIZERS``.
+``OPTIMIZERS``. Activations are measured in ``plan_activations.py``.
 
 [Note: the step the plan replays]
 The plan assumes the usual loop ``zero_grad(set_to_none=True)``, forward,
@@ -30,10 +30,9 @@ is the plan's peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Mapping, Sequence
 
 import torch
-import torch.nn as nn
 
 from .api import BackwardPrefetch, ShardingStrategy
 
@@ -45,7 +44,6 @@ __all__ = [
     "optimizer_bytes",
     "optimizer_step_bytes",
     "step_peak",
-    "measure_activations",
 ]
 
 # Optimizer kinds the plan knows, with the per-parameter state each keeps.
@@ -92,6 +90,9 @@ class FlatParamPlan:
     offload: bool
     is_sharded: bool
     param_count: int
+    # Sum over parameters registered k > 1 times of k * numel: autograd holds
+    # one gradient per use plus their sum before the flat gradient exists.
+    tied_use_numel: int = 0
 
     @property
     def padding(self) -> int:
@@ -131,6 +132,12 @@ class FlatParamPlan:
         """Per-parameter gradients autograd holds before it concatenates them
         into the padded flat gradient."""
         return self.numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+
+    @property
+    def tied_grad_bytes(self) -> int:
+        """While a tied parameter's gradients are summed: one per use besides
+        the piece already counted, and the sum."""
+        return self.tied_use_numel * _itemsize(self.param_dtype) if self.requires_grad else 0
 
     @property
     def conversion_bytes(self) -> int:
@@ -196,7 +203,10 @@ def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dic
             continue
         for kind in kinds:
             if kind == "step":
-                kinds[kind] += _STEP_BYTES * fp.local_param_count
+                # Every trainable parameter gets a .grad, empty where this rank
+                # holds none of it ([Note: empty gradients on empty ranges]),
+                # so torch.optim keeps a step for each.
+                kinds[kind] += _STEP_BYTES * fp.param_count
             elif kind == "momentum_buffer":
                 kinds[kind] += fp.local_numel * _itemsize(fp.grad_dtype)
             else:
@@ -227,15 +237,27 @@ class StepPeak:
     unsharded_grads: int
     comm: int
     optimizer_step: int
+    activations: int = 0
 
     @property
     def transient(self) -> int:
-        return self.sharded_grads + self.unsharded_params + self.unsharded_grads + self.comm + self.optimizer_step
+        return (
+            self.sharded_grads
+            + self.unsharded_params
+            + self.unsharded_grads
+            + self.comm
+            + self.optimizer_step
+            + self.activations
+        )
 
 
-def step_peak(units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int) -> StepPeak:
+def step_peak(
+    units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int, activations: Mapping[str, int]
+) -> StepPeak:
     """Replay one step over ``units`` (module pre-order, root first; see
-    [Note: the step the plan replays]) and return its worst moment."""
+    [Note: the step the plan replays]) and return its worst moment.
+    ``activations``: measured activation bytes by moment label (``"forward
+    of 'name'"``, ``"backward of 'name'"``), absent when not measured."""
     moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
 
@@ -244,8 +266,9 @@ def step_peak(units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int)
         gathered[index] = units[index].bytes_of("unsharded_bytes")
         return units[index].bytes_of("gather_source_bytes")
 
-    def moment(label: str, grads: int, unsharded_grads: int, comm: int) -> None:
-        moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0))
+    def moment(label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None) -> None:
+        acts = activations.get(window or label, 0)
+        moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0, acts))
 
     def reshard_finished(running: UnitPlan | None) -> None:
         """Post-forward of every unit that finished: free unless the root or
@@ -263,6 +286,7 @@ def step_peak(units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int)
             source += gather(index + 1)
         moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)
     reshard_finished(None)
+    moment("start of backward", 0, 0, 0)
 
     reduced = 0  # sharded gradients finished so far
     in_flight = 0  # the one reduction the scheduler keeps in flight
@@ -272,82 +296,17 @@ def step_peak(units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int)
         if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
             source += gather(index - 1)
         held = sum(u.bytes_of("grad_pieces_bytes") for u in units if u.is_ancestor_of(unit))
-        pieces, flat = unit.bytes_of("grad_pieces_bytes"), unit.bytes_of("unsharded_grad_bytes")
+        pieces = unit.bytes_of("grad_pieces_bytes")
+        # The tied sums come before the concatenation into the flat gradient.
+        pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
         name = unit.name or "<root>"
-        moment(f"backward of '{name}'", reduced, held + pieces + flat, in_flight + source)
+        moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source)
         # Post-backward: the previous reduction finishes (its output becomes
         # a sharded gradient), this one is issued, the unit reshards.
         if index + 1 < len(units):
             reduced += units[index + 1].bytes_of("grad_bytes")
         in_flight = unit.bytes_of("reduction_bytes")
         converting = unit.bytes_of("conversion_bytes")
-        moment(f"reduce-scatter of '{name}'", reduced, held + converting, in_flight)
+        moment(f"reduce-scatter of '{name}'", reduced, held + converting, in_flight, f"backward of '{name}'")
         gathered.pop(index, None)
     return max(moments, key=lambda m: m.transient)
-
-
-def measure_activations(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    *,
-    compute_dtype: torch.dtype | None,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-) -> int:
-    """Peak bytes of the tensors a forward and backward of ``module`` on
-    ``args`` allocate besides parameters and inputs, measured by running
-    them under ``FakeTensorMode`` (shapes and dtypes only, no memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    class _LiveBytes(TorchDispatchMode):
-        def __init__(self, excluded: set[StorageWeakRef]) -> None:
-            super().__init__()
-            self.excluded = excluded
-            self.live: dict[StorageWeakRef, int] = {}
-            self.peak = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
-                    ref = StorageWeakRef(value.untyped_storage())
-                    if ref not in self.excluded:
-                        self.live[ref] = value.untyped_storage().nbytes()
-            self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
-            self.peak = max(self.peak, sum(self.live.values()))
-            return out
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
-        params = {}
-        for name, param in module.named_parameters():
-            fake = fake_mode.from_tensor(param.detach())
-            if compute_dtype is not None and fake.is_floating_point():
-                fake = fake.to(compute_dtype)
-            params[name] = fake.requires_grad_(param.requires_grad)
-        buffers = {name: fake_mode.from_tensor(b) for name, b in module.named_buffers()}
-        fake_args = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
-        excluded = {StorageWeakRef(t.untyped_storage()) for t in [*params.values(), *buffers.values()]}
-        excluded |= {StorageWeakRef(t.untyped_storage()) for t in tree_flatten(fake_args)[0] if isinstance(t, torch.Tensor)}
-        tracker = _LiveBytes(excluded)
-        with tracker:
-            output = torch.func.functional_call(module, {**params, **buffers}, fake_args)
-            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-            trainable = [p for p in params.values() if p.requires_grad]
-            if loss.requires_grad and trainable:
-                torch.autograd.grad(loss, trainable, allow_unused=True)
-        return tracker.peak
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    from torch.utils._pytree import tree_flatten
-
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise ValueError("plan: the model's output has no floating-point tensor; pass loss_fn= to measure activations.")
-    loss = tensors[0].float().sum()
-    for tensor in tensors[1:]:
-        loss = loss + tensor.float().sum()
-    return loss

@@ -99,11 +99,11 @@ def format_plan(plan: ShardingPlan) -> str:
     lines += [item(*entry) for entry in items]
     lines.append(f"  worst moment: {plan.peak_moment}")
     lines += [item(label, count, note, indent=4) for label, count, note in peak_items]
-    if rb["activations"]:
-        lines.append(item("activations", rb["activations"], "measured under FakeTensorMode"))
+    if rb["activations_peak"]:
+        lines.append(item("activations", rb["activations"], "measured under FakeTensorMode", indent=4))
     else:
-        lines.append("  activations: not measured (pass input_shape= or example_inputs= to plan)")
-    lines.append(item("peak total", rb["total"], ""))
+        lines.append("    activations: not measured (pass input_shape= or example_inputs= to plan)")
+    lines.append(item("peak total", rb["total"], "parameters + optimizer state + the above"))
     if rb["cpu"]:
         lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
     if plan.warnings:
