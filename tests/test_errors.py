@@ -5,6 +5,7 @@ reference)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -172,8 +173,18 @@ def test_bad_use_raises_a_clear_error_and_model_still_trains(case: str) -> None:
 def _params_on_different_devices_raise(rank: int, world_size: int) -> None:
     model = TinyGPT()
     model.blocks.cuda(rank)
-    with pytest.raises(ValueError, match=r"parameters are on different devices: 'tok_emb.weight' on cpu and 'blocks.0.norm.weight' on cuda"):
+    devices = {name: str(param.device) for name, param in model.named_parameters(remove_duplicate=False)}
+    with pytest.raises(ValueError, match=r"fully_shard\(TinyGPT\): parameters are on different devices") as info:
         fully_shard(model)
+    # Whichever parameter is found first on each device is named (the order
+    # is the model's, not part of the contract): one on the CPU, one on the
+    # GPU, each with its own device.
+    named = re.findall(r"'([\w.]+)' on (cpu|cuda:\d+)", str(info.value))
+    assert len(named) == 2, str(info.value)
+    assert {device.split(":")[0] for _, device in named} == {"cpu", "cuda"}, str(info.value)
+    for name, device in named:
+        assert devices.get(name) == device, f"{name} is on {devices.get(name)}, the message says {device}"
+    assert "Move the module to one device" in str(info.value)
     assert not is_fully_sharded(model)
 
 

@@ -140,3 +140,39 @@ def test_cuda_all_gather_lane_is_ordered_before_compute(world_size: int) -> None
     if torch.cuda.device_count() < world_size:
         pytest.skip("needs one GPU per rank")
     run_distributed(_cuda_lanes_overlap_and_order, world_size, backend="nccl")
+
+
+def _copies_without_a_collective_are_fenced(rank: int, world_size: int) -> None:
+    """A launch that only copies (a 256 MiB upload from pinned memory, ~10 ms)
+    and returns no collective: compute reads the destination right after
+    the wait and must see the copy (see [Note: lane fences])."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    scheduler = Scheduler(device, limit_all_gathers=True)
+    source = torch.arange(1 << 26, dtype=torch.float32).pin_memory()
+    for lane in ("all-gather", "reduce"):
+        destination = torch.full_like(source, -1.0, device=device)
+        torch.cuda.synchronize(device)
+
+        def copy_only(async_op: bool, destination: torch.Tensor = destination) -> None:
+            destination.copy_(source, non_blocking=True)
+            return None
+
+        if lane == "all-gather":
+            scheduler.unshard("unit", copy_only)
+            scheduler.wait_for_unshard("unit")
+        else:
+            scheduler.reduce(copy_only, lambda pending: None)
+            scheduler.wait_for_reductions()
+        # Enqueued on the compute stream at once: without the fence it runs
+        # while the upload is still under way and reads the -1 fill.
+        tail = destination[-4096:].clone()
+        head = destination[:4096].clone()
+        torch.cuda.synchronize(device)
+        assert torch.equal(tail.cpu(), source[-4096:]), f"{lane} lane: compute read the tail before the copy"
+        assert torch.equal(head.cpu(), source[:4096]), f"{lane} lane: compute read the head before the copy"
+
+
+@requires_cuda
+def test_cuda_lane_copies_without_a_collective_are_fenced_before_compute() -> None:
+    run_distributed(_copies_without_a_collective_are_fenced, 1, backend="nccl")
