@@ -3,7 +3,7 @@ checkpoint saved at one world size resumes at another (2 -> 4, 1 and
 4 -> 2, 1; FULL_SHARD -> NO_SHARD / HYBRID) and training then follows the
 run that never stopped; a damaged, truncated, foreign or misshaped
 checkpoint is refused before anything changes; an interrupted save leaves
-the previous checkpoint loadable.
+the previous checkpoint loadable; a verified checkpoint is read in place.
 
 Each test saves in one ``run_distributed`` launch and loads in others, with
 a shared ``tmp_path``."""
@@ -30,6 +30,7 @@ from composable_shard import (
     set_optimizer_state_dict,
 )
 from composable_shard.checkpoint import MANIFEST_NAME
+from composable_shard.state_dict import RangeShardedTensor
 
 from .harness import run_distributed
 from .test_optim_state_dict import make_optimizer
@@ -227,3 +228,47 @@ def _foreign_checkpoints_are_refused(rank: int, world_size: int, root: str) -> N
 def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     run_distributed(_save_small, 2, str(tmp_path))
     run_distributed(_foreign_checkpoints_are_refused, 4, str(tmp_path))
+
+
+# ----------------------------------------------------------- in place
+def _loads_in_place(rank: int, world_size: int, root: str) -> None:
+    """A verified checkpoint is read straight into the model's shards and
+    the optimizer's state tensors: DCP's destination holds views of them,
+    and no state tensor is replaced."""
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(2))
+    directory = f"{root}/ckpt"
+    save_checkpoint(directory, model, optimizer)
+    saved = _snapshot(model, optimizer)
+    train_steps(model, optimizer, range(2, 3))  # the live state moves on
+    shard_ptrs = {key: value.local.data_ptr() for key, value in get_model_state_dict(model).items() if isinstance(value, RangeShardedTensor) and value.local.numel()}
+    state_ptrs = {(id(p), key): value.data_ptr() for p, values in optimizer.state.items() for key, value in values.items() if key != "step" and value.numel()}
+    destinations: list[dict[str, Any]] = []
+    real_load = checkpoint_module.dcp.load
+
+    def recording_load(state: dict[str, Any], **kwargs: Any) -> Any:  # a spy: calls through
+        destinations.append(state)
+        return real_load(state, **kwargs)
+
+    checkpoint_module.dcp.load = recording_load  # type: ignore[assignment]
+    try:
+        load_checkpoint(directory, model, optimizer)
+    finally:
+        checkpoint_module.dcp.load = real_load  # type: ignore[assignment]
+    # First the optimizer's hyperparameters alone (checked before any tensor is read), then everything.
+    assert [sorted(d) for d in destinations] == [["optim"], ["model", "optim"]], [sorted(d) for d in destinations]
+    read_into = {key: value.local.data_ptr() for key, value in destinations[-1]["model"].items() if isinstance(value, RangeShardedTensor) and value.local.numel()}
+    assert read_into == shard_ptrs
+    now_ptrs = {(id(p), key): value.data_ptr() for p, values in optimizer.state.items() for key, value in values.items() if key != "step" and value.numel()}
+    assert now_ptrs == state_ptrs
+    now = _snapshot(model, optimizer)
+    assert_same_tensors(now["model"], saved["model"], "model loaded in place")
+    assert_same_tensors(now["optim"], saved["optim"], "optimizer loaded in place")
+    train_steps(model, optimizer, range(2, 3))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_verified_checkpoint_loads_in_place_into_shards_and_optimizer_state(world_size: int, tmp_path: Path) -> None:
+    run_distributed(_loads_in_place, world_size, str(tmp_path))

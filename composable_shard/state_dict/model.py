@@ -10,7 +10,7 @@ Knows nothing of: hooks of the training step, streams, optimizers (see
 Public names: ``get_model_state_dict``, ``set_model_state_dict``,
 ``StateDictOptions`` (PyTorch's), ``StateDictError``, ``ModelEntries``,
 ``ShardedParamEntry``, ``model_entries``, ``prepare_units``, ``is_shown_unsharded``,
-``sharding_of``, ``empty_model_state_dict``, ``key_mismatch_message``,
+``sharding_of``, ``empty_model_state_dict``, ``model_state_dict_views``, ``key_mismatch_message``,
 ``value_mismatch_message``, ``checked_options``, ``is_rank0`` (the helpers
 for the optimizer and checkpoint modules).
 
@@ -64,6 +64,7 @@ __all__ = [
     "is_shown_unsharded",
     "sharding_of",
     "empty_model_state_dict",
+    "model_state_dict_views",
     "checked_options",
     "is_rank0",
     "key_mismatch_message",
@@ -377,6 +378,14 @@ def empty_model_state_dict(entries: ModelEntries) -> dict[str, Any]:
         return torch.empty_like(entry.handle.local_shard_view(entry.info))
 
     values = _sharded_values(entries, StateDictOptions(), make_local=make_local, fresh=True)
+    return OrderedDict((key, values[key]) for key in entries.key_order if key in values)
+
+
+def model_state_dict_views(entries: ModelEntries) -> dict[str, Any]:
+    """``get_model_state_dict(module)`` for already named ``entries``: views
+    of the shards, buffers and plain parameters themselves (a destination
+    that DCP reads into in place)."""
+    values = _sharded_values(entries, StateDictOptions(), make_local=_shard_view(False))
     return OrderedDict((key, values[key]) for key in entries.key_order if key in values)
 
 

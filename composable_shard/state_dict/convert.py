@@ -1,0 +1,194 @@
+"""Owns: converting a checkpoint directory to and from one file of full
+tensors — a ``torch.save`` file (the unsharded model state dict, or
+everything) or a ``.safetensors`` file of the model (tied weights stored
+once, as ``transformers`` writes and reads them) — with no process group.
+
+Knows nothing of: models, flat parameters, process groups (it reads DCP
+metadata and our manifest only).
+
+Public names: ``dcp_to_torch_save``, ``torch_save_to_dcp``,
+``dcp_to_safetensors``, ``safetensors_to_dcp``, ``SAFETENSORS_ALIASES_KEY``.
+
+Every converter reads the whole model into this machine's memory.
+
+[Note: tied weights in safetensors]
+A state dict names a tied parameter under every alias (a GPT's
+``tok_emb.weight`` and ``head.weight``), and a DCP checkpoint holds each
+alias. safetensors refuses tensors sharing memory, and ``transformers``
+(``save_pretrained``) stores a tied parameter once, under its canonical name
+(the first ``named_parameters()`` yields, e.g. ``model.embed_tokens.weight``),
+and ties the alias again on load. ``dcp_to_safetensors`` does the same, with
+the aliases ``save_checkpoint`` recorded in the manifest, and writes them
+into the file's metadata (``SAFETENSORS_ALIASES_KEY``: alias -> canonical,
+as JSON) so ``safetensors_to_dcp`` can restore them. Loading the file into
+the unsharded model: ``safetensors.torch.load_model(model, path,
+strict=True)`` (which knows the model's tied parameters) or
+``transformers``' ``from_pretrained``; plain ``model.load_state_dict(
+load_file(path), strict=True)`` works for a model without tied parameters
+(for a tied one it reports the alias missing, as it does for a file
+``transformers`` wrote).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from .destinations import MODEL, OPTIM, saved_paths, template
+from .files import file_record, manifest_hints, switch_into_place, verify_checkpoint, write_manifest
+
+__all__ = [
+    "dcp_to_torch_save",
+    "torch_save_to_dcp",
+    "dcp_to_safetensors",
+    "safetensors_to_dcp",
+    "SAFETENSORS_ALIASES_KEY",
+]
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_ALIASES_KEY = "composable_shard.aliases"
+
+
+def _load_without_process_group(state: dict[str, Any], directory: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=FileSystemReader(directory), no_dist=True)
+
+
+def _read_state(directory: Path, roots: set[str] | None, skip_model_keys: set[str] = frozenset()) -> dict[str, Any]:
+    """The nested state saved in a verified directory (only ``roots``, all
+    if None), read whole; model keys in the saved model order, 0-dim
+    parameters with their shape back."""
+    verify_checkpoint(directory, ranks_share_work=False)
+    saved = saved_paths(FileSystemReader(directory).read_metadata())
+    present = {path[0] for path, _ in saved.values()}
+    state = {root: template(saved, root) for root in sorted(present) if roots is None or root in roots}
+    if isinstance(state.get(MODEL), dict):
+        for key in skip_model_keys:
+            state[MODEL].pop(key, None)
+    _load_without_process_group(state, directory)
+    manifest = manifest_hints(directory)
+    _restore_scalar_shapes(state, set(manifest.get("scalar_params", [])))
+    if isinstance(state.get(MODEL), dict):
+        order = {key: index for index, key in enumerate(manifest.get("model_keys", []))}
+        state[MODEL] = dict(sorted(state[MODEL].items(), key=lambda item: order.get(item[0], len(order))))
+    return state
+
+
+def dcp_to_torch_save(
+    checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str], *, everything: bool = False
+) -> None:
+    """Write one ``torch.save`` file from a checkpoint directory, with no
+    process group: the unsharded model state dict (original names and
+    shapes, loadable by the unsharded model's ``load_state_dict``), or with
+    ``everything`` the whole nested state (model, optimizer, extra)."""
+    directory = Path(checkpoint_dir)
+    saved_roots = {path[0] for path, _ in saved_paths(_metadata(directory)).values()}
+    model_only = not everything and MODEL in saved_roots
+    state = _read_state(directory, {MODEL} if model_only else None)
+    _replace_file(Path(output_path), lambda partial: torch.save(state[MODEL] if model_only else state, partial))
+
+
+def _metadata(directory: Path) -> Any:
+    verify_checkpoint(directory, ranks_share_work=False)
+    return FileSystemReader(directory).read_metadata()
+
+
+def _replace_file(output: Path, write: Any) -> None:
+    partial = output.with_name(output.name + ".partial")
+    write(partial)
+    os.replace(partial, output)
+
+
+def _restore_scalar_shapes(state: dict[str, Any], scalar_params: set[str]) -> None:
+    """Give 0-dim parameters (and their per-element optimizer state) back
+    their shape: sharded checkpoints store them with shape (1,)."""
+    model_state = state.get(MODEL) or {}
+    for key in scalar_params & set(model_state):
+        model_state[key] = model_state[key].reshape(())
+    optim_state = (state.get(OPTIM) or {}).get("state", {})
+    for fqn in scalar_params & set(optim_state):
+        for key, value in optim_state[fqn].items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.shape == (1,):
+                optim_state[fqn][key] = value.reshape(())
+
+
+def torch_save_to_dcp(input_path: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Write a checkpoint directory (loadable by ``load_checkpoint`` at any
+    world size) from a ``torch.save`` file of a model state dict (or of a
+    nested ``{"model": ..., "optim": ...}`` state), with no process group."""
+    state = torch.load(input_path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"torch_save_to_dcp({input_path}): expected a saved dict, got {type(state).__name__}.")
+    _write_directory(state if MODEL in state else {MODEL: state}, Path(checkpoint_dir), {})
+
+
+def _write_directory(state: dict[str, Any], target: Path, aliases: dict[str, str]) -> None:
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
+    files = {p.name: file_record(p) for p in staging.iterdir() if p.name.endswith(".distcp") or p.name == ".metadata"}
+    write_manifest(staging, files, list(state[MODEL]), [], aliases)
+    switch_into_place(staging, target)
+
+
+# ------------------------------------------------------------ safetensors
+def dcp_to_safetensors(checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str]) -> None:
+    """Write the model of a checkpoint directory as one ``.safetensors``
+    file of full tensors (original names, shapes and dtypes; tied aliases
+    stored once, see [Note: tied weights in safetensors]), with no process
+    group. Non-tensor entries (extra states) have no place in safetensors
+    and are left out (logged)."""
+    from safetensors.torch import save_file
+
+    directory = Path(checkpoint_dir)
+    what = f"dcp_to_safetensors({directory})"
+    aliases = dict(manifest_hints(directory).get("aliases", {}))
+    if MODEL not in {path[0] for path, _ in saved_paths(_metadata(directory)).values()}:
+        raise ValueError(f"{what}: the checkpoint holds no model state (no 'model.*' keys). Convert a checkpoint of save_checkpoint.")
+    model_state = _read_state(directory, {MODEL}, skip_model_keys=set(aliases))[MODEL]
+    tensors = {key: value.contiguous() for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    left_out = [key for key in model_state if key not in tensors]
+    if left_out:
+        logger.info("%s: left out non-tensor entries %s", what, left_out)
+    metadata = {"format": "pt", SAFETENSORS_ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
+    _replace_file(Path(output_path), lambda partial: save_file(tensors, str(partial), metadata=metadata))
+
+
+def safetensors_to_dcp(
+    input_path: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str], *, aliases: dict[str, str] | None = None
+) -> None:
+    """Write a checkpoint directory (loadable by ``load_checkpoint`` at any
+    world size) from a ``.safetensors`` file of a model, with no process
+    group. Tied aliases (alias -> canonical name) come from the file's
+    metadata (``dcp_to_safetensors`` records them) and ``aliases``; each is
+    stored under both names, as ``save_checkpoint`` does."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    what = f"safetensors_to_dcp({input_path})"
+    with safe_open(str(input_path), framework="pt") as reader:
+        recorded = json.loads((reader.metadata() or {}).get(SAFETENSORS_ALIASES_KEY, "{}"))
+    tied = {**recorded, **(aliases or {})}
+    model_state: dict[str, Any] = dict(load_file(str(input_path)))
+    unknown = sorted(canonical for canonical in tied.values() if canonical not in model_state)
+    if unknown:
+        raise ValueError(
+            f"{what}: tied alias targets {unknown} are not in the file. Pass aliases naming tensors the file holds."
+        )
+    for alias, canonical in tied.items():
+        model_state[alias] = model_state[canonical]
+    _write_directory({MODEL: model_state}, Path(checkpoint_dir), tied)

@@ -1,0 +1,242 @@
+"""Owns: the files of a checkpoint directory — the manifest of every file's
+size and CRC-32, checking a directory against it, and switching a complete
+new directory into place atomically. See [Note: checkpoint safety] in
+checkpoint.py.
+
+Knows nothing of: models, optimizers, state dicts, what DCP writes inside
+its files.
+
+Public names: ``CheckpointError``, ``MANIFEST_NAME``, ``verify_checkpoint``,
+``manifest_hints``, ``write_manifest``, ``file_record``,
+``switch_into_place``, ``agree``, ``rank0_step``, ``current_rank``,
+``current_world_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .. import comm
+
+__all__ = [
+    "CheckpointError",
+    "MANIFEST_NAME",
+    "verify_checkpoint",
+    "manifest_hints",
+    "write_manifest",
+    "file_record",
+    "switch_into_place",
+    "agree",
+    "rank0_step",
+    "current_rank",
+    "current_world_size",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "composable_shard.manifest.json"
+_FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, damaged or incomplete, or writing
+    one failed. Raised before the model or optimizer is changed."""
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def current_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree(error: str | None) -> None:
+    """Every rank raises if any rank reports an error (first one wins)."""
+    errors = comm.all_gather_object(error) if dist.is_initialized() else [error]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def rank0_step(what: str, step: Callable[[], None]) -> None:
+    """Run ``step()`` on rank 0 and make every rank see how it went."""
+    error = None
+    if current_rank() == 0:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"{what}: {type(exc).__name__}: {exc}"
+    if dist.is_initialized():
+        error = comm.broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+# ------------------------------------------------------------------ files
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 24), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def file_record(path: Path) -> dict[str, int]:
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_manifest(
+    directory: Path,
+    files: dict[str, dict[str, int]],
+    model_keys: list[str],
+    scalar_params: list[str],
+    aliases: dict[str, str] | None = None,
+) -> None:
+    manifest = {
+        "format": _FORMAT,
+        "world_size": current_world_size(),
+        "files": dict(sorted(files.items())),
+        # For the converters: the model's keys in nn.Module.state_dict order,
+        # its 0-dim parameters, stored with shape (1,) (see stored_shape), and
+        # tied aliases -> the canonical name of the same parameter.
+        "model_keys": model_keys,
+        "scalar_params": scalar_params,
+        "aliases": dict(aliases or {}),
+    }
+    target = directory / MANIFEST_NAME
+    with open(target, "w") as stream:
+        json.dump(manifest, stream, indent=1)
+        stream.flush()
+        os.fsync(stream.fileno())
+    _fsync_dir(directory)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Atomically swap two directories (Linux ``renameat2``); False where the
+    platform cannot."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
+    return result == 0
+
+
+def switch_into_place(staging: Path, target: Path) -> None:
+    """Make the complete ``staging`` directory be ``target``; the old
+    ``target`` is never left half-written. See [Note: checkpoint safety]."""
+    if not target.exists():
+        os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging)  # now the old checkpoint
+    else:
+        previous = target.with_name(target.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(target, previous)
+        os.rename(staging, target)
+        shutil.rmtree(previous)
+    _fsync_dir(target.parent)
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = True) -> bool:
+    """Check a checkpoint directory against its manifest (every file's size
+    and CRC-32) and raise ``CheckpointError`` naming the first bad files.
+    Collective when a process group is initialised and ``ranks_share_work``
+    (each rank checks every world-size-th file). A directory without a
+    manifest (written by plain ``dcp.save``) is checked for its metadata
+    file only. Returns whether a manifest verified every file."""
+    directory = Path(path)
+    what = f"load_checkpoint({directory})"
+    _check_exists(directory, what)
+    manifest_path = directory / MANIFEST_NAME
+    error = None
+    if not manifest_path.exists():
+        if not (directory / ".metadata").exists():
+            error = (
+                f"{what}: no '.metadata' file: this is not a complete torch.distributed.checkpoint directory (an "
+                "interrupted save?). Load another checkpoint."
+            )
+        logger.info("%s: no manifest; file checksums not verified", what)
+        _raise_if(error)
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{what}: the manifest {MANIFEST_NAME} is unreadable ({exc}). The checkpoint is damaged; load another one."
+        ) from exc
+    share = ranks_share_work and dist.is_initialized()
+    rank, world = (current_rank(), current_world_size()) if share else (0, 1)
+    mine = [(name, record) for i, (name, record) in enumerate(sorted(files.items())) if i % world == rank]
+    bad = [_file_problem(directory, name, record) for name, record in mine]
+    bad_files = [problem for problem in bad if problem is not None]
+    if share:
+        bad_files = [problem for rank_bad in comm.all_gather_object(bad_files) for problem in rank_bad]
+    if bad_files:
+        shown = "; ".join(bad_files[:3]) + (f" (and {len(bad_files) - 3} more)" if len(bad_files) > 3 else "")
+        raise CheckpointError(
+            f"{what}: the checkpoint is damaged: {shown}. Nothing was loaded; load an older checkpoint (or restore "
+            "the files)."
+        )
+    return True
+
+
+def _raise_if(error: str | None) -> None:
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _check_exists(directory: Path, what: str) -> None:
+    if directory.is_dir():
+        return
+    previous = directory.with_name(directory.name + ".previous")
+    hint = (
+        f" An interrupted save left the last complete checkpoint at '{previous}': rename it to '{directory}'."
+        if previous.is_dir()
+        else " Check the path."
+    )
+    raise CheckpointError(f"{what}: no checkpoint directory at '{directory}'.{hint}")
+
+
+def _file_problem(directory: Path, name: str, record: dict[str, int]) -> str | None:
+    path = directory / name
+    if not path.is_file():
+        return f"file '{name}' is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"file '{name}' has {size} bytes, the manifest records {record['bytes']} (truncated or overwritten)"
+    if _crc32(path) != record["crc32"]:
+        return f"file '{name}' does not match its checksum (corrupted)"
+    return None
+
+
+def manifest_hints(directory: Path) -> dict[str, Any]:
+    """The manifest's contents ({} for a directory without one)."""
+    manifest_path = directory / MANIFEST_NAME
+    return json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
