@@ -60,6 +60,7 @@ _MORE = {
     "input_dtype",
     "loss_fn",
     "warn",
+    "momentum",
 }
 
 
@@ -121,7 +122,8 @@ def plan(
     per shard group under hybrid strategies (default ``LOCAL_WORLD_SIZE`` or
     ``world_size``); ``example_inputs`` (tuple) or ``input_shape`` (+
     ``input_dtype``, default ``torch.long``) and ``loss_fn`` to measure
-    activations; ``warn=True`` to also emit the plan's warnings.
+    activations; ``momentum`` (0.9; 0 means SGD keeps no state);
+    ``warn=True`` to also emit the plan's warnings.
     """
     name = type(module).__name__
     unknown = set(more) - _MORE
@@ -184,16 +186,19 @@ def plan(
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more)
     shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
-    result = _assemble(units, world_size, rank, optimizer, device_type, activations, shared, source="plan")
+    kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
+    result = _assemble(units, world_size, rank, kind, device_type, activations, shared, source="plan")
+    result.optimizer = optimizer
     if more.get("warn", False):
         for message in result.warnings:
             warnings.warn(message, stacklevel=2)
     return result
 
 
-def describe(module: nn.Module, *, optimizer: str = "adamw") -> ShardingPlan:
+def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9) -> ShardingPlan:
     """The plan of a model ``fully_shard`` already sharded, read from its
-    real layouts, on this rank (same table and numbers as ``plan``)."""
+    real layouts, on this rank (same table and numbers as ``plan``; no
+    activations). ``momentum`` matters for ``optimizer="sgd"`` only."""
     name = type(module).__name__
     _check_optimizer(name, optimizer)
     named = list(unit_states_under(module))
@@ -215,13 +220,20 @@ def describe(module: nn.Module, *, optimizer: str = "adamw") -> ShardingPlan:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     owners = {id(m) for _, s in named for m in [s.module]}
     shared = _shared_params_from_states(module, owners, named)
-    return _assemble(units, world, rank, optimizer, device_type, None, shared, source="fully_shard")
+    result = _assemble(units, world, rank, _optimizer_kind(optimizer, momentum), device_type, None, shared, source="fully_shard")
+    result.optimizer = optimizer
+    return result
 
 
 # ---------------------------------------------------------------- helpers
 def _check_optimizer(name: str, optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan({name}): optimizer {optimizer!r} is unknown; pick one of {sorted(OPTIMIZERS)}.")
+
+
+def _optimizer_kind(optimizer: str, momentum: float) -> str:
+    """SGD without momentum keeps no state."""
+    return "none" if optimizer == "sgd" and not momentum else optimizer
 
 
 def _device_type(module: nn.Module) -> str:

@@ -90,7 +90,7 @@ def format_plan(plan: ShardingPlan) -> str:
         ("optimizer step temporaries", rb["optimizer_step"], ""),
     ]
     label_width = max(len(label) for label, _, _ in items + peak_items) + 4
-    value_width = max(len(format_bytes(n)) for _, n, _ in items + peak_items + [("", rb["total"], "")])
+    value_width = len("1023.99 MiB")  # fixed, so plan and describe tables line up
 
     def item(label: str, count: int, note: str, indent: int = 2) -> str:
         text = f"{' ' * indent}{label.ljust(label_width - indent)}{format_bytes(count).rjust(value_width)}"

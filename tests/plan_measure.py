@@ -15,6 +15,7 @@ not), printing one JSON line per (world size, rank, case).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -167,10 +168,10 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
 
 
 def _without_source(table: str) -> str:
-    """The table minus what only a plan can know (its source, activations)."""
-    lines = [line for line in table.splitlines() if "activations" not in line and "peak total" not in line]
-    lines = [line for line in lines if not line.startswith("  worst moment") and not line.startswith("    ")]
-    return "\n".join(lines).replace("(plan)", "(...)").replace("(fully_shard)", "(...)")
+    """The table down to the step's worst moment (only a plan given an input
+    measures activations, which can move that moment), source label blanked."""
+    kept = table.split("\n  worst moment")[0]
+    return kept.replace("(plan)", "(...)").replace("(fully_shard)", "(...)")
 
 
 def main(world_sizes: list[int]) -> None:
@@ -181,7 +182,8 @@ def main(world_sizes: list[int]) -> None:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             try:
                 for name in CASES:
-                    print(json.dumps(measure_case(name, rank, world_size)), flush=True)
+                    record = measure_case(name, rank, world_size, device=os.environ.get("PLAN_MEASURE_DEVICE", "cpu"))
+                    print(json.dumps(record), flush=True)
             finally:
                 dist.destroy_process_group()
 
