@@ -1,7 +1,9 @@
-"""Convert between a sharded checkpoint directory and one ``torch.save`` file.
+"""Convert between a sharded checkpoint directory and one file of full
+tensors: a ``torch.save`` file or a ``.safetensors`` file.
 
-Owns: the command line of ``composable_shard.checkpoint.dcp_to_torch_save`` /
-``torch_save_to_dcp``. Knows nothing of: how checkpoints are laid out (the
+Owns: the command line of ``composable_shard.state_dict.convert``
+(``dcp_to_torch_save`` / ``torch_save_to_dcp`` / ``dcp_to_safetensors`` /
+``safetensors_to_dcp``). Knows nothing of: how checkpoints are laid out (the
 library does).
 
 No process group is needed; run it on one machine that sees the directory::
@@ -13,6 +15,14 @@ No process group is needed; run it on one machine that sees the directory::
     python scripts/convert_checkpoint.py to-torch CHECKPOINT_DIR all.pt --everything
     # back: a directory load_checkpoint reads at any world size
     python scripts/convert_checkpoint.py to-dcp model.pt CHECKPOINT_DIR
+
+    # the model as one safetensors file, tied weights stored once (as
+    # transformers' save_pretrained writes them; load it with
+    # safetensors.torch.load_model(model, path, strict=True) or, beside a
+    # config.json, with from_pretrained):
+    python scripts/convert_checkpoint.py to-safetensors CHECKPOINT_DIR model.safetensors
+    # back (tied aliases from the file's metadata, or --tie ALIAS=NAME):
+    python scripts/convert_checkpoint.py from-safetensors model.safetensors CHECKPOINT_DIR
 
 The whole model is read into memory on this machine.
 """
@@ -26,9 +36,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from composable_shard.checkpoint import dcp_to_torch_save, torch_save_to_dcp  # noqa: E402
+from composable_shard.state_dict.convert import (  # noqa: E402
+    dcp_to_safetensors,
+    dcp_to_torch_save,
+    safetensors_to_dcp,
+    torch_save_to_dcp,
+)
 
 logger = logging.getLogger("convert_checkpoint")
+
+
+def _tie(text: str) -> tuple[str, str]:
+    alias, sep, canonical = text.partition("=")
+    if not sep or not alias or not canonical:
+        raise argparse.ArgumentTypeError(f"--tie expects ALIAS=NAME (e.g. lm_head.weight=model.embed_tokens.weight), got '{text}'")
+    return alias, canonical
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     to_dcp = commands.add_parser("to-dcp", help="torch.save file -> checkpoint directory")
     to_dcp.add_argument("input", type=Path)
     to_dcp.add_argument("checkpoint_dir", type=Path)
+    to_st = commands.add_parser("to-safetensors", help="checkpoint directory -> one .safetensors file of the model")
+    to_st.add_argument("checkpoint_dir", type=Path)
+    to_st.add_argument("output", type=Path)
+    from_st = commands.add_parser("from-safetensors", help=".safetensors file -> checkpoint directory")
+    from_st.add_argument("input", type=Path)
+    from_st.add_argument("checkpoint_dir", type=Path)
+    from_st.add_argument("--tie", type=_tie, action="append", default=[], help="ALIAS=NAME: a tied alias to restore")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "to-torch":
         dcp_to_torch_save(args.checkpoint_dir, args.output, everything=args.everything)
         logger.info("wrote %s", args.output)
-    else:
+    elif args.command == "to-dcp":
         torch_save_to_dcp(args.input, args.checkpoint_dir)
+        logger.info("wrote %s", args.checkpoint_dir)
+    elif args.command == "to-safetensors":
+        dcp_to_safetensors(args.checkpoint_dir, args.output)
+        logger.info("wrote %s", args.output)
+    else:
+        safetensors_to_dcp(args.input, args.checkpoint_dir, aliases=dict(args.tie))
         logger.info("wrote %s", args.checkpoint_dir)
     return 0
 

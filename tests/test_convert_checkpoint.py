@@ -1,7 +1,10 @@
 """Converting a sharded checkpoint directory to one ``torch.save`` file of the
 unsharded model (original names and shapes) and back, with no process
 group: ``composable_shard.checkpoint.dcp_to_torch_save`` /
-``torch_save_to_dcp`` and their command line, ``scripts/convert_checkpoint.py``."""
+``torch_save_to_dcp`` and their command line, ``scripts/convert_checkpoint.py``;
+and to one ``.safetensors`` file (tied weights stored once, as transformers
+writes them) that the unsharded model, ``safetensors`` and ``transformers``
+load with identical outputs, and back."""
 
 from __future__ import annotations
 
@@ -11,14 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as torch_dcp_to_torch_save
 
-from composable_shard import get_model_state_dict, get_optimizer_state_dict, load_checkpoint, save_checkpoint
+from composable_shard import (
+    ModuleWrapPolicy,
+    fully_shard,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from composable_shard.checkpoint import dcp_to_torch_save, torch_save_to_dcp
 
 from .harness import run_distributed
 from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL_RANK0, BufferedGPT, assert_same_tensors, perturbed, shard, train_steps
+from .models import TinyGPT
+from .test_state_dict import FULL, FULL_RANK0, BufferedGPT, assert_same_tensors, perturbed, shard, train_steps
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,3 +92,107 @@ def test_checkpoint_converts_to_one_torch_save_file_and_back(tmp_path: Path) -> 
     torch_save_to_dcp(tmp_path / "changed.pt", tmp_path / "back")
     loaded = run_distributed(_load_and_return, 4, str(tmp_path / "back"))[0]
     assert_same_tensors(loaded, changed, "loaded from a converted file")
+
+
+# ------------------------------------------------------------ safetensors
+class UntiedGPT(TinyGPT):
+    """TinyGPT with its own output head (no tied parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(self.head.in_features, self.head.out_features, bias=False)
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _save_three_models(rank: int, world_size: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Tied and untied GPTs (trained) and a tied tiny Llama, each sharded and
+    saved with save_checkpoint; returns their full state dicts."""
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for name, build in (("tied", TinyGPT), ("untied", UntiedGPT), ("llama", _tiny_llama)):
+        torch.manual_seed(0)
+        model = build()
+        if name == "llama":
+            fully_shard(model, policy=ModuleWrapPolicy({type(model.model.layers[0])}))
+        else:
+            shard(model, "manual")
+            optimizer = make_optimizer("adamw", model)
+            train_steps(model, optimizer, range(2))
+        save_checkpoint(f"{root}/{name}", model)
+        full[name] = get_model_state_dict(model, options=FULL)
+    return full
+
+
+def _load_back(rank: int, world_size: int, directory: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model = shard(TinyGPT(), "policy")
+    load_checkpoint(directory, model)
+    return get_model_state_dict(model, options=FULL)
+
+
+def _convert(*argv: str | Path, cwd: Path) -> None:
+    """The command line, with FutureWarning and DeprecationWarning as errors."""
+    command = [sys.executable, "-W", "error::FutureWarning", "-W", "error::DeprecationWarning"]
+    command += [str(REPO_ROOT / "scripts" / "convert_checkpoint.py"), *map(str, argv)]
+    result = subprocess.run(command, capture_output=True, cwd=cwd, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_checkpoint_converts_to_safetensors_loadable_by_the_unsharded_model_and_back(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, load_model
+
+    full = run_distributed(_save_three_models, 2, str(tmp_path))[0]
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(3))
+    for name in ("tied", "untied", "llama"):
+        _convert("to-safetensors", tmp_path / name, tmp_path / f"{name}.safetensors", cwd=tmp_path)
+
+    # Tied: stored once under the canonical name; the model's loader (strict) ties it again.
+    stored = load_file(tmp_path / "tied.safetensors")
+    assert sorted(stored) == sorted(key for key in full["tied"] if key != "head.weight")
+    reference = TinyGPT()
+    reference.load_state_dict(full["tied"])
+    plain = TinyGPT()
+    missing, unexpected = load_model(plain, tmp_path / "tied.safetensors", strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    assert plain.head.weight is plain.tok_emb.weight
+    torch.testing.assert_close(plain(tokens), reference(tokens), atol=0, rtol=0)
+
+    # Untied: every key, and plain load_state_dict(load_file(...), strict=True).
+    stored = load_file(tmp_path / "untied.safetensors")
+    assert sorted(stored) == sorted(full["untied"])
+    reference = UntiedGPT()
+    reference.load_state_dict(full["untied"])
+    plain = UntiedGPT()
+    plain.load_state_dict(stored, strict=True)
+    torch.testing.assert_close(plain(tokens), reference(tokens), atol=0, rtol=0)
+
+    # transformers: the same keys as its own save_pretrained, and from_pretrained reads ours.
+    from transformers import LlamaForCausalLM
+
+    reference = _tiny_llama()
+    reference.load_state_dict(full["llama"])
+    reference.save_pretrained(tmp_path / "hf_own")
+    ours = tmp_path / "hf_ours"
+    reference.config.save_pretrained(ours)
+    (tmp_path / "llama.safetensors").rename(ours / "model.safetensors")
+    assert sorted(load_file(ours / "model.safetensors")) == sorted(load_file(tmp_path / "hf_own" / "model.safetensors"))
+    loaded = LlamaForCausalLM.from_pretrained(ours).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, reference(tokens).logits, atol=0, rtol=0)
+    llama_plain = _tiny_llama()
+    load_model(llama_plain, ours / "model.safetensors", strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(llama_plain(tokens).logits, reference(tokens).logits, atol=0, rtol=0)
+
+    # And back: a directory that load_checkpoint reads at another world size, tied alias restored.
+    _convert("from-safetensors", tmp_path / "tied.safetensors", tmp_path / "back", cwd=tmp_path)
+    loaded_back = run_distributed(_load_back, 4, str(tmp_path / "back"))[0]
+    assert_same_tensors(loaded_back, full["tied"], "safetensors -> checkpoint -> 4 ranks")
