@@ -114,6 +114,13 @@ def main(out_dir: Path) -> None:
         # What this rank holds: its part within the node, not a quarter.
         result["local_numels"][name] = sum(p.numel() for p in models[0].parameters())  # type: ignore[index]
         result["full_numel"] = sum(p.numel() for p in TinyGPT().parameters())
+        if rank == 0:
+            print(
+                f"{name}: shard group {result['shard_ranks']}, replicate group {result['replicate_ranks']}; "
+                f"{len(result['losses'][name])} steps in parity with one process, "  # type: ignore[index]
+                f"losses {[round(x, 4) for x in result['losses'][name]]}",  # type: ignore[index]
+                flush=True,
+            )
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
