@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
 
-from composable_shard import clip_grad_norm_, fully_shard  # noqa: E402
+from composable_shard import clip_grad_norm_, describe, fully_shard  # noqa: E402
 from data import ByteCorpus, rank_slice  # noqa: E402
 from gpt import GPT, GPTConfig, param_groups  # noqa: E402
 
@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-dir", type=Path, default=None, help="write checkpoints under this directory")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from, or 'latest' in --save-dir")
+    p.add_argument("--plan", action="store_true", help="print rank 0's sharding plan (units, per-rank memory) first")
     args = p.parse_args(argv)
     if args.resume == "latest" and args.save_dir is None:
         p.error("--resume latest needs --save-dir")
@@ -240,6 +241,10 @@ def train(args: argparse.Namespace) -> None:
         from composable_shard import get_model_state_dict  # noqa: F401  (fails now, not after training)
     corpus = ByteCorpus.from_stdlib(args.data_bytes)
     model = build_model(args, device)
+    if args.plan:
+        plan = describe(model, optimizer="adamw")  # what fully_shard allocated, on every rank
+        if rank == 0:
+            print(plan, flush=True)
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
 
     start_step = 0
