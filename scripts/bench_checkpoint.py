@@ -11,6 +11,7 @@ Knows nothing of: how either works inside.
 Run::
 
     python scripts/bench_checkpoint.py                         # 2 ranks, CPU, gloo
+    python scripts/bench_checkpoint.py --sizes 8x512,18x1536   # two sizes (n_layer x n_embd), one table each
     python scripts/bench_checkpoint.py --n-layer 12 --n-embd 768 --repeats 5
     python scripts/bench_checkpoint.py --device cuda --world-size 8
 
@@ -24,8 +25,8 @@ Modes, each in a fresh set of processes (so RSS belongs to one mode):
   them (in place, into the model's shards), ``set_*_state_dict``;
 - ``composable_shard_safe``: ``composable_shard.save_checkpoint`` /
   ``load_checkpoint``: the same plus CRC-32 of every file, a manifest, an
-  atomic directory switch, and a load into new buffers validated before
-  anything is copied into the model;
+  atomic directory switch, and a load that checks checksums, keys, shapes
+  and hyperparameters before reading in place;
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` per block and the root;
   ``torch.distributed.checkpoint.state_dict.get/set_model_state_dict`` and
   ``get/set_optimizer_state_dict`` around ``dcp.save`` / ``dcp.load``.
@@ -87,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--sizes", default="", help="comma list of LAYERSxEMBD model sizes (overrides --n-layer/--n-embd)")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--dir", default="", help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / world size)")
@@ -96,6 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes: choose from {','.join(MODES)}")
     if args.threads <= 0:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    try:
+        args.sizes = [tuple(int(x) for x in size.lower().split("x")) for size in args.sizes.split(",") if size.strip()]
+    except ValueError:
+        p.error("--sizes: expected a comma list of LAYERSxEMBD, e.g. 8x512,18x1536")
+    if not args.sizes:
+        args.sizes = [(args.n_layer, args.n_embd)]
+    if any(embd % args.n_head for _, embd in args.sizes):
+        p.error(f"--sizes: every width must be divisible by --n-head={args.n_head}")
     return args
 
 
@@ -196,9 +207,6 @@ def worker(rank: int, args: argparse.Namespace, port: int, mode: str, out_dir: s
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)  # ShardedTensor / DCP deprecation notes
     model, optimizer = build(mode, args, device)
     path = f"{ckpt_dir}/{mode}"
     results: dict[str, list[float]] = {"save_s": [], "save_mb": [], "load_s": [], "load_mb": []}
@@ -216,9 +224,8 @@ def worker(rank: int, args: argparse.Namespace, port: int, mode: str, out_dir: s
     dist.destroy_process_group()
 
 
-def main() -> int:
-    args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def run_size(args: argparse.Namespace, ckpt_root: str) -> list[tuple[str, float, float, float, float]]:
+    """Every mode at the model size in ``args``; one row per mode."""
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     numel = sum(p.numel() for p in GPT(config).parameters())
     logger.info(
@@ -226,14 +233,14 @@ def main() -> int:
         "%d repeats",
         args.n_layer, args.n_embd, numel / 1e6, numel * 4 / 2**20, numel * 12 / 2**20, args.world_size, args.device, args.repeats,
     )
-    ckpt_root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    rows = []
     with tempfile.TemporaryDirectory() as out_dir:
-        rows = []
         for mode in args.modes:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             mp.spawn(worker, args=(args, port, mode, out_dir, ckpt_root), nprocs=args.world_size, join=True)
+            shutil.rmtree(f"{ckpt_root}/{mode}", ignore_errors=True)  # keep at most one checkpoint on disk
             per_rank = [json.loads(Path(out_dir, f"{mode}_rank{r}.json").read_text()) for r in range(args.world_size)]
             slowest = {key: [max(r[key][i] for r in per_rank) for i in range(args.repeats)] for key in ("save_s", "load_s")}
             rows.append(
@@ -245,11 +252,27 @@ def main() -> int:
                     max(max(r["load_mb"]) for r in per_rank),
                 )
             )
-    if not args.dir:
-        shutil.rmtree(ckpt_root, ignore_errors=True)
     logger.info("%-22s %10s %14s %10s %14s", "mode", "save (s)", "save peak (MB)", "load (s)", "load peak (MB)")
     for mode, save_s, save_mb, load_s, load_mb in rows:
         logger.info("%-22s %10.3f %14.1f %10.3f %14.1f", mode, save_s, save_mb, load_s, load_mb)
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ckpt_root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    results = []
+    try:
+        for n_layer, n_embd in args.sizes:
+            args.n_layer, args.n_embd = n_layer, n_embd
+            rows = run_size(args, ckpt_root)
+            results.append({"n_layer": n_layer, "n_embd": n_embd, "rows": rows})
+    finally:
+        if not args.dir:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

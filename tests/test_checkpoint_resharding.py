@@ -10,6 +10,7 @@ a shared ``tmp_path``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -240,7 +241,23 @@ def _loads_in_place(rank: int, world_size: int, root: str) -> None:
     optimizer = make_optimizer("adamw", model)
     train_steps(model, optimizer, range(2))
     directory = f"{root}/ckpt"
-    save_checkpoint(directory, model, optimizer)
+    read_back: list[str] = []
+    real_record = checkpoint_module.file_record
+
+    def recording_record(path: Path) -> dict[str, int]:  # a spy: calls through
+        read_back.append(path.name)
+        return real_record(path)
+
+    checkpoint_module.file_record = recording_record  # type: ignore[assignment]
+    try:
+        save_checkpoint(directory, model, optimizer)
+    finally:
+        checkpoint_module.file_record = real_record  # type: ignore[assignment]
+    # Data files are checksummed as they are written; only the small metadata file is read back.
+    assert read_back == ([".metadata"] if rank == 0 else []), read_back
+    manifest = json.loads((Path(directory) / MANIFEST_NAME).read_text())
+    for name, record in manifest["files"].items():
+        assert record == real_record(Path(directory) / name), name
     saved = _snapshot(model, optimizer)
     train_steps(model, optimizer, range(2, 3))  # the live state moves on
     shard_ptrs = {key: value.local.data_ptr() for key, value in get_model_state_dict(model).items() if isinstance(value, RangeShardedTensor) and value.local.numel()}

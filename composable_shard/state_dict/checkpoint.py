@@ -20,7 +20,8 @@ A checkpoint directory holds the DCP files (``.metadata`` and one
 ``composable_shard.manifest.json`` (every file's size and CRC-32).
 
 Saving writes into the sibling ``<dir>.partial`` (emptied first); each rank
-checksums the files it wrote; rank 0 writes the manifest last, then switches
+checksums the files it writes (as DCP writes them, ``ChecksummingFileSystem``;
+read back only where that is not possible); rank 0 writes the manifest last, then switches
 the new directory into place: an atomic exchange of the two directories
 (``renameat2(RENAME_EXCHANGE)`` on Linux) followed by deleting the old one,
 or, where that is unavailable, two renames through ``<dir>.previous``. So at
@@ -83,6 +84,7 @@ from .destinations import (
 from .files import (
     MANIFEST_NAME,
     CheckpointError,
+    ChecksummingFileSystem,
     agree,
     current_rank,
     file_record,
@@ -155,9 +157,12 @@ def save_checkpoint(
 
     rank0_step(f"{what}: cannot create the staging directory '{staging}'", prepare)
     error = None
+    checksums: ChecksummingFileSystem | None = None
     try:
+        writer = FileSystemWriter(staging)
+        checksums = ChecksummingFileSystem.attach(writer)  # CRCs while writing, not by reading back
         with _quiet_sharded_tensor():
-            dcp.save(state, storage_writer=FileSystemWriter(staging))
+            dcp.save(state, storage_writer=writer)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank; say what is left
         error = (
             f"{what}: writing the checkpoint failed ({_describe(exc)}). The checkpoint at '{target}' (if any) is "
@@ -166,7 +171,7 @@ def save_checkpoint(
     agree(error)
     own: dict[str, dict[str, int]] = {}
     try:
-        own = {p.name: file_record(p) for p in staging.glob(f"__{current_rank()}_*.distcp")}
+        own = {p.name: _record(p, checksums) for p in staging.glob(f"__{current_rank()}_*.distcp")}
     except OSError as exc:
         error = f"{what}: cannot read back the files this rank wrote ({exc}). '{target}' is unchanged."
     records = comm.all_gather_object(own) if dist.is_initialized() else [own]
@@ -181,6 +186,15 @@ def save_checkpoint(
 
     rank0_step(f"{what}: cannot finish the checkpoint (the previous one at '{target}' is intact)", finish)
     logger.info("%s: saved", what)
+
+
+def _record(path: Path, checksums: ChecksummingFileSystem | None) -> dict[str, int]:
+    """A file's manifest record: the one taken while writing it when its
+    size agrees, else read back."""
+    record = checksums.records.get(path.name) if checksums is not None else None
+    if record is None or record["bytes"] != path.stat().st_size:
+        return file_record(path)
+    return record
 
 
 # ------------------------------------------------------------------- load
