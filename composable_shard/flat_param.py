@@ -101,6 +101,10 @@ class FlatParamHandle:
         # True while the owners hold forward views of the unsharded buffer
         # instead of the original parameters.
         self.shows_unsharded_views: bool = False
+        # Every parameter's view of the shard, built once per shard tensor
+        # (resharding runs every step for every unit).
+        self._shard_views: tuple[torch.Tensor, ...] = ()
+        self._shard_views_of: torch.Tensor | None = None
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ init
@@ -136,8 +140,11 @@ class FlatParamHandle:
     def use_sharded_views(self) -> None:
         """Point every original parameter at its 1-D slice of the shard and
         register it back on its owners."""
-        for info, param in zip(self.layout.params, self.orig_params):
-            param.data = self.local_shard_view(info)
+        if self._shard_views_of is not self.sharded_flat_param:
+            self._shard_views = tuple(self.local_shard_view(info) for info in self.layout.params)
+            self._shard_views_of = self.sharded_flat_param
+        for info, param, view in zip(self.layout.params, self.orig_params, self._shard_views):
+            param.data = view
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = param
         self.shows_unsharded_views = False
