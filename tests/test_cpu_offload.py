@@ -2,7 +2,9 @@
 a valid no-op (training matches the reference for every strategy, composed
 with no_sync and clip_grad_norm_); with a GPU, shards and sharded gradients
 live on CPU (pinned) between uses, the optimizer steps on CPU and training
-matches a reference on the GPU (skipped without one)."""
+matches a reference on the GPU (skipped without one). Larger offloaded
+models, mixed precision, accumulation and state dicts on the GPU:
+tests/test_cuda_offload.py."""
 
 from __future__ import annotations
 
