@@ -143,9 +143,12 @@ def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> st
     reducing and reaches about half the bus bandwidth of its all-reduce, so
     the all-reduce is faster although it moves twice the bytes. Measured with
     ``scripts/bench_comm.py`` (world size 2, one thread per rank, 2 shared
-    cores, machine under load), all-reduce + chunk copy / reduce-scatter time:
-    0.78 at 1 MiB, 0.91 at 4 MiB, 0.73 at 16 MiB; the all-reduce side even
-    paid an extra full copy of its input there. It costs no memory: the
+    cores under load, 40 calls each interleaved), all-reduce + chunk copy /
+    reduce-scatter median time: 0.92 at 1 MiB, 0.80 at 4 MiB, 0.81 at
+    16 MiB, although the all-reduce side also paid a full copy of its input
+    there; the handle's reduction on this path / raw reduce-scatter: 0.95,
+    0.79, 0.74. (An all-gather done as an all-reduce was slower at 1 and
+    4 MiB, so all-gathers stay all-gathers.) It costs no memory: the
     padded gradient exists anyway and is freed after the reduction, and the
     chunk is copied out of it (``ChunkOfAllReduce``), never kept as a view
     that would hold the whole buffer alive.

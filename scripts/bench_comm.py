@@ -26,16 +26,13 @@ from composable_shard.flat_layout import ParamOwner
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 
 
-def _median_seconds(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # host sync: timing only
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn: Callable[[], None], device: torch.device) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: timing only
+    return time.perf_counter() - start
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -87,6 +84,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     scratch = torch.empty_like(grad)
 
+    def raw_all_gather_by_all_reduce() -> None:
+        # All-gather as a sum: zeros everywhere but this rank's chunk.
+        full.zero_()
+        full[rank * shard.numel() : (rank + 1) * shard.numel()].copy_(shard)
+        work = dist.all_reduce(full, async_op=async_op)
+        if work is not None:
+            work.wait()
+
     def raw_all_reduce_keep_chunk() -> None:
         # The alternative to reduce-scatter: sum the whole padded gradient in
         # place, then copy this rank's chunk out (twice the bytes on the wire).
@@ -96,30 +101,29 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             work.wait()
         torch.div(scratch[rank * (numel // world) : (rank + 1) * (numel // world)], world, out=reduced)
 
-    results = {}
-    for name, fn in (
-        ("all-gather handle", handle_all_gather),
-        ("all-gather raw", raw_all_gather),
-        ("reduce-scatter handle", handle_reduce_scatter),
-        ("reduce-scatter raw", raw_reduce_scatter),
-        ("all-reduce+chunk raw", raw_all_reduce_keep_chunk),
-    ):
+    operations = {
+        "all-gather handle": handle_all_gather,
+        "all-gather raw": raw_all_gather,
+        "all-gather by all-reduce": raw_all_gather_by_all_reduce,
+        "reduce-scatter handle": handle_reduce_scatter,
+        "reduce-scatter raw": raw_reduce_scatter,
+        "all-reduce+chunk raw": raw_all_reduce_keep_chunk,
+    }
+    for fn in operations.values():
         for _ in range(3):
             fn()  # warm-up
-        results[name] = _median_seconds(fn, args.iters, device)
-    # Interleave a second pass so drift hits both sides equally.
-    for name, fn in (
-        ("all-gather raw", raw_all_gather),
-        ("all-gather handle", handle_all_gather),
-        ("all-reduce+chunk raw", raw_all_reduce_keep_chunk),
-        ("reduce-scatter raw", raw_reduce_scatter),
-        ("reduce-scatter handle", handle_reduce_scatter),
-    ):
-        results[name] = min(results[name], _median_seconds(fn, args.iters, device))
+    # Interleaved call by call, the order rotating every iteration, so that
+    # machine noise (a shared machine) hits every operation alike.
+    times: dict[str, list[float]] = {name: [] for name in operations}
+    names = list(operations)
+    for i in range(args.iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times[name].append(_seconds(operations[name], device))
+    results = {name: statistics.median(seconds) for name, seconds in times.items()}
     if rank == 0:
         nbytes = numel * 4
         bus = nbytes * (world - 1) / world
-        print(f"world size {world}, {device.type}, {nbytes / 2**20:.1f} MiB unsharded per collective, median of {args.iters}")
+        print(f"world size {world}, {device.type}, {nbytes / 2**20:.1f} MiB unsharded per collective, median of {args.iters} interleaved calls each")
         print(f"{'operation':<24}{'ms':>10}{'bus GB/s':>12}")
         for name, seconds in results.items():
             print(f"{name:<24}{seconds * 1e3:>10.2f}{bus / seconds / 1e9:>12.2f}")
