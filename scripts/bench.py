@@ -455,7 +455,10 @@ def profile_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.
     with torch.profiler.profile(activities=activities) as prof:
         train_step(run, x, y, args, device)
         synchronize(device)
-    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort_by = "self_cpu_time_total"
+    if device.type == "cuda":  # renamed in newer torch; the old name may go away
+        averages = prof.key_averages()
+        sort_by = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=30)
     hooks = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
     return f"{table}\n\nby total time (hooks are labelled composable_shard::...):\n{hooks}"
