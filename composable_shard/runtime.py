@@ -70,7 +70,10 @@ def _hook_label(state: UnitState, hook: str) -> Iterator[None]:
 
 def _profiler_enabled() -> bool:
     # Private but present in every torch this package supports (>= 2.4).
-    return torch._C._autograd._profiler_enabled()
+    # Under torch.compile a constant False: dynamo cannot trace this query's
+    # bool result, and would break the graph once more per hook
+    # (tests/test_compile.py counts the breaks).
+    return not torch.compiler.is_compiling() and torch._C._autograd._profiler_enabled()
 
 
 # ------------------------------------------------------------------ lazy init

@@ -60,6 +60,13 @@ def _dynamo_counts() -> tuple[Counter, int]:
     return Counter(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 
+def _short(reason: str) -> str:
+    """Dynamo's reason: its first line and the line naming the code."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    context = [line for line in lines if line.startswith("Developer debug context")]
+    return " | ".join(lines[:1] + context)[:400]
+
+
 def _compiled_runs_match_reference(rank: int, world_size: int) -> dict[str, int]:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -86,7 +93,7 @@ def _compiled_runs_match_reference(rank: int, world_size: int) -> dict[str, int]
         if backend == "aot_eager":
             breaks[how] = sum(counted.values())
             if breaks[how] > RECORDED_GRAPH_BREAKS[how]:
-                reasons = "\n".join(f"{n} x {reason.splitlines()[0]}" for reason, n in counted.items())
+                reasons = "\n".join(f"{n} x {_short(reason)}" for reason, n in counted.items())
                 raise AssertionError(
                     f"{how}: {breaks[how]} graph breaks, recorded {RECORDED_GRAPH_BREAKS[how]}:\n{reasons}"
                 )
