@@ -65,7 +65,9 @@ def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
         dcp.save(state, checkpoint_id=f"{root}/raw")
         save_checkpoint(f"{root}/safe", model, optimizer, extra_state={"step": 2})
 
-        for source in ("raw", "safe"):
+        # "raw" and "raw_safe_load": plain dcp.save read by dcp.load, and by load_checkpoint (no manifest:
+        # into new buffers, after reading the optimizer's hyperparameters to check them).
+        for source in ("raw", "raw_safe_load", "safe"):
             torch.manual_seed(1)
             fresh = shard(BufferedGPT(), "policy")
             fresh_optimizer = make_optimizer("adamw", fresh)
@@ -74,6 +76,8 @@ def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
                 dcp.load(destination, checkpoint_id=f"{root}/raw")
                 set_model_state_dict(fresh, destination["model"])
                 set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+            elif source == "raw_safe_load":
+                assert load_checkpoint(f"{root}/raw", fresh, fresh_optimizer) == {}
             else:
                 assert load_checkpoint(f"{root}/safe", fresh, fresh_optimizer) == {"step": 2}
             assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"model from {source}")

@@ -36,8 +36,9 @@ place:
 1. the manifest: every file's size and CRC-32 (the ranks split the files);
 2. the DCP metadata against the model and optimizer: keys and shapes
    (``destinations.py``), with no tensor allocated;
-3. the checkpoint's objects only (optimizer hyperparameters, extra states:
-   a few bytes), so the optimizer state dict is checked as a whole;
+3. the optimizer's parameter names per group, which the manifest records
+   (for a checkpoint without them, its objects are read first: a few
+   bytes), so the optimizer state dict is checked as a whole;
 4. then DCP reads the tensors straight into the model's shards and the
    optimizer's state tensors (no second copy of the model in memory), and
    ``set_model_state_dict`` / ``set_optimizer_state_dict`` finish (their
@@ -79,6 +80,7 @@ from .destinations import (
     objects_tree,
     optim_destination,
     saved_paths,
+    SavedPaths,
     template,
 )
 from .files import (
@@ -88,6 +90,7 @@ from .files import (
     agree,
     current_rank,
     file_record,
+    manifest_hints,
     rank0_step,
     switch_into_place,
     verify_checkpoint,
@@ -181,7 +184,8 @@ def save_checkpoint(
         files = {name: record for rank_records in records for name, record in rank_records.items()}
         files[".metadata"] = file_record(staging / ".metadata")
         aliases = {alias: entry.keys[0] for entry in entries.sharded for alias in entry.keys[1:]}
-        write_manifest(staging, files, entries.key_order, scalar_params, aliases)
+        groups = [list(group["params"]) for group in state[OPTIM]["param_groups"]] if OPTIM in state else None
+        write_manifest(staging, files, entries.key_order, scalar_params, aliases, groups)
         switch_into_place(staging, target)
 
     rank0_step(f"{what}: cannot finish the checkpoint (the previous one at '{target}' is intact)", finish)
@@ -229,11 +233,7 @@ def load_checkpoint(
     options = StateDictOptions(strict=strict)
     if optimizer is not None:
         destination[OPTIM] = optim_destination(entries, optimizer, saved, strict, what, in_place=in_place)
-        objects = objects_tree(saved, OPTIM)
-        if objects is not None:  # hyperparameters: checked with the state before any tensor is read
-            _read(directory, {OPTIM: objects}, what, in_place=False)
-            fill_objects(destination[OPTIM], objects)
-        check_optimizer_state_dict(model, optimizer, destination[OPTIM], options=options)
+        check_optimizer_state_dict(model, optimizer, _optim_to_check(directory, destination[OPTIM], saved, what), options=options)
     extra = template(saved, EXTRA)
     if extra is not None:
         destination[EXTRA] = extra
@@ -243,6 +243,20 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, destination[OPTIM], options=options)
     logger.info("%s: loaded%s", what, " in place" if in_place else " through new buffers (no manifest)")
     return dict(destination.get(EXTRA) or {})
+
+
+def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, what: str) -> dict[str, Any]:
+    """The optimizer destination as ``check_optimizer_state_dict`` needs it,
+    before any tensor is read: its parameter names per group from the
+    manifest, or (a checkpoint without them) its objects read first."""
+    groups = manifest_hints(directory).get("optim_param_groups")
+    if isinstance(groups, list):
+        return {"state": optim.get("state", {}), "param_groups": [{"params": list(names)} for names in groups]}
+    objects = objects_tree(saved, OPTIM)
+    if objects is not None:  # hyperparameters: a few bytes, read on their own
+        _read(directory, {OPTIM: objects}, what, in_place=False)
+        fill_objects(optim, objects)
+    return optim
 
 
 def _read(directory: Path, destination: dict[str, Any], what: str, *, in_place: bool) -> None:

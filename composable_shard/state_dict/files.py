@@ -178,6 +178,7 @@ def write_manifest(
     model_keys: list[str],
     scalar_params: list[str],
     aliases: dict[str, str] | None = None,
+    optim_param_groups: list[list[str]] | None = None,
 ) -> None:
     manifest = {
         "format": _FORMAT,
@@ -190,6 +191,10 @@ def write_manifest(
         "scalar_params": scalar_params,
         "aliases": dict(aliases or {}),
     }
+    if optim_param_groups is not None:
+        # The optimizer's parameter names per group, so loading can check them
+        # before reading anything (see [Note: checkpoint safety]).
+        manifest["optim_param_groups"] = optim_param_groups
     target = directory / MANIFEST_NAME
     with open(target, "w") as stream:
         json.dump(manifest, stream, indent=1)
