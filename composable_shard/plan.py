@@ -18,6 +18,7 @@ arguments match, and the tests compare both with what the allocator holds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ def plan(
     sources = plan_ownership(module, choices, ignored_modules, ignored_params)
     hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     compute_device = torch.device(device_type)
+    order = _module_order(module)
+    module_of = {id(m): m for m in module.modules()}
     specs: dict[int, UnitPlan] = {}
     for choice in choices:
         kwargs = unit_kwargs(name, base, choice)
@@ -171,16 +174,18 @@ def plan(
             )
             dtypes = flat_param_dtypes(first.dtype, kwargs["mixed_precision"])
             flat_params.append(
-                _flat_param_plan(layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload)
+                _flat_param_plan(
+                    layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order
+                )
             )
         specs[id(choice.module)] = _unit_plan(choice.module, kwargs, flat_params)
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
     for _, state in unit_states_under(module):
-        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size)
+        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order)
     names = {id(m): n for n, m in module.named_modules()}
     units = sorted(
-        (_renamed(spec, names[key]) for key, spec in specs.items()),
+        (_renamed(spec, names[key], _subtree_last(module_of[key], order)) for key, spec in specs.items()),
         key=lambda u: _preorder_index(module, u.name),
     )
     unit_names = {key: names[key] for key in specs}
@@ -206,15 +211,14 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
         raise ValueError(f"describe({name}): no fully_shard unit in this module. Call fully_shard first, or use plan().")
     units = []
     device_type = "cpu"
+    order = _module_order(module)
     for unit_name, state in named:
         flat_params = [
-            _flat_param_plan(
-                h.layout, h.param_dtype, h.reduce_dtype if h.reduce_dtype != h.param_dtype else None,
-                h.keep_low_precision_grads, h.offload_params,
-            )
+            _flat_param_plan(h.layout, h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order)
             for h in state.handles
         ]
-        units.append(_unit_plan_from_state(unit_name, state, flat_params))
+        unit = _unit_plan_from_state(unit_name, state, flat_params)
+        units.append(dataclasses.replace(unit, subtree_last=_subtree_last(state.module, order)))
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -264,6 +268,7 @@ def _flat_param_plan(
     reduce_dtype: torch.dtype | None,
     keep_low_precision_grads: bool,
     offload: bool,
+    module_index: dict[int, int],
 ) -> FlatParamPlan:
     """What ``FlatParamHandle`` allocates for ``layout`` (see its
     constructor, ``reduce_grad`` and ``finish_grad_reduction``)."""
@@ -288,6 +293,9 @@ def _flat_param_plan(
         is_sharded=is_sharded,
         param_count=len(layout.params),
         tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
+        last_uses=tuple(
+            (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
+        ),
     )
 
 
@@ -313,7 +321,9 @@ def _unit_plan_from_state(name: str, state: UnitState, flat_params: list[FlatPar
     )
 
 
-def _replan_existing(name: str, state: UnitState, world: int, rank: int, hybrid_size: int) -> UnitPlan:
+def _replan_existing(
+    name: str, state: UnitState, world: int, rank: int, hybrid_size: int, order: dict[int, int]
+) -> UnitPlan:
     shard_size, shard_rank = _shard_group(name, state.config.strategy, world, rank, hybrid_size)
     flat_params = []
     for handle in state.handles:
@@ -326,12 +336,24 @@ def _replan_existing(name: str, state: UnitState, world: int, rank: int, hybrid_
             shard_world_size=shard_size,
         )
         reduce = handle.reduce_dtype if handle.reduce_dtype != handle.param_dtype else None
-        flat_params.append(_flat_param_plan(layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params))
+        flat_params.append(
+            _flat_param_plan(layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order)
+        )
     return _unit_plan_from_state("", state, flat_params)
 
 
-def _renamed(unit: UnitPlan, name: str) -> UnitPlan:
-    return UnitPlan(name, unit.module_type, unit.strategy, unit.flat_params, unit.forward_prefetch, unit.backward_prefetch)
+def _renamed(unit: UnitPlan, name: str, subtree_last: int) -> UnitPlan:
+    return dataclasses.replace(unit, name=name, subtree_last=subtree_last)
+
+
+def _module_order(module: nn.Module) -> dict[int, int]:
+    """Module id -> pre-order index: the forward order the plan assumes when
+    it decides which gradients exist before a unit's backward."""
+    return {id(m): index for index, m in enumerate(module.modules())}
+
+
+def _subtree_last(unit_module: nn.Module, order: dict[int, int]) -> int:
+    return max(order.get(id(m), 0) for m in unit_module.modules())
 
 
 def _preorder_index(module: nn.Module, name: str) -> int:

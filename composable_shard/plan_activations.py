@@ -100,14 +100,16 @@ def measure_activations(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
+        # Fresh fake tensors of the same shapes, never ``from_tensor``: the
+        # converter would keep weak references to the user's parameters, and
+        # a parameter with a weak reference cannot be materialised in place
+        # by fully_shard later (``torch.utils.swap_tensors`` refuses).
         params = {}
         for name, param in module.named_parameters():
-            fake = fake_mode.from_tensor(param.detach())
-            if compute_dtype is not None and fake.is_floating_point():
-                fake = fake.to(compute_dtype)
-            params[name] = fake.requires_grad_(param.requires_grad)
-        buffers = {name: fake_mode.from_tensor(b) for name, b in module.named_buffers()}
-        fake_args = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+            dtype = compute_dtype if compute_dtype is not None and param.is_floating_point() else param.dtype
+            params[name] = _fake_like(param, dtype).requires_grad_(param.requires_grad)
+        buffers = {name: _fake_like(b, b.dtype) for name, b in module.named_buffers()}
+        fake_args = tree_map(lambda t: _fake_like(t, t.dtype) if isinstance(t, torch.Tensor) else t, args)
         inputs = [t for t in tree_flatten(fake_args)[0] if isinstance(t, torch.Tensor)]
         excluded = {StorageWeakRef(t.untyped_storage()) for t in [*params.values(), *buffers.values(), *inputs]}
         trainable = [p for p in params.values() if p.requires_grad]
@@ -177,6 +179,12 @@ def _window_hooks(module: nn.Module, unit_names: dict[int, str], timeline: _Time
         hooks.append(submodule.register_forward_pre_hook(pre_forward(name)))
         hooks.append(submodule.register_forward_hook(post_forward(name)))
     return hooks
+
+
+def _fake_like(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor (fake under the active mode) with ``tensor``'s shape and
+    device, holding no reference to it."""
+    return torch.empty(tuple(tensor.shape), dtype=dtype, device=tensor.device)
 
 
 def _default_loss(output: Any) -> torch.Tensor:

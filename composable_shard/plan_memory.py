@@ -20,9 +20,12 @@ their backward; forward prefetch gathers the next unit early. Backward runs in
 reverse: the unit's gathered parameters, its ancestors', the unit
 ``BACKWARD_PRE`` prefetches, its unsharded gradient (the per-parameter pieces
 and the padded flat gradient they are concatenated into exist together for a
-moment), the unsharded gradients of its ancestors (held by autograd until
-their last use), one reduction in flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``)
-and the sharded gradients reduced so far. ``optimizer.step()`` holds every
+moment), the gradients of its ancestors' parameters used after it (held by
+autograd until the ancestor's flat gradient is complete), one reduction in
+flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``) and the sharded gradients
+reduced so far. Forward order is taken to be module registration order: an
+ancestor's parameters registered after the unit (a GPT's final norm and head)
+have their gradients before its backward. ``optimizer.step()`` holds every
 sharded gradient plus the optimizer's temporaries. The worst of these moments
 is the plan's peak.
 """
@@ -93,6 +96,10 @@ class FlatParamPlan:
     # Sum over parameters registered k > 1 times of k * numel: autograd holds
     # one gradient per use plus their sum before the flat gradient exists.
     tied_use_numel: int = 0
+    # (module pre-order index of the parameter's last registration, numel)
+    # per parameter: a parameter registered after a unit is used after it in
+    # forward, so its gradient exists before that unit's backward.
+    last_uses: tuple[tuple[int, int], ...] = ()
 
     @property
     def padding(self) -> int:
@@ -133,6 +140,15 @@ class FlatParamPlan:
         into the padded flat gradient."""
         return self.numel * _itemsize(self.param_dtype) if self.requires_grad else 0
 
+    def grad_bytes_used_after(self, module_index: int) -> int:
+        """Gradient pieces of parameters last registered after
+        ``module_index`` (held by autograd while that module's backward
+        runs)."""
+        if not self.requires_grad:
+            return 0
+        numel = sum(n for last, n in self.last_uses if last > module_index)
+        return numel * _itemsize(self.param_dtype)
+
     @property
     def tied_grad_bytes(self) -> int:
         """While a tied parameter's gradients are summed: one per use besides
@@ -166,6 +182,8 @@ class UnitPlan:
     flat_params: tuple[FlatParamPlan, ...]
     forward_prefetch: bool
     backward_prefetch: BackwardPrefetch | None
+    # Pre-order index of the last module in the unit's subtree.
+    subtree_last: int = 0
 
     @property
     def numel(self) -> int:
@@ -295,7 +313,12 @@ def step_peak(
         source = gather(index)
         if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
             source += gather(index - 1)
-        held = sum(u.bytes_of("grad_pieces_bytes") for u in units if u.is_ancestor_of(unit))
+        held = sum(
+            fp.grad_bytes_used_after(unit.subtree_last)
+            for u in units
+            if u.is_ancestor_of(unit)
+            for fp in u.flat_params
+        )
         pieces = unit.bytes_of("grad_pieces_bytes")
         # The tied sums come before the concatenation into the flat gradient.
         pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))

@@ -135,6 +135,15 @@ def test_plan_on_meta_matches_plan_on_cpu_and_leaves_the_model_untouched() -> No
     assert not any(cs.is_fully_sharded(m) for m in meta_model.modules())
 
 
+def test_measuring_activations_leaves_meta_parameters_materialisable() -> None:
+    with torch.device("meta"):
+        model = TinyGPT()
+    assert cs.plan(model, world_size=8, policy={Block}, input_shape=(2, 6)).rank_bytes["activations_peak"] > 0
+    for param in model.parameters():  # what fully_shard's deferred init does; refused if a weakref remains
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="cpu")))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_plan_units_follow_the_policy_in_module_preorder() -> None:
     planned = cs.plan(TinyGPT(n_blocks=2), world_size=2, policy={Block})
     assert [u.name for u in planned.units] == ["", "blocks.0", "blocks.1"]
