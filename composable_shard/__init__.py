@@ -10,9 +10,17 @@ from .fully_shard import fully_shard, is_fully_sharded
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from .plan import ShardingPlan, describe, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
-from .state_dict import StateDictError, StateDictOptions, get_model_state_dict, set_model_state_dict
-from .optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .state_dict import (
+    CheckpointError,
+    StateDictError,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 __all__ = [
     "fully_shard",

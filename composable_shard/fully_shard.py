@@ -27,7 +27,7 @@ from .flat_param import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import register_hooks
-from .state_dict_hooks import register_state_dict_hooks
+from .state_dict.hooks import register_state_dict_hooks
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
     choose_units,

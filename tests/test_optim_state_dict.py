@@ -174,3 +174,28 @@ def _optimizer_errors_change_nothing(rank: int, world_size: int) -> None:
 @world_sizes
 def test_optimizer_load_errors_name_the_keys_and_change_nothing(world_size: int) -> None:
     run_distributed(_optimizer_errors_change_nothing, world_size)
+
+
+def test_state_dict_package_holds_all_four_functions_and_old_paths_still_import() -> None:
+    import composable_shard
+    import composable_shard.checkpoint as old_checkpoint
+    import composable_shard.optim_state_dict as old_optim
+    import composable_shard.state_dict_hooks as old_hooks
+    import composable_shard.state_dict_shards as old_shards
+    from composable_shard.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        load_checkpoint,
+        save_checkpoint,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from composable_shard.state_dict import checkpoint, hooks, optim, shards
+
+    assert get_optimizer_state_dict is composable_shard.get_optimizer_state_dict
+    assert set_optimizer_state_dict is composable_shard.set_optimizer_state_dict
+    assert get_model_state_dict is composable_shard.get_model_state_dict
+    assert set_model_state_dict is composable_shard.set_model_state_dict
+    assert save_checkpoint is composable_shard.save_checkpoint and load_checkpoint is composable_shard.load_checkpoint
+    for old, new in ((old_optim, optim), (old_checkpoint, checkpoint), (old_hooks, hooks), (old_shards, shards)):
+        assert old.__all__ == new.__all__ and all(getattr(old, name) is getattr(new, name) for name in new.__all__), old

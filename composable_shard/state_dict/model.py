@@ -4,8 +4,8 @@
 buffer and extra state goes by.
 
 Knows nothing of: hooks of the training step, streams, optimizers (see
-``optim_state_dict``), files (see ``checkpoint``); ``module.state_dict()`` /
-``load_state_dict()`` go through ``state_dict_hooks``.
+``optim``), files (see ``checkpoint``); ``module.state_dict()`` /
+``load_state_dict()`` go through ``hooks``.
 
 Public names: ``get_model_state_dict``, ``set_model_state_dict``,
 ``StateDictOptions`` (PyTorch's), ``StateDictError``, ``ModelEntries``,

@@ -4,7 +4,7 @@
 name, ``"param_groups"`` listing names under ``"params"``), full or sharded.
 
 Knows nothing of: files, the training step's hooks, how a model's names are
-found (``state_dict.model_entries``).
+found (``model.model_entries``).
 
 Public names: ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
 ``check_optimizer_state_dict``, ``OptimParam``, ``optimizer_params``, ``init_optimizer_state``,
