@@ -119,7 +119,10 @@ def build_base(args: argparse.Namespace) -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if args.model is not None:
-        return AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        import transformers
+
+        dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5
+        return AutoModelForCausalLM.from_pretrained(args.model, **{dtype_key: torch.float32})
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=args.hidden_size,
