@@ -4,7 +4,9 @@ FutureWarning or DeprecationWarning (turned into errors here), no value is a
 ShardedTensor, and ``RangeShardedTensor`` answers DCP's tensor protocol
 consistently: every rank's boxes tile each parameter exactly once, a rank
 holding no element has no boxes but still has the key, and the box DCP
-reads or writes is a view of the model's own shard."""
+reads or writes is a view of the model's own shard. The ShardedTensor
+fallback (for a torch without the protocol) still round-trips, and its
+checkpoints load with the protocol."""
 
 from __future__ import annotations
 
@@ -133,3 +135,53 @@ def _boxes_tile_every_parameter(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_range_sharded_tensor_boxes_tile_every_parameter_once(world_size: int) -> None:
     run_distributed(_boxes_tile_every_parameter, world_size)
+
+
+def _legacy_fallback_round_trips(rank: int, world_size: int, root: str) -> None:
+    """Where torch predates the protocol, the same boxes travel as PyTorch's
+    ShardedTensor (simulated here by switching the flag); and checkpoints
+    written that way (as earlier versions did) load with the protocol."""
+    import composable_shard.state_dict.checkpoint as checkpoint_module
+    import composable_shard.state_dict.shards as shards_module
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(2))
+    expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
+    saved_flags = shards_module.HAS_DCP_TENSOR_PROTOCOL, checkpoint_module.HAS_DCP_TENSOR_PROTOCOL
+    shards_module.HAS_DCP_TENSOR_PROTOCOL = checkpoint_module.HAS_DCP_TENSOR_PROTOCOL = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's own deprecation notes
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            assert isinstance(state["model"]["blocks.0.fc_in.weight"], ShardedTensor)
+            dcp.save(state, checkpoint_id=f"{root}/legacy")
+            save_checkpoint(f"{root}/legacy_safe", model, optimizer)
+            torch.manual_seed(1)
+            fresh = shard(BufferedGPT(), "policy")
+            fresh_optimizer = make_optimizer("adamw", fresh)
+            load_checkpoint(f"{root}/legacy_safe", fresh, fresh_optimizer)
+            assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], "legacy fallback")
+            assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], "legacy fallback optimizer")
+    finally:
+        shards_module.HAS_DCP_TENSOR_PROTOCOL, checkpoint_module.HAS_DCP_TENSOR_PROTOCOL = saved_flags
+    for source in ("legacy", "legacy_safe"):  # written with ShardedTensor, read with RangeShardedTensor
+        torch.manual_seed(1)
+        fresh = shard(BufferedGPT(), "hybrid" if world_size == 4 else "policy")
+        fresh_optimizer = make_optimizer("adamw", fresh)
+        if source == "legacy":
+            destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+            dcp.load(destination, checkpoint_id=f"{root}/legacy")
+            set_model_state_dict(fresh, destination["model"])
+            set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+        else:
+            load_checkpoint(f"{root}/legacy_safe", fresh, fresh_optimizer)
+        assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"{source} read with the protocol")
+        assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], f"{source} optimizer read with the protocol")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_sharded_tensor_fallback_round_trips_and_its_checkpoints_still_load(world_size: int, tmp_path: Path) -> None:
+    run_distributed(_legacy_fallback_round_trips, world_size, str(tmp_path))
