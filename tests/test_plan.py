@@ -22,7 +22,7 @@ from composable_shard import ShardingStrategy
 
 from .harness import requires_cuda, run_distributed, world_sizes
 from .models import Block, LoRABlock, LoRAGPT, TinyGPT
-from .plan_measure import CASES, fake_pg_plan, measure_case
+from .plan_measure import CASES, _wide_gpt, cpu_peak_above_start, fake_pg_plan, measure_case
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TOLERANCE = 0.05
@@ -144,6 +144,15 @@ def test_measuring_activations_leaves_meta_parameters_materialisable() -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+def test_plan_allocates_no_parameter_memory_even_when_measuring_activations() -> None:
+    model = _wide_gpt()  # on the CPU, so an allocation would show in the profile
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    plans: list[cs.ShardingPlan] = []
+    peak = cpu_peak_above_start(lambda: plans.append(cs.plan(model, world_size=8, policy={Block}, input_shape=(2, 6))))
+    assert plans[0].rank_bytes["activations_peak"] > 0
+    assert peak < 4096 < param_bytes // 100  # a few small host tensors, nothing parameter-sized
+
+
 def test_plan_units_follow_the_policy_in_module_preorder() -> None:
     planned = cs.plan(TinyGPT(n_blocks=2), world_size=2, policy={Block})
     assert [u.name for u in planned.units] == ["", "blocks.0", "blocks.1"]
@@ -152,6 +161,25 @@ def test_plan_units_follow_the_policy_in_module_preorder() -> None:
     for unit in planned.units:
         assert unit.padded_numel % 2 == 0 and unit.shard_numel * 2 == unit.padded_numel
     assert set(planned.rank_bytes) >= {"params", "grads", "optimizer", "total"}
+
+
+def test_plan_follows_ignored_states_and_per_unit_policy_overrides() -> None:
+    model = TinyGPT(n_blocks=2)
+    ignored = cs.plan(model, world_size=4, policy={Block}, ignored_states=[model.blocks[1]])
+    assert [u.name for u in ignored.units] == ["", "blocks.0"]
+    assert sum(u.numel for u in ignored.units) == sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in model.blocks[1].parameters()
+    )
+    policy = cs.CustomPolicy(
+        lambda m: {"strategy": ShardingStrategy.NO_SHARD} if m is model.blocks[0] else isinstance(m, Block)
+    )
+    mixed = cs.plan(model, world_size=4, policy=policy)
+    by_name = {u.name: u for u in mixed.units}
+    assert by_name["blocks.0"].strategy is ShardingStrategy.NO_SHARD
+    assert by_name["blocks.0"].shard_numel == by_name["blocks.0"].padded_numel
+    assert by_name["blocks.1"].shard_numel * 4 == by_name["blocks.1"].padded_numel
+    with pytest.raises(ValueError, match=r"overrides for Block name \['device_id'\], which cannot differ per unit"):
+        cs.plan(model, world_size=4, policy=cs.CustomPolicy(lambda m: {"device_id": 0} if isinstance(m, Block) else False))
 
 
 def test_plan_sizes_optimizer_state_per_kind() -> None:
@@ -175,8 +203,9 @@ def test_plan_warns_about_a_large_unit_padding_and_a_parameter_shared_across_uni
     assert "are padding" in text
     assert "parameter 'blocks.0.fc_in.weight' is used by units ['blocks.0', 'blocks.2']" in text
     assert planned.units[0].numel > 4096 * 16  # the shared weight is owned by the root
-    with pytest.warns(UserWarning, match="the median unit"):
+    with pytest.warns(UserWarning) as emitted:
         cs.plan(model, world_size=1024, policy={Block}, warn=True)
+    assert [str(w.message) for w in emitted] == planned.warnings
 
 
 def test_plan_measures_activations_under_fake_tensors() -> None:
