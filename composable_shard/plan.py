@@ -73,14 +73,14 @@ class ShardingPlan:
     - ``params``, ``grads``, ``optimizer``: the sharded model state after an
       optimizer step (exactly what ``fully_shard`` and ``torch.optim``
       allocate); ``model_state`` their sum; ``optimizer_by_kind`` splits the
-      optimizer state;
+      optimizer state; ``buffers``: module buffers (not sharded);
     - ``unsharded_params``, ``unsharded_grads``, ``comm``,
       ``optimizer_step``: alive at the step's worst moment (``peak_moment``),
       when ``grads_at_peak`` of the sharded gradients exist;
     - ``activations``: measured under fake tensors, alive at that moment;
       ``activations_peak`` their own peak over the step (0 without an input);
-    - ``total``: the peak — params + optimizer + grads_at_peak + the
-      moment's transients and activations;
+    - ``total``: the peak — params + optimizer + buffers + grads_at_peak +
+      the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
     """
 
@@ -192,7 +192,9 @@ def plan(
     activations = _activations(name, module, unit_names, mixed_precision, more)
     shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
     kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
-    result = _assemble(units, world_size, rank, kind, device_type, activations, shared, source="plan")
+    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    buffers = _buffer_bytes(module, buffer_dtype)
+    result = _assemble(units, world_size, rank, kind, device_type, activations, shared, buffers, source="plan")
     result.optimizer = optimizer
     if more.get("warn", False):
         for message in result.warnings:
@@ -224,7 +226,9 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     owners = {id(m) for _, s in named for m in [s.module]}
     shared = _shared_params_from_states(module, owners, named)
-    result = _assemble(units, world, rank, _optimizer_kind(optimizer, momentum), device_type, None, shared, source="fully_shard")
+    kind = _optimizer_kind(optimizer, momentum)
+    buffers = _buffer_bytes(module, None)  # already cast by fully_shard
+    result = _assemble(units, world, rank, kind, device_type, None, shared, buffers, source="fully_shard")
     result.optimizer = optimizer
     return result
 
@@ -432,6 +436,16 @@ def _activations(
     return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn)
 
 
+def _buffer_bytes(module: nn.Module, buffer_dtype: torch.dtype | None) -> int:
+    """Module buffers: never sharded, every rank holds them whole (floating
+    ones in the mixed-precision ``buffer_dtype``)."""
+    total = 0
+    for buffer in module.buffers():
+        dtype = buffer_dtype if buffer_dtype is not None and buffer.is_floating_point() else buffer.dtype
+        total += buffer.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    return total
+
+
 def _assemble(
     units: list[UnitPlan],
     world_size: int,
@@ -440,6 +454,7 @@ def _assemble(
     device_type: str,
     activations: ActivationProfile | None,
     shared: list[tuple[str, list[str]]],
+    buffers: int,
     *,
     source: str,
 ) -> ShardingPlan:
@@ -468,7 +483,8 @@ def _assemble(
         "optimizer_step": peak.optimizer_step,
         "activations": peak.activations,
         "activations_peak": activations.peak if activations is not None else 0,
-        "total": params + optim + peak.transient,
+        "buffers": buffers,
+        "total": params + optim + buffers + peak.transient,
         "cpu": cpu,
     }
     return ShardingPlan(

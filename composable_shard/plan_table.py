@@ -81,6 +81,7 @@ def format_plan(plan: ShardingPlan) -> str:
         ("sharded gradients", rb["grads"], "trainable flat parameters only"),
         (f"optimizer state ({plan.optimizer})", rb["optimizer"], kinds),
         ("model state", rb["model_state"], "after optimizer.step()"),
+        ("module buffers", rb["buffers"], "not sharded"),
     ]
     peak_items = [
         ("sharded gradients", rb["grads_at_peak"], "reduced so far"),
@@ -103,7 +104,7 @@ def format_plan(plan: ShardingPlan) -> str:
         lines.append(item("activations", rb["activations"], "measured under FakeTensorMode", indent=4))
     else:
         lines.append("    activations: not measured (pass input_shape= or example_inputs= to plan)")
-    lines.append(item("peak total", rb["total"], "parameters + optimizer state + the above"))
+    lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + the above"))
     if rb["cpu"]:
         lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
     if plan.warnings:

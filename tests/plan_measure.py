@@ -41,6 +41,7 @@ def _lora_gpt() -> nn.Module:
     factors), at the wide width."""
     model = TinyGPT(n_blocks=0, dim=DIM, vocab=VOCAB)
     model.blocks = nn.ModuleList([LoRABlock(DIM) for _ in range(3)])
+    model.register_buffer("causal_mask", torch.ones(SEQ, SEQ).tril())  # unsharded: every rank holds it
     return model
 
 
@@ -143,6 +144,7 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     params = unique_storage_bytes(model.parameters())
     grads = unique_storage_bytes(p.grad for p in model.parameters())
     optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    buffers = unique_storage_bytes(model.buffers())
     optimizer.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -150,14 +152,14 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        peak = params + optim + torch.cuda.max_memory_allocated() - start
+        peak = params + optim + buffers + torch.cuda.max_memory_allocated() - start
     else:
-        peak = params + optim + cpu_peak_above_start(step)
+        peak = params + optim + buffers + cpu_peak_above_start(step)
     return {
         "case": name,
         "rank": rank,
         "world_size": world_size,
-        "allocated": {"params": params, "grads": grads, "optimizer": optim, "peak": peak},
+        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
         "planned": dict(planned.rank_bytes),
         "described": dict(described.rank_bytes),
         "plan_table": _without_source(str(planned)),

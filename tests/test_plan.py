@@ -32,7 +32,7 @@ def _check_record(record: dict) -> None:
     """Exact model state, plan == describe, peak within 5%."""
     where = f"{record['case']} rank {record['rank']}/{record['world_size']}"
     allocated, planned, described = record["allocated"], record["planned"], record["described"]
-    for key in ("params", "grads", "optimizer"):
+    for key in ("params", "grads", "optimizer", "buffers"):
         assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != allocated {allocated[key]}"
         assert described[key] == allocated[key], f"{where}: described {key} {described[key]} != allocated {allocated[key]}"
     assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
@@ -112,6 +112,7 @@ per rank (rank 0):
   sharded gradients                 832 B  trainable flat parameters only
   optimizer state (adamw)        1.67 KiB  exp_avg 832 B, exp_avg_sq 832 B, step 48 B
   model state                    3.83 KiB  after optimizer.step()
+  module buffers                      0 B  not sharded
   worst moment: backward of '<root>'
     sharded gradients                96 B  reduced so far
     unsharded parameters         2.50 KiB  gathered units
@@ -119,7 +120,7 @@ per rank (rank 0):
     communication buffers           480 B  reduction in flight, all-gather sources
     optimizer step temporaries        0 B
     activations: not measured (pass input_shape= or example_inputs= to plan)
-  peak total                    12.58 KiB  parameters + optimizer state + the above""",
+  peak total                    12.58 KiB  parameters + optimizer state + buffers + the above""",
     )
 
 
