@@ -1,5 +1,6 @@
 """The order in which the hooks gather and free units: forward in module
-order with each block freed after its forward, backward in reverse with the
+order with each block freed after its forward (but the last one from the
+second step on, whose backward comes first), backward in reverse with the
 next unit prefetched, never more than the current and the prefetched block
 unsharded, and the root kept gathered from its forward to its backward."""
 
@@ -68,13 +69,16 @@ def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
             forward_events = list(events)
             loss.backward()
         blocks = [f"blocks.{i}" for i in range(4)]
+        # From the second step on, the block that ran last stays gathered for
+        # its backward ([Note: the last unit stays gathered] in runtime.py).
+        kept = blocks[-1] if step > 0 else None
         expected_forward = [("unshard", "root", False)]
         for name in blocks:
-            expected_forward += [("unshard", name, False), ("reshard", name, False)]
+            expected_forward += [("unshard", name, False)] + ([("reshard", name, False)] if name != kept else [])
         assert forward_events == expected_forward, forward_events
         backward_events = events[len(forward_events) :]
         unsharded_in_backward = [unit for event, unit, _ in backward_events if event == "unshard"]
-        assert unsharded_in_backward == list(reversed(blocks)), unsharded_in_backward
+        assert unsharded_in_backward == [b for b in reversed(blocks) if b != kept], unsharded_in_backward
         if prefetch == "BACKWARD_PRE":
             # Block i-1 is gathered before block i is freed.
             for later, earlier in zip(reversed(blocks), list(reversed(blocks))[1:]):
@@ -122,7 +126,8 @@ def _collective_counts(rank: int, world_size: int) -> None:
 
     n_blocks = 3
     expected = {
-        # root once, each block in forward and again in backward
+        # root once, each block in forward and again in backward (the first
+        # step; later steps gather the last block once)
         ShardingStrategy.FULL_SHARD: {"all_gather_into": 2 * n_blocks + 1, "reduce_scatter": n_blocks + 1},
         # gathered once, kept until backward
         ShardingStrategy.SHARD_GRAD_OP: {"all_gather_into": n_blocks + 1, "reduce_scatter": n_blocks + 1},
@@ -135,11 +140,15 @@ def _collective_counts(rank: int, world_size: int) -> None:
         for block in model.blocks:
             fully_shard(block, strategy=strategy)
         fully_shard(model, strategy=strategy)
-        for _ in range(2):
+        for step in range(2):
             counts: dict[str, int] = {}
             with _counting_collectives(counts):
                 lm_loss(model(inputs[:4]), targets[:4]).backward()
-            assert counts == want, (strategy, counts, want)
+            if step > 0 and strategy is ShardingStrategy.FULL_SHARD:
+                # The last block stays gathered from its forward to its
+                # backward ([Note: the last unit stays gathered]).
+                want = {**want, "all_gather_into": want["all_gather_into"] - 1}
+            assert counts == want, (strategy, step, counts, want)
 
 
 def test_one_collective_per_unit_and_pass() -> None:
