@@ -161,24 +161,17 @@ def plan(
     for choice in choices:
         kwargs = unit_kwargs(name, base, choice)
         shard_size, shard_rank = _shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
-        offload = offloads_params(kwargs["cpu_offload"], compute_device)
-        flat_params = []
-        for flat_sources in group_sources(sources[id(choice.module)]):
-            first = flat_sources[0].param
-            layout = compute_layout(
+        layouts = [
+            compute_layout(
                 [(src.param.shape, src.owners) for src in flat_sources],
-                dtype=first.dtype,
-                requires_grad=first.requires_grad,
+                dtype=flat_sources[0].param.dtype,
+                requires_grad=flat_sources[0].param.requires_grad,
                 shard_rank=shard_rank,
                 shard_world_size=shard_size,
             )
-            dtypes = flat_param_dtypes(first.dtype, kwargs["mixed_precision"])
-            flat_params.append(
-                _flat_param_plan(
-                    layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order
-                )
-            )
-        specs[id(choice.module)] = _unit_plan(choice.module, kwargs, flat_params)
+            for flat_sources in group_sources(sources[id(choice.module)])
+        ]
+        specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order)
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
     for _, state in unit_states_under(module):
@@ -224,8 +217,7 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    owners = {id(m) for _, s in named for m in [s.module]}
-    shared = _shared_params_from_states(module, owners, named)
+    shared = _shared_params_from_states(module, {id(state.module) for _, state in named}, named)
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(units, world, rank, kind, device_type, None, shared, buffers, source="fully_shard")
@@ -301,6 +293,27 @@ def _flat_param_plan(
             (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
         ),
     )
+
+
+def _new_unit_plan(
+    module: nn.Module,
+    kwargs: dict[str, Any],
+    layouts: list[FlatParamLayout],
+    compute_device: torch.device,
+    order: dict[int, int],
+) -> UnitPlan:
+    """A unit ``fully_shard`` would build from these layouts (dtypes and
+    offload as ``fully_shard._build_unit`` decides them)."""
+    offload = offloads_params(kwargs["cpu_offload"], compute_device)
+    flat_params = []
+    for layout in layouts:
+        dtypes = flat_param_dtypes(layout.dtype, kwargs["mixed_precision"])
+        flat_params.append(
+            _flat_param_plan(
+                layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order
+            )
+        )
+    return _unit_plan(module, kwargs, flat_params)
 
 
 def _unit_plan(module: nn.Module, kwargs: dict[str, Any], flat_params: list[FlatParamPlan]) -> UnitPlan:
