@@ -127,15 +127,7 @@ def plan(
     ``warn=True`` to also emit the plan's warnings.
     """
     name = type(module).__name__
-    unknown = set(more) - _MORE
-    if unknown:
-        raise TypeError(f"plan({name}): unknown keyword arguments {sorted(unknown)}; known extras: {sorted(_MORE)}.")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"plan({name}): world_size must be a positive int, got {world_size!r}.")
-    rank = more.get("rank", 0)
-    if not (isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"plan({name}): rank must be in [0, {world_size}), got {rank!r}.")
-    _check_optimizer(name, optimizer)
+    rank = _checked_rank(name, world_size, optimizer, more)
     device_type = more.get("device") or _device_type(module)
     ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base = dict(
@@ -226,6 +218,20 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
 
 
 # ---------------------------------------------------------------- helpers
+def _checked_rank(name: str, world_size: int, optimizer: str, more: dict[str, Any]) -> int:
+    """Validate ``plan``'s arguments before anything is computed; the rank."""
+    unknown = set(more) - _MORE
+    if unknown:
+        raise TypeError(f"plan({name}): unknown keyword arguments {sorted(unknown)}; known extras: {sorted(_MORE)}.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan({name}): world_size must be a positive int, got {world_size!r}.")
+    rank = more.get("rank", 0)
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"plan({name}): rank must be in [0, {world_size}), got {rank!r}.")
+    _check_optimizer(name, optimizer)
+    return rank
+
+
 def _check_optimizer(name: str, optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan({name}): optimizer {optimizer!r} is unknown; pick one of {sorted(OPTIMIZERS)}.")
