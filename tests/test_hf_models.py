@@ -39,7 +39,7 @@ def _llama_matches_reference(rank: int, world_size: int) -> None:
     _check_compared(parity, tiny_llama())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])  # 4 ranks: 4 transformers imports on 2 cores, no new path
 def test_hf_llama_matches_reference(world_size: int) -> None:
     run_distributed(_llama_matches_reference, world_size)
 
