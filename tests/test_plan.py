@@ -264,3 +264,22 @@ def test_hybrid_plan_shards_within_the_shard_group() -> None:
     assert planned.rank_bytes["params"] == full.rank_bytes["params"]
     no_shard = cs.plan(nn.Linear(4, 4), world_size=8, strategy=ShardingStrategy.NO_SHARD)
     assert no_shard.units[0].shard_numel == no_shard.units[0].padded_numel == 20
+
+
+def test_train_gpt_example_prints_the_plan_before_training() -> None:
+    completed = subprocess.run(
+        [
+            *(sys.executable, "examples/train_gpt.py", "--plan", "--steps", "1", "--log-every", "1"),
+            *("--data-bytes", "50000", "--n-layer", "2", "--n-embd", "32", "--n-head", "2"),
+            *("--block-size", "16", "--batch-size", "2"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    out = completed.stdout
+    assert "ShardingPlan (fully_shard): 3 units" in out and "per rank (rank 0):" in out
+    assert "blocks.1" in out and "sharded parameters" in out
+    assert "step    1/1" in completed.stderr  # training ran after the plan
