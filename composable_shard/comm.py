@@ -168,9 +168,10 @@ class ChunkOfAllReduce:
         self._output = output
         self._chunk: torch.Tensor | None = chunk
 
-    def wait(self) -> bool:
+    def wait(self, *timeout: Any) -> bool:
+        """As ``Work.wait`` (an optional timeout is passed on)."""
         if self._work is not None and self._chunk is not None:
-            self._work.wait()
+            self._work.wait(*timeout)
             self._output.copy_(self._chunk)
             self._work, self._chunk = None, None  # drop the reference to the input
         return True
