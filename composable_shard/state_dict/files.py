@@ -238,7 +238,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
     """Check a checkpoint directory against its manifest (every file's size
     and CRC-32) and raise ``CheckpointError`` naming the first bad files.
     Collective when a process group is initialised and ``ranks_share_work``
-    (each rank checks every world-size-th file). A directory without a
+    (the ranks split the files by size). A directory without a
     manifest (written by plain ``dcp.save``) is checked for its metadata
     file only. Returns whether a manifest verified every file."""
     directory = Path(path)
@@ -264,7 +264,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
         ) from exc
     share = ranks_share_work and dist.is_initialized()
     rank, world = (current_rank(), current_world_size()) if share else (0, 1)
-    mine = [(name, record) for i, (name, record) in enumerate(sorted(files.items())) if i % world == rank]
+    mine = [(name, files[name]) for name in _share_of(files, rank, world)]
     bad = [_file_problem(directory, name, record) for name, record in mine]
     bad_files = [problem for problem in bad if problem is not None]
     if share:
@@ -276,6 +276,19 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
             "the files)."
         )
     return True
+
+
+def _share_of(files: dict[str, dict[str, int]], rank: int, world: int) -> list[str]:
+    """The files ``rank`` checks: largest first, each to the rank with the
+    fewest bytes so far (the same answer on every rank), so every rank reads
+    about the same amount (one data file each when every rank wrote one)."""
+    load = [0] * world
+    share: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(files, key=lambda name: (-int(files[name].get("bytes", 0)), name)):
+        least = min(range(world), key=lambda r: (load[r], r))
+        load[least] += int(files[name].get("bytes", 0))
+        share[least].append(name)
+    return share[rank]
 
 
 def _raise_if(error: str | None) -> None:
