@@ -14,8 +14,9 @@ Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
 The plan assumes the usual loop ``zero_grad(set_to_none=True)``, forward,
 backward, ``optimizer.step()`` after the first step (optimizer state exists).
 Forward runs the units in module pre-order; a unit's ancestors stay gathered
-while it runs; the root stays gathered from its forward to its backward (as
-``runtime._post_forward`` does); ``SHARD_GRAD_OP`` units stay gathered until
+while it runs; the root and the unit that runs last stay gathered from their
+forward to their backward (as ``runtime._post_forward`` does from the second
+step on); ``SHARD_GRAD_OP`` units stay gathered until
 their backward; forward prefetch gathers the next unit early. Backward runs in
 reverse: the unit's gathered parameters, its ancestors', the unit
 ``BACKWARD_PRE`` prefetches, its unsharded gradient (the per-parameter pieces
@@ -294,7 +295,10 @@ def step_peak(
         for index in list(gathered):
             unit = units[index]
             still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
-            if index != 0 and not still_running and unit.strategy.reshards_after_forward:
+            # The root and the unit that runs last stay gathered for backward
+            # ([Note: the last unit stays gathered] in runtime.py).
+            kept = index in (0, len(units) - 1)
+            if not kept and not still_running and unit.strategy.reshards_after_forward:
                 del gathered[index]
 
     for index, unit in enumerate(units):  # forward
