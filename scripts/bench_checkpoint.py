@@ -32,8 +32,10 @@ Modes, each in a fresh set of processes (so RSS belongs to one mode):
   ``get/set_optimizer_state_dict`` around ``dcp.save`` / ``dcp.load``.
 
 Every mode trains one AdamW step first (so optimizer state exists), then
-saves and loads ``--repeats`` times. A time is the slowest rank's, between
-barriers; the table shows the median. Peak memory is the largest increase of
+saves and loads ``--warmup`` times untimed and ``--repeats`` times timed; the
+modes run ``--rounds`` times, every other round in reverse order (on a busy
+machine the first mode run is slower). A time is the slowest rank's, between
+barriers; the table shows the median over rounds and repeats. Peak memory is the largest increase of
 the resident set (VmHWM after resetting it through ``/proc/self/clear_refs``;
 on CUDA ``max_memory_allocated``) over the level before the operation, the
 largest over ranks and repeats. The checkpoint goes to ``--dir`` (default: a
@@ -84,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed save+load repeats per mode and round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed save+load repeats first, in each process set")
+    p.add_argument("--rounds", type=int, default=2, help="run the modes this many times, every other round in reverse order")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=512)
@@ -210,15 +214,16 @@ def worker(rank: int, args: argparse.Namespace, port: int, mode: str, out_dir: s
     model, optimizer = build(mode, args, device)
     path = f"{ckpt_dir}/{mode}"
     results: dict[str, list[float]] = {"save_s": [], "save_mb": [], "load_s": [], "load_mb": []}
-    for _ in range(args.repeats):
+    for repeat in range(-args.warmup, args.repeats):
         if rank == 0:  # every mode writes into an empty place (see the module docstring)
             shutil.rmtree(path, ignore_errors=True)
-        seconds, mb = measured(lambda: save(mode, model, optimizer, path), device)
-        results["save_s"].append(seconds)
-        results["save_mb"].append(mb)
-        seconds, mb = measured(lambda: load(mode, model, optimizer, path), device)
-        results["load_s"].append(seconds)
-        results["load_mb"].append(mb)
+        save_seconds, save_mb = measured(lambda: save(mode, model, optimizer, path), device)
+        load_seconds, load_mb = measured(lambda: load(mode, model, optimizer, path), device)
+        if repeat >= 0:  # the warm-up repeats are not counted
+            results["save_s"].append(save_seconds)
+            results["save_mb"].append(save_mb)
+            results["load_s"].append(load_seconds)
+            results["load_mb"].append(load_mb)
     results["checkpoint_mb"] = [sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20] if Path(path).exists() else []
     Path(out_dir, f"{mode}_rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -233,25 +238,31 @@ def run_size(args: argparse.Namespace, ckpt_root: str) -> list[tuple[str, float,
         "%d repeats",
         args.n_layer, args.n_embd, numel / 1e6, numel * 4 / 2**20, numel * 12 / 2**20, args.world_size, args.device, args.repeats,
     )
-    rows = []
+    samples: dict[str, dict[str, list[float]]] = {mode: {"save_s": [], "load_s": [], "save_mb": [], "load_mb": []} for mode in args.modes}
     with tempfile.TemporaryDirectory() as out_dir:
-        for mode in args.modes:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(worker, args=(args, port, mode, out_dir, ckpt_root), nprocs=args.world_size, join=True)
-            shutil.rmtree(f"{ckpt_root}/{mode}", ignore_errors=True)  # keep at most one checkpoint on disk
-            per_rank = [json.loads(Path(out_dir, f"{mode}_rank{r}.json").read_text()) for r in range(args.world_size)]
-            slowest = {key: [max(r[key][i] for r in per_rank) for i in range(args.repeats)] for key in ("save_s", "load_s")}
-            rows.append(
-                (
-                    mode,
-                    statistics.median(slowest["save_s"]),
-                    max(max(r["save_mb"]) for r in per_rank),
-                    statistics.median(slowest["load_s"]),
-                    max(max(r["load_mb"]) for r in per_rank),
-                )
-            )
+        for round_index in range(args.rounds):
+            # Reversed every other round: whichever mode runs first on a busy machine pays for it.
+            for mode in args.modes if round_index % 2 == 0 else list(reversed(args.modes)):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                mp.spawn(worker, args=(args, port, mode, out_dir, ckpt_root), nprocs=args.world_size, join=True)
+                shutil.rmtree(f"{ckpt_root}/{mode}", ignore_errors=True)  # keep at most one checkpoint on disk
+                per_rank = [json.loads(Path(out_dir, f"{mode}_rank{r}.json").read_text()) for r in range(args.world_size)]
+                for key in ("save_s", "load_s"):  # the slowest rank's time of each repeat
+                    samples[mode][key] += [max(r[key][i] for r in per_rank) for i in range(args.repeats)]
+                for key in ("save_mb", "load_mb"):
+                    samples[mode][key].append(max(max(r[key]) for r in per_rank))
+    rows = [
+        (
+            mode,
+            statistics.median(samples[mode]["save_s"]),
+            max(samples[mode]["save_mb"]),
+            statistics.median(samples[mode]["load_s"]),
+            max(samples[mode]["load_mb"]),
+        )
+        for mode in args.modes
+    ]
     logger.info("%-22s %10s %14s %10s %14s", "mode", "save (s)", "save peak (MB)", "load (s)", "load peak (MB)")
     for mode, save_s, save_mb, load_s, load_mb in rows:
         logger.info("%-22s %10.3f %14.1f %10.3f %14.1f", mode, save_s, save_mb, load_s, load_mb)
