@@ -69,7 +69,8 @@ How it measures:
   then the mode builds its model and optimizer ("after build": the level
   then, i.e. memory after sharding on CUDA) and trains ``--memory-steps``
   steps ("peak"). Both are relative to the level at the reset (CPU: RSS;
-  CUDA: ``memory_allocated``), the largest over ranks. They include building
+  CUDA: ``memory_allocated``), the largest over ranks (with
+  ``--memory-repeats R``: the median of R passes, modes alternating). They include building
   the full model before sharding, the same for every mode. RSS is coarse
   (pages, allocator caching): compare differences of several MB, not single MBs.
 - Loss: every step of every mode (warm-up included) is kept; the table shows
@@ -161,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
     p.add_argument("--round-steps", type=int, default=2, help="steps per mode per turn inside a round")
     p.add_argument("--memory-steps", type=int, default=3, help="steps in each mode's memory pass; 0 skips it")
+    p.add_argument("--memory-repeats", type=int, default=1,
+                   help="memory passes per mode (fresh processes each, modes alternating); the median is shown")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default="bf16", help="with --mixed-precision bf16")
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -202,8 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         needed = args.nprocs
         if torch.cuda.device_count() < needed:
             p.error(f"--device cuda with {needed} process(es) needs that many GPUs; found {torch.cuda.device_count()}")
-    if min(args.rounds, args.steps, args.round_steps) < 1:
-        p.error("--rounds, --steps and --round-steps must be at least 1")
+    if min(args.rounds, args.steps, args.round_steps, args.memory_repeats) < 1:
+        p.error("--rounds, --steps, --round-steps and --memory-repeats must be at least 1")
     if args.threads <= 0:
         args.threads = max(1, (os.cpu_count() or 1) // args.nprocs)
     return args
@@ -535,7 +538,7 @@ def import_every_mode() -> None:
     import composable_shard  # noqa: F401
 
 
-def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, mode: str) -> None:
+def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, mode: str, repeat: int) -> None:
     device = init_worker(rank, args, port)
     corpus = ByteCorpus.from_stdlib(args.data_bytes)
     import_every_mode()
@@ -552,7 +555,7 @@ def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, 
             train_step(run, *next_batch(run, corpus, args, device), args, device)
         synchronize(device)
         result["peak_increase_mb"] = memory_now(device)[1] - start_mb
-    Path(out_dir, f"memory_{mode}_rank{rank}.json").write_text(json.dumps(result))
+    Path(out_dir, f"memory_{mode}_{repeat}_rank{rank}.json").write_text(json.dumps(result))
     barrier(args, device)
     dist.destroy_process_group()
 
@@ -572,8 +575,9 @@ class ModeResult:
     mode: str
     losses: list[float]  # global-batch loss per step (mean over ranks)
     round_ms: list[list[float]]  # per round, per timed step, slowest rank
-    after_build_mb: float | None  # largest over ranks, None if not measured
-    peak_mb: float | None  # largest over ranks, None if not measured
+    after_build_mb: float | None  # largest over ranks, median over repeats; None if not measured
+    peak_mb: float | None  # largest over ranks, median over repeats; None if not measured
+    peak_repeats_mb: list[float] = field(default_factory=list)  # each repeat's peak
 
     @property
     def step_ms(self) -> list[float]:
@@ -583,6 +587,11 @@ class ModeResult:
 def _largest(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+def _median_present(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
@@ -595,17 +604,22 @@ def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
             [1000 * max(step) for step in zip(*(rec["step_times_s"][r] for rec in records))]
             for r in range(args.rounds)
         ]
-        memory = []
-        if args.memory_steps > 0:
+        builds: list[float | None] = []
+        peaks: list[float | None] = []
+        for repeat in range(args.memory_repeats if args.memory_steps > 0 else 0):
             memory = [
-                json.loads(Path(out_dir, f"memory_{mode}_rank{r}.json").read_text()) for r in range(args.nprocs)
+                json.loads(Path(out_dir, f"memory_{mode}_{repeat}_rank{r}.json").read_text())
+                for r in range(args.nprocs)
             ]
+            builds.append(_largest([m["after_build_mb"] for m in memory]))
+            peaks.append(_largest([m["peak_increase_mb"] for m in memory]))
         results[mode] = ModeResult(
             mode,
             losses,
             round_ms,
-            _largest([m["after_build_mb"] for m in memory]),
-            _largest([m["peak_increase_mb"] for m in memory]),
+            _median_present(builds),
+            _median_present(peaks),
+            [p for p in peaks if p is not None],
         )
     return results
 
@@ -665,6 +679,10 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         "memory: increase over the level before the mode was built, largest over ranks; build = after "
         "building model and optimizer (sharded), peak = during the memory pass's steps.",
     ]
+    if args.memory_repeats > 1 and args.memory_steps > 0:
+        notes.append("peak per memory pass: " + "; ".join(
+            f"{mode} " + " ".join(f"{p:.1f}" for p in results[mode].peak_repeats_mb) for mode in args.modes
+        ))
     if args.simulated:
         notes.append("simulated: collectives do nothing (parameters never really gathered); tok/s is one "
                      "rank's; losses are not compared.")
@@ -694,10 +712,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
         logger.info("timing pass: %s interleaved on %d process(es)", ",".join(args.modes), args.nprocs)
         spawn(timing_worker, args, out_dir)
-        if args.memory_steps > 0:
-            for mode in args.modes:
-                logger.info("memory pass: %s in fresh processes", mode)
-                spawn(memory_worker, args, out_dir, mode)
+        for repeat in range(args.memory_repeats if args.memory_steps > 0 else 0):
+            for mode in args.modes if repeat % 2 == 0 else list(reversed(args.modes)):
+                logger.info("memory pass %d: %s in fresh processes", repeat + 1, mode)
+                spawn(memory_worker, args, out_dir, mode, repeat)
         agree = report(args, collect(args, out_dir))
         profile = Path(out_dir, "profile.txt")
         if profile.exists():
