@@ -122,7 +122,10 @@ def _boxes_tile_every_parameter(rank: int, world_size: int) -> None:
         for offsets, sizes in mine[key]:
             box = value.__get_tensor_shard__(MetadataIndex(key, torch.Size(offsets)))
             assert box.shape == torch.Size(sizes)
-            assert box.untyped_storage().data_ptr() == value.local.untyped_storage().data_ptr()  # a view: no copy
+            # The same memory as the shard (no copy), in a storage of exactly its bytes (DCP copies others).
+            flat = sum(o * math.prod(value.shape[d + 1 :]) for d, o in enumerate(offsets))
+            assert box.data_ptr() == value.local.data_ptr() + (flat - value.local_start) * value.element_size()
+            assert box.untyped_storage().nbytes() == box.numel() * box.element_size()
     assert empty_somewhere or world_size < 4
     param = model.get_parameter("blocks.0.fc_in.weight")
     value = state["model"]["blocks.0.fc_in.weight"]
