@@ -17,7 +17,8 @@ Public names: ``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``,
 A checkpoint directory holds the DCP files (``.metadata`` and one
 ``__<rank>_<n>.distcp`` per writing rank) of the nested state dict
 ``{"model": ..., "optim": ..., "extra": ...}`` plus our manifest
-``composable_shard.manifest.json`` (every file's size and CRC-32).
+``composable_shard.manifest.json`` (every file's size and checksum:
+xxh3_64 with the optional ``xxhash``, else CRC-32; files.py).
 
 Saving writes into the sibling ``<dir>.partial`` (emptied first); each rank
 checksums the files it writes (as DCP writes them, ``ChecksummingFileSystem``;
@@ -33,7 +34,7 @@ Every step's outcome is broadcast by rank 0, so all ranks raise together.
 Loading validates everything before reading any tensor, then reads in
 place:
 
-1. the manifest: every file's size and CRC-32 (the ranks split the files);
+1. the manifest: every file's size and checksum (the ranks split the files);
 2. the DCP metadata against the model and optimizer: keys and shapes
    (``destinations.py``), with no tensor allocated;
 3. the optimizer's parameter names per group, which the manifest records
@@ -163,7 +164,7 @@ def save_checkpoint(
     checksums: ChecksummingFileSystem | None = None
     try:
         writer = FileSystemWriter(staging)
-        checksums = ChecksummingFileSystem.attach(writer)  # CRCs while writing, not by reading back
+        checksums = ChecksummingFileSystem.attach(writer)  # checksums while writing, not by reading back
         with _quiet_sharded_tensor():
             dcp.save(state, storage_writer=writer)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank; say what is left

@@ -1,5 +1,6 @@
 """Owns: the files of a checkpoint directory — the manifest of every file's
-size and CRC-32, checking a directory against it, and switching a complete
+size and checksum (xxh3_64 where the optional ``xxhash`` module is
+installed, else CRC-32; see [Note: checksum algorithms]), checking a directory against it, and switching a complete
 new directory into place atomically. See [Note: checkpoint safety] in
 checkpoint.py.
 
@@ -19,6 +20,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import mmap
 import os
 import shutil
 import zlib
@@ -47,6 +49,23 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+try:  # optional: `pip install xxhash` (the "fast" extra)
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+# [Note: checksum algorithms]
+# Each manifest record names its algorithm by its key: {"bytes", "xxh3_64"}
+# (a 16-digit hex string) or {"bytes", "crc32"} (an int; what every manifest
+# before this held, still verified). New records use xxh3_64 when ``xxhash``
+# imports (several times faster than zlib.crc32: verification must add little
+# to a load), else crc32. Files are hashed through an mmap in windows whose
+# pages are dropped from this process as soon as hashed, so verifying copies
+# nothing into Python buffers and adds at most one window to RSS. A record in
+# xxh3_64 where ``xxhash`` is missing is an error, never a skipped check.
+# Tests force the crc32 path by setting ``_xxhash = None``.
+_WINDOW = 1 << 26  # 64 MiB, a multiple of every page size
 
 MANIFEST_NAME = "composable_shard.manifest.json"
 _FORMAT = 1
@@ -88,26 +107,61 @@ def rank0_step(what: str, step: Callable[[], None]) -> None:
 
 
 # ------------------------------------------------------------------ files
-def _crc32(path: Path) -> int:
-    crc = 0
-    block = bytearray(1 << 22)  # one 4 MiB buffer, reused: reading adds no more than that to RSS
-    view = memoryview(block)
-    with open(path, "rb", buffering=0) as stream:
-        while count := stream.readinto(block):
-            crc = zlib.crc32(view[:count], crc)
-    return crc
+def _algorithm() -> str:
+    """The algorithm new records use."""
+    return "xxh3_64" if _xxhash is not None else "crc32"
+
+
+class _Digest:
+    """A streaming checksum in one of the manifest's algorithms."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self._crc = 0
+        self._xxh = _xxhash.xxh3_64() if algorithm == "xxh3_64" and _xxhash is not None else None
+        if algorithm not in ("crc32", "xxh3_64") or (algorithm == "xxh3_64" and self._xxh is None):
+            raise CheckpointError(f"composable_shard.state_dict.files: no checksum algorithm {algorithm!r} here")
+
+    def update(self, data: Any) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> int | str:
+        return self._xxh.hexdigest() if self._xxh is not None else self._crc
+
+
+def _digest_file(path: Path, algorithm: str) -> int | str:
+    """``path``'s checksum, read through an mmap window by window (see
+    [Note: checksum algorithms])."""
+    digest = _Digest(algorithm)
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size == 0:  # an empty file cannot be mapped
+            return digest.value()
+        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            drop = getattr(mmap, "MADV_DONTNEED", None) if hasattr(mapped, "madvise") else None
+            with memoryview(mapped) as view:
+                for start in range(0, size, _WINDOW):
+                    length = min(_WINDOW, size - start)
+                    with view[start : start + length] as window:
+                        digest.update(window)
+                    if drop is not None:  # the page cache keeps them; this process's RSS does not
+                        mapped.madvise(drop, start, length)
+    return digest.value()
 
 
 class ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the size and CRC-32 of every file
+    """DCP's local file system, recording the size and checksum of every file
     it writes, computed on the bytes as they are written (so saving need not
     read its files back). A file written other than front to back (a seek)
     gets no record; the caller then reads it back."""
 
     def __init__(self) -> None:
         super().__init__()
-        # File name -> {"bytes", "crc32"}, for files written sequentially.
-        self.records: dict[str, dict[str, int]] = {}
+        # File name -> {"bytes", <algorithm>}, for files written sequentially.
+        self.records: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def attach(cls, writer: FileSystemWriter) -> "ChecksummingFileSystem | None":
@@ -128,7 +182,7 @@ class ChecksummingFileSystem(FileSystem):
             writer = _ChecksummingStream(stream)
             yield writer
         if writer.is_sequential:
-            self.records[Path(path).name] = {"bytes": writer.count, "crc32": writer.crc}
+            self.records[Path(path).name] = {"bytes": writer.count, writer.digest.algorithm: writer.digest.value()}
 
 
 class _ChecksummingStream:
@@ -136,7 +190,7 @@ class _ChecksummingStream:
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self.crc = 0
+        self.digest = _Digest(_algorithm())
         self.count = 0
         self.is_sequential = True
 
@@ -145,7 +199,7 @@ class _ChecksummingStream:
         try:
             view = memoryview(data).cast("B")
             written_bytes = len(view) if written is None else written
-            self.crc = zlib.crc32(view[:written_bytes], self.crc)
+            self.digest.update(view[:written_bytes])
             self.count += written_bytes
         except (TypeError, ValueError):  # not a contiguous buffer: no record, read back instead
             self.is_sequential = False
@@ -159,8 +213,10 @@ class _ChecksummingStream:
         return getattr(self._stream, name)
 
 
-def file_record(path: Path) -> dict[str, int]:
-    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+def file_record(path: Path) -> dict[str, Any]:
+    """``path``'s manifest record, read back (see [Note: checksum algorithms])."""
+    algorithm = _algorithm()
+    return {"bytes": path.stat().st_size, algorithm: _digest_file(path, algorithm)}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -174,7 +230,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_manifest(
     directory: Path,
-    files: dict[str, dict[str, int]],
+    files: dict[str, dict[str, Any]],
     model_keys: list[str],
     scalar_params: list[str],
     aliases: dict[str, str] | None = None,
@@ -236,7 +292,7 @@ def switch_into_place(staging: Path, target: Path) -> None:
 
 def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = True) -> bool:
     """Check a checkpoint directory against its manifest (every file's size
-    and CRC-32) and raise ``CheckpointError`` naming the first bad files.
+    and checksum, xxh3_64 or CRC-32) and raise ``CheckpointError`` naming the first bad files.
     Collective when a process group is initialised and ``ranks_share_work``
     (the ranks split the files by size). A directory without a
     manifest (written by plain ``dcp.save``) is checked for its metadata
@@ -263,6 +319,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
             f"{what}: the manifest {MANIFEST_NAME} is unreadable ({exc}). The checkpoint is damaged; load another one."
         ) from exc
     share = ranks_share_work and dist.is_initialized()
+    unverifiable = _unverifiable(files, what)
+    if share:
+        agree(unverifiable)  # every rank raises together
+    _raise_if(unverifiable)
     rank, world = (current_rank(), current_world_size()) if share else (0, 1)
     mine = [(name, files[name]) for name in _share_of(files, rank, world)]
     bad = [_file_problem(directory, name, record) for name, record in mine]
@@ -278,7 +338,27 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
     return True
 
 
-def _share_of(files: dict[str, dict[str, int]], rank: int, world: int) -> list[str]:
+def _unverifiable(files: dict[str, Any], what: str) -> str | None:
+    """Why this process cannot check the manifest's checksums (None if it can)."""
+    for name, record in files.items():
+        if not isinstance(record, dict) or "bytes" not in record:
+            return f"{what}: the manifest's record of '{name}' is malformed. The checkpoint is damaged; load another one."
+        if "xxh3_64" in record:
+            if _xxhash is None:
+                return (
+                    f"{what}: file '{name}' was checksummed with xxh3_64 but the 'xxhash' module is not installed, "
+                    "so the checkpoint cannot be verified. Run `pip install xxhash` (or install composable_shard[fast]) "
+                    "and load again. Nothing was loaded."
+                )
+        elif "crc32" not in record:
+            return (
+                f"{what}: the manifest's record of '{name}' names no known checksum (keys {sorted(record)}; known: "
+                "xxh3_64, crc32). Upgrade composable_shard or load another checkpoint."
+            )
+    return None
+
+
+def _share_of(files: dict[str, dict[str, Any]], rank: int, world: int) -> list[str]:
     """The files ``rank`` checks: largest first, each to the rank with the
     fewest bytes so far (the same answer on every rank), so every rank reads
     about the same amount (one data file each when every rank wrote one)."""
@@ -308,14 +388,15 @@ def _check_exists(directory: Path, what: str) -> None:
     raise CheckpointError(f"{what}: no checkpoint directory at '{directory}'.{hint}")
 
 
-def _file_problem(directory: Path, name: str, record: dict[str, int]) -> str | None:
+def _file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | None:
     path = directory / name
     if not path.is_file():
         return f"file '{name}' is missing"
     size = path.stat().st_size
     if size != record["bytes"]:
         return f"file '{name}' has {size} bytes, the manifest records {record['bytes']} (truncated or overwritten)"
-    if _crc32(path) != record["crc32"]:
+    algorithm = "xxh3_64" if "xxh3_64" in record else "crc32"
+    if _digest_file(path, algorithm) != record[algorithm]:
         return f"file '{name}' does not match its checksum (corrupted)"
     return None
 
