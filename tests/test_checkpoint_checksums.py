@@ -34,8 +34,6 @@ from .test_optim_state_dict import make_optimizer
 from .test_state_dict import BufferedGPT, assert_same_tensors, shard, train_steps
 
 
-@contextlib.contextmanager
-
 def _require_xxhash() -> types.ModuleType:
     """xxhash is in the 'test' extra, so a test environment without it is
     broken: fail (with the fix) rather than skip the xxh3_64 checks."""
@@ -45,6 +43,8 @@ def _require_xxhash() -> types.ModuleType:
         raise RuntimeError("the xxh3_64 checks need xxhash: pip install -e '.[test]' (or pip install xxhash)") from error
     return xxhash
 
+
+@contextlib.contextmanager
 def _without_xxhash() -> Iterator[None]:
     real = files_module._xxhash
     files_module._xxhash = None
