@@ -38,12 +38,16 @@ def _shard(strategy: ShardingStrategy, **kwargs: object):
     return shard
 
 
-def _accumulate_and_clip(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Two micro-batches (the first under no_sync for the sharded model),
-    then clipping to a small norm."""
+def _accumulate_and_clip(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, use_no_sync: bool = True
+) -> torch.Tensor:
+    """Two micro-batches (the first under no_sync for the sharded model,
+    unless ``use_no_sync`` is False: then its reduced gradient is accumulated
+    with the second's), then clipping to a small norm. The unsharded
+    reference runs the same without no_sync."""
     half = inputs.shape[0] // 2
     sharded = any(True for _ in unit_states_under(model))
-    with no_sync(model) if sharded else contextlib.nullcontext():
+    with no_sync(model) if sharded and use_no_sync else contextlib.nullcontext():
         first = lm_loss(model(inputs[:half]), targets[:half])
         first.backward()
     second = lm_loss(model(inputs[half:]), targets[half:])

@@ -19,7 +19,6 @@ accumulation across backwards, ``clip_grad_norm_`` and state dicts.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 
@@ -33,11 +32,9 @@ from composable_shard import (
     MixedPrecision,
     ShardingStrategy,
     StateDictOptions,
-    clip_grad_norm_,
     fully_shard,
     get_model_state_dict,
     get_optimizer_state_dict,
-    no_sync,
     set_model_state_dict,
     set_optimizer_state_dict,
     unshard_params,
@@ -47,6 +44,7 @@ from composable_shard.state import unit_states_under
 from .harness import requires_cuda, requires_gpus, run_distributed
 from .models import Block, TinyGPT, batch, lm_loss
 from .parity import Parity, assert_resharded, compare_full, run_parity
+from .test_cpu_offload import _accumulate_and_clip
 
 OFFLOAD = CPUOffload(offload_params=True)
 BF16 = torch.bfloat16
@@ -195,26 +193,8 @@ def test_bf16_no_shard_model_on_two_gpus_matches_low_precision_reference(offload
 
 
 # --------------------------------------------- accumulation and clipping
-def _two_backwards_then_clip(use_no_sync: bool, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Two micro-batches, the first under no_sync or not (then its reduced
-    gradient is accumulated with the second's), then clipping to a small
-    norm. The unsharded reference runs the same without no_sync."""
-    sharded = any(True for _ in unit_states_under(model))
-    half = inputs.shape[0] // 2
-    with no_sync(model) if sharded and use_no_sync else contextlib.nullcontext():
-        first = lm_loss(model(inputs[:half]), targets[:half])
-        first.backward()
-    second = lm_loss(model(inputs[half:]), targets[half:])
-    second.backward()
-    if sharded:
-        clip_grad_norm_(model, 0.1)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-    return ((first + second) / 2).detach()
-
-
 def _offload_accumulates_and_clips(rank: int, world_size: int, use_no_sync: bool) -> None:
-    step = functools.partial(_two_backwards_then_clip, use_no_sync)
+    step = functools.partial(_accumulate_and_clip, use_no_sync=use_no_sync)
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
         shard = functools.partial(_shard_by_blocks, strategy=strategy, cpu_offload=OFFLOAD)
         run_parity(
