@@ -389,7 +389,7 @@ def _synchronize_host_copies(context: RootContext) -> None:
     callback on the stream that was current around ``backward()``, which
     waited on the streams the post-backward hooks enqueued downloads on. See
     [Note: CPU offload copies] in flat_param.py."""
-    if any(handle.offload_params for unit in context.units for handle in unit.handles):
+    if context.offloads_params:
         context.scheduler.synchronize_host()
 
 

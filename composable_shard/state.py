@@ -150,6 +150,9 @@ class RootContext:
         self.post_backward_callback_queued = False
         # Nesting depth of unshard_params contexts over this tree.
         self.unshard_params_depth = 0
+        # Whether any unit keeps its shards on CPU (offload): the host then
+        # waits for the device once per step (computed once, read per step).
+        self.offloads_params = any(handle.offload_params for unit in units for handle in unit.handles)
 
     def next_in(self, order: list[UnitState], unit: UnitState, step: int) -> UnitState | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None if out)."""
