@@ -345,26 +345,34 @@ class DirectFileSystemReader(FileSystemReader):
     destinations; same arguments, same results. See [Note: direct reads].
 
     Use it as any storage reader: ``dcp.load(state_dict,
-    storage_reader=DirectFileSystemReader(path))``."""
+    storage_reader=DirectFileSystemReader(path))``. ``counts`` says how its
+    items were read so far: ``"direct"`` (into the destination),
+    ``"temporary"`` (through one temporary tensor) and ``"stock"`` (by
+    ``FileSystemReader.read_data``, bytes items included)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts: dict[str, int] = {"direct": 0, "temporary": 0, "stock": 0}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         pending: list[ReadItem] = []  # for the stock reader, in plan order
-        direct = 0
         for relative_path, items in per_file.items():
             path = os.fspath(self.fs.concat_path(self.path, relative_path))
             parsed: dict[tuple[int, int], _SavedItem | None] = {}
             with open(path, "rb", buffering=0) as stream:
                 for item in items:
-                    if self._read_item(stream, path, item, planner, parsed):
-                        direct += 1
-                    else:
+                    how = self._read_item(stream, path, item, planner, parsed)
+                    if how is None:
                         pending.append(item)
+                    else:
+                        self.counts[how] += 1
         if pending:
             super().read_data(dataclasses.replace(plan, items=pending), planner).wait()
-        logger.debug("DirectFileSystemReader: %d items read directly, %d by the stock reader", direct, len(pending))
+            self.counts["stock"] += len(pending)
+        logger.debug("DirectFileSystemReader: items read so far: %s", self.counts)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -376,14 +384,14 @@ class DirectFileSystemReader(FileSystemReader):
         item: ReadItem,
         planner: LoadPlanner,
         parsed: dict[tuple[int, int], _SavedItem | None],
-    ) -> bool:
-        """Read one item into its destination; False (nothing done) when the
-        stock reader must read it."""
+    ) -> str | None:
+        """Read one item into its destination and say how (a ``counts``
+        key); None (nothing done) when the stock reader must read it."""
         if item.type == LoadItemType.BYTE_IO:
-            return False
+            return None
         info = self.storage_data[item.storage_index]
         if getattr(info, "transform_descriptors", None):
-            return False
+            return None
         where = (info.offset, info.length)
         if where not in parsed:
             try:
@@ -393,7 +401,7 @@ class DirectFileSystemReader(FileSystemReader):
                 parsed[where] = None
         saved = parsed[where]
         if saved is None:
-            return False
+            return None
         target = planner.resolve_tensor(item).detach()
         box = _box(saved.tensor, tuple(item.storage_offsets), tuple(item.lengths))
         if (
@@ -404,20 +412,21 @@ class DirectFileSystemReader(FileSystemReader):
             or target.is_conj()
             or target.is_neg()
         ):
-            return False
+            return None
         first, span, contiguous = box
-        itemsize = target.element_size()
-        if target.numel() > 0:
-            start = saved.data_start + first * itemsize
-            if contiguous and target.device.type == "cpu" and target.is_contiguous():
-                _read_exactly(stream, start, _bytes_of(target), path)
-            else:
-                temporary = torch.empty(span, dtype=target.dtype)
-                _read_exactly(stream, start, _bytes_of(temporary), path)
-                view = temporary.as_strided(tuple(item.lengths), saved.tensor.stride, 0)
-                target.copy_(view)
+        start = saved.data_start + first * target.element_size()
+        how = "direct"
+        if target.numel() == 0:
+            pass
+        elif contiguous and target.device.type == "cpu" and target.is_contiguous():
+            _read_exactly(stream, start, _bytes_of(target), path)
+        else:
+            how = "temporary"
+            temporary = torch.empty(span, dtype=target.dtype)
+            _read_exactly(stream, start, _bytes_of(temporary), path)
+            target.copy_(temporary.as_strided(tuple(item.lengths), saved.tensor.stride, 0))
         planner.commit_tensor(item, target)
-        return True
+        return how
 
 
 def _box(saved: _SavedTensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, bool] | None:
