@@ -23,10 +23,15 @@ Modes, each in a fresh set of processes (so RSS belongs to one mode):
   from ``composable_shard.get_model_state_dict`` / ``get_optimizer_state_dict``
   saved with ``dcp.save``; load = build the state dicts, ``dcp.load`` into
   them (in place, into the model's shards), ``set_*_state_dict``;
+- ``composable_shard_direct``: the same save; the load passes
+  ``dcp.load`` our storage reader, ``DirectFileSystemReader``
+  (composable_shard/state_dict/reader.py), which reads each tensor straight
+  into its destination instead of ``torch.load`` + ``copy_`` per item;
 - ``composable_shard_safe``: ``composable_shard.save_checkpoint`` /
-  ``load_checkpoint``: the same plus CRC-32 of every file, a manifest, an
-  atomic directory switch, and a load that checks checksums, keys, shapes
-  and hyperparameters before reading in place;
+  ``load_checkpoint``: the same plus a checksum of every file (xxh3_64 with
+  ``xxhash``, else CRC-32), a manifest, an atomic directory switch, and a
+  load that checks checksums, keys, shapes and hyperparameters before
+  reading in place (through ``DirectFileSystemReader``);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` per block and the root;
   ``torch.distributed.checkpoint.state_dict.get/set_model_state_dict`` and
   ``get/set_optimizer_state_dict`` around ``dcp.save`` / ``dcp.load``.
@@ -78,7 +83,7 @@ from gpt import GPT, GPTConfig, param_groups  # noqa: E402
 
 logger = logging.getLogger("bench_checkpoint")
 
-MODES = ("composable_shard", "composable_shard_safe", "fsdp2")
+MODES = ("composable_shard", "composable_shard_direct", "composable_shard_safe", "fsdp2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,7 +171,12 @@ def load(mode: str, model: nn.Module, optimizer: torch.optim.Optimizer, path: st
         return
     get_model, set_model, get_optim, set_optim = state_dict_api(mode)
     state = {"model": get_model(model), "optim": get_optim(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    if mode == "composable_shard_direct":
+        from composable_shard.state_dict.reader import DirectFileSystemReader
+
+        dcp.load(state, storage_reader=DirectFileSystemReader(path))
+    else:
+        dcp.load(state, checkpoint_id=path)
     set_model(model, state["model"])
     set_optim(model, optimizer, state["optim"])
 
