@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -345,3 +346,17 @@ def test_items_the_reader_cannot_parse_go_to_the_stock_reader_with_the_same_resu
     _assert_bit_identical(direct, stock, form)
     _assert_bit_identical(direct, saved, form)  # and what was saved
     assert reader.counts == {"direct": 0, "temporary": 0, "stock": 3}, reader.counts
+
+
+def test_zip64_extra_field_gives_the_values_its_entry_masks() -> None:
+    """Past 4 GiB, a zip directory entry's sizes and offset read 0xFFFFFFFF
+    and the zip64 extra field holds them, in that order, for masked ones only
+    (a checkpoint that large is too big for a unit test)."""
+    from composable_shard.state_dict.reader import _zip64_values
+
+    mask = 0xFFFFFFFF
+    other = struct.pack("<HH4s", 0xCAFE, 4, b"pad!")  # another extra field first
+    both = struct.pack("<HHQQ", 0x0001, 16, 5 << 32, 5 << 32)
+    assert _zip64_values(other + both, mask, mask, 1234) == (5 << 32, 5 << 32, 1234)
+    offset_only = struct.pack("<HHQ", 0x0001, 8, 7 << 32)
+    assert _zip64_values(offset_only, 10, 10, mask) == (10, 10, 7 << 32)

@@ -22,13 +22,15 @@ An item written by ``torch.save`` of one tensor is a zip archive of stored
 (uncompressed) records: ``<prefix>/data.pkl``, a small pickle that rebuilds
 the tensor from a storage with ``torch._utils._rebuild_tensor_v2(storage,
 storage_offset, size, stride, ...)``; ``<prefix>/byteorder``; and the raw
-bytes of the storage as ``<prefix>/data/<key>``, among others. This reader
-walks the archive's local file headers (a few hundred bytes at the start of
-the item), unpickles ``data.pkl`` with an unpickler that knows nothing but
-those few names (it builds a description, never a tensor, and refuses
-anything else), and so learns the saved tensor's dtype, storage offset,
-size and stride and where its raw bytes start in the file. Then, per read
-item (the requested box of that saved tensor):
+bytes of the storage as ``<prefix>/data/<key>``, among others. The records
+are streamed (their local headers carry no sizes), so this reader reads the
+archive's central directory from the item's last few KiB (zip64 records
+included), then the local headers of the three records it needs; it
+unpickles ``data.pkl`` with an unpickler that knows nothing but those few
+names (it builds a description, never a tensor, and refuses anything else),
+and so learns the saved tensor's dtype, storage offset, size and stride and
+where its raw bytes start in the file. Then, per read item (the requested
+box of that saved tensor):
 
 - its bytes are one contiguous range of the file and the destination
   (``planner.resolve_tensor``) is a contiguous CPU tensor of the same dtype:
@@ -201,17 +203,17 @@ def _records(stream: BinaryIO, start: int, length: int) -> dict[str, tuple[int, 
     if end < 0 or end + _END.size > len(tail):
         raise _Unsupported("not a zip archive (another serialization)")
     _, _, _, _, entries, directory_size, directory_offset, _ = _END.unpack_from(tail, end)
-    if directory_offset == _MASK32 or directory_size == _MASK32 or entries == 0xFFFF:
-        locator_at = end - _ZIP64_LOCATOR.size
-        if locator_at < 0:
-            raise _Unsupported("a zip64 archive without its locator")
-        signature, _, zip64_end, _ = _ZIP64_LOCATOR.unpack_from(tail, locator_at)
-        if signature != _ZIP64_LOCATOR_SIGNATURE:
-            raise _Unsupported("a zip64 archive without its locator")
+    locator_at = end - _ZIP64_LOCATOR.size
+    # torch.save writes the zip64 end records whatever the size; its values
+    # are the ones that hold past 4 GiB.
+    if locator_at >= 0 and _ZIP64_LOCATOR.unpack_from(tail, locator_at)[0] == _ZIP64_LOCATOR_SIGNATURE:
+        zip64_end = _ZIP64_LOCATOR.unpack_from(tail, locator_at)[2]
         fields = _ZIP64_END.unpack(_exact(stream, start, zip64_end, _ZIP64_END.size, length))
         if fields[0] != _ZIP64_END_SIGNATURE:
             raise _Unsupported("a damaged zip64 end record")
         entries, directory_size, directory_offset = fields[7], fields[8], fields[9]
+    elif _MASK32 in (directory_offset, directory_size) or entries == 0xFFFF:
+        raise _Unsupported("a zip64 archive without its locator")
     if directory_size > 1 << 20:
         raise _Unsupported("a large zip directory")
     if tail_start <= directory_offset and directory_offset + directory_size <= length:
