@@ -1,7 +1,7 @@
-"""comm.reduce_scatter's two implementations (a real reduce-scatter, and an
-in-place all-reduce keeping this rank's chunk, gloo's choice): the same sum,
-sync and async, fp32 and bf16, an output that never aliases the input, and
-the per-backend choice."""
+"""comm.reduce_scatter's implementations (a real reduce-scatter; an in-place
+all-reduce keeping this rank's chunk, gloo's choice across hosts; shared
+memory, gloo's choice on one host): the same sum, sync and async, fp32 and
+bf16, an output that never aliases the input, and the per-backend choice."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def _both_methods_give_the_reduce_scatter(rank: int, world_size: int) -> None:
         inputs = [torch.arange(chunk * world_size, dtype=torch.float32) * (r + 1) + r for r in range(world_size)]
         total = torch.stack(inputs).sum(0)
         expected = total[rank * chunk : (rank + 1) * chunk].to(dtype)
-        for method in ("reduce_scatter", "all_reduce"):
+        # One rank has nothing to share: shared memory needs a group of two or more.
+        methods = ("reduce_scatter", "all_reduce") + (("shared_memory",) if world_size > 1 else ())
+        for method in methods:
             for async_op in (False, True):
                 grad = inputs[rank].to(dtype, copy=True)  # the all-reduce overwrites it
                 output = torch.full((chunk,), -1.0, dtype=dtype)
@@ -32,7 +34,8 @@ def _both_methods_give_the_reduce_scatter(rank: int, world_size: int) -> None:
                         assert work.is_completed()
                 assert torch.equal(output, expected), (method, async_op, dtype, output, expected)
                 assert output.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
-    assert comm.reduce_scatter_method(torch.zeros(1), None) == "all_reduce", "gloo on CPU all-reduces"
+    expected_method = "shared_memory" if world_size > 1 else "all_reduce"
+    assert comm.reduce_scatter_method(torch.zeros(1), None) == expected_method, "gloo on one host shares memory"
     with pytest.raises(ValueError, match="method must be"):
         comm.reduce_scatter(torch.empty(1), torch.zeros(world_size), None, async_op=False, method="ring")
     dist.barrier()

@@ -1,0 +1,161 @@
+"""Shared-memory collectives between the processes of one host
+(``host_shared_memory``): the same results as gloo's collectives, bit for
+bit, whatever the dtype, size, number in flight or order of waiting; the
+group-wide decision to use them; training parity through them and with
+them switched off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from composable_shard import ShardingStrategy, comm
+from composable_shard.host_shared_memory import ENV_SWITCH, SLOTS, HostSharedMemory
+
+from .harness import run_distributed
+from .models import TinyGPT
+from .parity import Parity, run_parity
+from .test_parity_strategies import _shard_manually
+
+
+def _inputs(rank: int, world_size: int, numel: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
+    """Every rank's input, known to every rank (so each can check the result)."""
+    generator = torch.Generator().manual_seed(1000 * salt + numel)
+    return [torch.randn(numel, generator=generator).to(dtype) for _ in range(world_size)]
+
+
+def _all_gather_is_gloos_all_gather(rank: int, world_size: int) -> None:
+    transport = HostSharedMemory.for_group(None)
+    assert transport is not None, "ranks of one host share memory"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        for numel in (0, 1, 7, 4099):
+            shards = _inputs(rank, world_size, numel, dtype, salt=1)
+            for async_op in (False, True):
+                output = torch.full((numel * world_size,), 3, dtype=dtype)
+                work = comm.all_gather_into(output, shards[rank], None, async_op=async_op)
+                if work is not None:
+                    work.wait()
+                    work.wait()  # idempotent
+                    assert work.is_completed()
+                expected = torch.empty_like(output)
+                dist.all_gather_into_tensor(expected, shards[rank])
+                assert torch.equal(output, expected), (dtype, numel, async_op)
+                assert torch.equal(output, torch.cat(shards)), (dtype, numel, async_op)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_gather_through_shared_memory_equals_gloo(world_size: int) -> None:
+    run_distributed(_all_gather_is_gloos_all_gather, world_size)
+
+
+def _reduce_scatter_sums_in_rank_order(rank: int, world_size: int) -> None:
+    assert comm.reduce_scatter_method(torch.zeros(1), None) == "shared_memory"
+    for dtype in (torch.float32, torch.bfloat16):
+        for chunk in (0, 1, 5, 3001):
+            inputs = _inputs(rank, world_size, chunk * world_size, dtype, salt=2)
+            expected = inputs[0][rank * chunk : (rank + 1) * chunk].clone()
+            for other in inputs[1:]:
+                expected += other[rank * chunk : (rank + 1) * chunk]
+            for async_op in (False, True):
+                grad = inputs[rank].clone()
+                output = torch.full((chunk,), -1.0, dtype=dtype)
+                work = comm.reduce_scatter(output, grad, None, async_op=async_op, method="shared_memory")
+                if work is not None:
+                    work.wait()
+                assert torch.equal(output, expected), (dtype, chunk, async_op)
+                assert torch.equal(grad, inputs[rank]), "the input is left as it was"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_through_shared_memory_sums_in_rank_order(world_size: int) -> None:
+    run_distributed(_reduce_scatter_sums_in_rank_order, world_size)
+
+
+def _many_in_flight_waited_in_any_order(rank: int, world_size: int) -> None:
+    """More operations issued than slots, waited newest first, some dropped
+    without a wait: slots are reused only once every rank read them, and
+    every waited result is right."""
+    count = 3 * SLOTS + 1
+    issued = []
+    for index in range(count):
+        numel = 64 + 32 * index  # grows: later operations write more than earlier ones
+        shards = _inputs(rank, world_size, numel, torch.float32, salt=10 + index)
+        output = torch.empty(numel * world_size)
+        if index % 2:
+            grad = shards[rank].repeat(world_size)
+            reduced = torch.empty(numel)
+            work = comm.reduce_scatter(reduced, grad, None, async_op=True, method="shared_memory")
+            expected = sum(s.repeat(world_size)[rank * numel : (rank + 1) * numel] for s in shards)
+            issued.append((work, reduced, expected, grad))
+        else:
+            work = comm.all_gather_into(output, shards[rank], None, async_op=True)
+            issued.append((work, output, torch.cat(shards), shards[rank]))
+    dropped = count - 2  # among the last SLOTS: never waited, not yet forced by a reuse
+    for index in reversed(range(count)):
+        if index == dropped:
+            issued[index] = None  # freeing the unwaited work releases its slot
+            continue
+        work, output, expected, _ = issued[index]
+        work.wait()
+        assert torch.allclose(output, expected, rtol=0, atol=1e-5), index
+    del work
+    # Every slot is reused again, the dropped one included, in step on every rank.
+    for index in range(SLOTS + 1):
+        shards = _inputs(rank, world_size, 10 + index, torch.float32, salt=99)
+        output = torch.empty((10 + index) * world_size)
+        comm.all_gather_into(output, shards[rank], None, async_op=False)
+        assert torch.equal(output, torch.cat(shards))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_more_operations_in_flight_than_slots_stay_correct(world_size: int) -> None:
+    run_distributed(_many_in_flight_waited_in_any_order, world_size)
+
+
+def _group_agrees_to_fall_back(rank: int, world_size: int) -> None:
+    """One rank that cannot use shared memory makes the whole group use
+    gloo; the files are gone from /dev/shm once the group decided."""
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("composable_shard_")}
+    everyone = dist.new_group(list(range(world_size)))
+    assert HostSharedMemory.for_group(everyone) is not None
+    dist.barrier(everyone)  # every rank has left for_group, so removed its own file
+    assert not {name for name in os.listdir("/dev/shm") if name.startswith("composable_shard_")} - before
+    if rank == world_size - 1:
+        os.environ[ENV_SWITCH] = "0"
+    try:
+        refused = dist.new_group(list(range(world_size)))
+        assert HostSharedMemory.for_group(refused) is None
+    finally:
+        os.environ.pop(ENV_SWITCH, None)
+    shards = _inputs(rank, world_size, 9, torch.float32, salt=3)
+    output = torch.empty(9 * world_size)
+    work = comm.all_gather_into(output, shards[rank], refused, async_op=True)
+    assert not hasattr(work, "_slot"), "a group that refused uses gloo's work"
+    work.wait()
+    assert torch.equal(output, torch.cat(shards))
+    assert comm.reduce_scatter_method(torch.zeros(1), refused) == "all_reduce"
+    with pytest.raises(ValueError, match="shared_memory"):
+        comm.reduce_scatter(torch.empty(1), torch.zeros(world_size), refused, async_op=False, method="shared_memory")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_group_with_one_rank_unable_falls_back_to_gloo_on_every_rank(world_size: int) -> None:
+    run_distributed(_group_agrees_to_fall_back, world_size)
+
+
+def _training_matches_with_and_without_shared_memory(rank: int, world_size: int) -> None:
+    for switch in ("1", "0"):
+        os.environ[ENV_SWITCH] = switch
+        try:
+            for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+                run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy, forward_prefetch=True), steps=3))
+        finally:
+            os.environ.pop(ENV_SWITCH, None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_through_shared_memory_and_through_gloo_match_single_process(world_size: int) -> None:
+    run_distributed(_training_matches_with_and_without_shared_memory, world_size)
