@@ -1,11 +1,14 @@
 """Bandwidth the flat-parameter handle reaches for its all-gather (unshard)
 and reduce-scatter (reduce_grad), against raw torch.distributed calls on the
-same bytes, in one run.
+same bytes and (CPU) the raw shared-memory collectives, in one run.
 
 Run: python scripts/bench_comm.py [--world-size 2] [--numel 4194304] [--iters 20]
 (gloo on CPU; --device cuda uses NCCL, one GPU per rank).
-Prints, per operation, the median time and bus bandwidth of both and their
-ratio (handle / raw; 1.00 means no overhead).
+Prints, per operation, the median time, the median CPU time of rank 0's
+process (all its threads: gloo's included; what competes with compute on a
+busy CPU) and the bus bandwidth, and the ratios handle / raw (1.00 means no
+overhead). On CPU the handle uses shared memory when the ranks share a host;
+``COMPOSABLE_SHARD_SHARED_MEMORY=0`` makes it use gloo.
 """
 
 from __future__ import annotations
@@ -22,17 +25,19 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
+from composable_shard.host_shared_memory import HostSharedMemory
 from composable_shard.flat_layout import ParamOwner
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 
 
-def _seconds(fn: Callable[[], None], device: torch.device) -> float:
+def _seconds(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call."""
     dist.barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: timing only
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -109,29 +114,51 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         "reduce-scatter raw": raw_reduce_scatter,
         "all-reduce+chunk raw": raw_all_reduce_keep_chunk,
     }
+    shared = HostSharedMemory.for_group(None) if device.type == "cpu" else None
+    if shared is not None:
+
+        def shared_all_gather() -> None:
+            work = shared.all_gather(full, shard, async_op=True)
+            work.wait()
+
+        def shared_reduce_scatter() -> None:
+            work = shared.reduce_scatter(reduced, grad, async_op=True)
+            work.wait()
+            reduced.div_(world)
+
+        operations["all-gather shm raw"] = shared_all_gather
+        operations["reduce-scatter shm raw"] = shared_reduce_scatter
     for fn in operations.values():
         for _ in range(3):
             fn()  # warm-up
     # Interleaved call by call, the order rotating every iteration, so that
     # machine noise (a shared machine) hits every operation alike.
-    times: dict[str, list[float]] = {name: [] for name in operations}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in operations}
     names = list(operations)
     for i in range(args.iters):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(_seconds(operations[name], device))
-    results = {name: statistics.median(seconds) for name, seconds in times.items()}
+    results = {name: statistics.median(wall for wall, _ in pairs) for name, pairs in times.items()}
+    cpu = {name: statistics.median(used for _, used in pairs) for name, pairs in times.items()}
     if rank == 0:
         nbytes = numel * 4
         bus = nbytes * (world - 1) / world
         print(f"world size {world}, {device.type}, {nbytes / 2**20:.1f} MiB unsharded per collective, median of {args.iters} interleaved calls each")
-        print(f"{'operation':<24}{'ms':>10}{'bus GB/s':>12}")
+        print(f"{'operation':<24}{'ms':>10}{'CPU ms':>10}{'bus GB/s':>12}")
         for name, seconds in results.items():
-            print(f"{name:<24}{seconds * 1e3:>10.2f}{bus / seconds / 1e9:>12.2f}")
+            print(f"{name:<24}{seconds * 1e3:>10.2f}{cpu[name] * 1e3:>10.2f}{bus / seconds / 1e9:>12.2f}")
         for op in ("all-gather", "reduce-scatter"):
             ratio = results[f"{op} handle"] / results[f"{op} raw"]
             print(f"{op}: handle / raw time = {ratio:.3f}")
         ratio = results["all-reduce+chunk raw"] / results["reduce-scatter raw"]
         print(f"gradient reduction: all-reduce+chunk / reduce-scatter time = {ratio:.3f}")
+        if shared is not None:
+            for op, gloo in (("all-gather", "all-gather raw"), ("reduce-scatter", "all-reduce+chunk raw")):
+                name = f"{op} shm raw"
+                print(
+                    f"{op}: shared memory / fastest gloo method: time {results[name] / results[gloo]:.3f}, "
+                    f"CPU {cpu[name] / cpu[gloo]:.3f}"
+                )
     dist.destroy_process_group()
 
 
