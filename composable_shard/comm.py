@@ -9,7 +9,8 @@ to count or order them (a spy that calls through).
 
 Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
-``all_reduce``, ``broadcast``, ``Work``, ``PendingCollective``; for state
+``all_reduce``, ``broadcast``, ``Work``, ``PendingCollective``,
+``inputs_in_use``; for state
 dicts and checkpoints, ``broadcast_object`` and ``all_gather_object``.
 """
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import host_shared_memory
-from .host_shared_memory import HostSharedMemory
+from .host_shared_memory import HostSharedMemory, SharedMemoryWork
 
 __all__ = [
     "ShardGroups",
@@ -37,6 +38,7 @@ __all__ = [
     "broadcast_object",
     "all_gather_object",
     "PendingCollective",
+    "inputs_in_use",
 ]
 
 # Work handle returned by asynchronous collectives (``None`` when synchronous).
@@ -55,7 +57,7 @@ class PendingCollective(NamedTuple):
     waited on (the backend may still be reading or writing them).
     """
 
-    work: Work | ChunkOfAllReduce | None
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
 
@@ -110,6 +112,13 @@ def all_gather_into(
     if transport is not None:
         return transport.all_gather(output, shard, async_op=async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def inputs_in_use(work: Any) -> bool:
+    """Whether the backend may still read a collective's inputs until its
+    work is waited on (False for shared-memory work, which copied them out
+    when it was issued, so their memory can be freed at once)."""
+    return not isinstance(work, SharedMemoryWork)
 
 
 def _host_transport(tensor: torch.Tensor, group: ProcessGroup | None) -> HostSharedMemory | None:

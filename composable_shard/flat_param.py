@@ -334,6 +334,10 @@ class FlatParamHandle:
         if self.groups.is_sharded:
             output = torch.empty(self.layout.shard_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
             work = comm.reduce_scatter(output, unsharded_grad, self.groups.shard_group, async_op=async_op)
+            if not comm.inputs_in_use(work):
+                # Copied out already (shared memory): the padded gradient is
+                # freed now rather than at the wait, one unit's less at peak.
+                return PendingCollective(work, output, ())
             return PendingCollective(work, output, (unsharded_grad, computed_grad))
         work = None
         if self.groups.replicate_group is not None:

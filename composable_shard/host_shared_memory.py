@@ -5,7 +5,7 @@ use them.
 Knows nothing of: parameters, modules, streams, scheduling (``comm`` decides
 which collectives come here and keeps their buffers alive).
 
-Public names: ``HostSharedMemory``, ``enabled``, ``ENV_SWITCH``, ``SLOTS``.
+Public names: ``HostSharedMemory``, ``SharedMemoryWork``, ``enabled``, ``ENV_SWITCH``, ``SLOTS``.
 
 [Note: shared-memory collectives]
 Why: on CPU, gloo moves every byte through TCP over loopback: the kernel
@@ -35,8 +35,8 @@ Operations take slots round-robin and every rank numbers them alike
   bytes with ``pwritev``; then publish the operation in the "written" entry.
 - wait: until every peer's "written" entry shows the operation, wait; read
   their bytes with ``preadv`` straight into the output (reduce-scatter: the
-  first into the output, the others through one scratch chunk, summed in
-  rank order so the sum is the same whichever rank computes it); publish
+  this rank's own chunk copied at issue, the peers' added in rank order
+  through one scratch chunk); publish
   the "read" entry.
 
 Waiting polls the peers' headers with ``pread`` and sleeps with back-off
@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["HostSharedMemory", "enabled", "ENV_SWITCH", "SLOTS"]
+__all__ = ["HostSharedMemory", "SharedMemoryWork", "enabled", "ENV_SWITCH", "SLOTS"]
 
 ENV_SWITCH = "COMPOSABLE_SHARD_SHARED_MEMORY"
 _DIRECTORY = "/dev/shm"
@@ -153,7 +153,7 @@ class HostSharedMemory:
         self.world_size = world_size
         self._fds = fds
         self._next_seq = 1  # header entries start at 0: "nothing read yet"
-        self._slot_works: list[weakref.ReferenceType[_SharedMemoryWork] | None] = [None] * SLOTS
+        self._slot_works: list[weakref.ReferenceType[SharedMemoryWork] | None] = [None] * SLOTS
         self._slot_bytes = [0] * SLOTS
         weakref.finalize(self, _close_all, list(fds))
 
@@ -209,7 +209,7 @@ class HostSharedMemory:
         return cls(group, rank, world_size, fds)
 
     # ---------------------------------------------------------- collectives
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> "_SharedMemoryWork | None":
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> "SharedMemoryWork | None":
         """Every rank's ``shard`` into ``output`` in rank order; ``output``
         holds the result once the returned work was waited on."""
         chunk = shard.numel()
@@ -236,10 +236,11 @@ class HostSharedMemory:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool
-    ) -> "_SharedMemoryWork | None":
+    ) -> "SharedMemoryWork | None":
         """Sum ``input`` over the group, keeping this rank's chunk in
-        ``output`` (summed in rank order). ``input`` must not change until
-        the returned work was waited on."""
+        ``output``: this rank's own chunk first, then the peers' in rank
+        order (at two ranks the same bits as rank order: addition commutes).
+        ``input`` is not used after this call returns."""
         chunk = output.numel()
         if input.numel() != chunk * self.world_size or output.dtype != input.dtype:
             raise ValueError(
@@ -256,27 +257,18 @@ class HostSharedMemory:
         _pwrite_all(self._fds[self.rank], before, base)
         _pwrite_all(self._fds[self.rank], after, base + (self.rank + 1) * chunk * itemsize)
         self._slot_bytes[slot] = max(self._slot_bytes[slot], len(before) + len(after))
-        own = flat[self.rank * chunk : (self.rank + 1) * chunk]
+        output.copy_(flat[self.rank * chunk : (self.rank + 1) * chunk])
+        offset = base + self.rank * chunk * itemsize
 
         def read() -> None:
             if not _has_storage(output):
                 return  # its owner freed it before waiting: nobody reads the result
             scratch = None
-            offset = base + self.rank * chunk * itemsize
             for peer in range(self.world_size):
-                if peer == self.rank:
-                    source = own
-                else:
-                    target = output if peer == 0 else scratch if scratch is not None else torch.empty_like(output)
-                    _pread_all(self._fds[peer], _byte_view(target), offset)
-                    if target is not output:
-                        scratch = target
-                    source = target
-                if peer == 0:
-                    if source is not output:
-                        output.copy_(source)
-                else:
-                    output.add_(source)
+                if peer != self.rank:
+                    scratch = torch.empty_like(output) if scratch is None else scratch
+                    _pread_all(self._fds[peer], _byte_view(scratch), offset)
+                    output.add_(scratch)
 
         return self._start(slot, seq, read, async_op)
 
@@ -293,10 +285,10 @@ class HostSharedMemory:
         return sum(transport.shared_bytes for transport in cls._by_group.values() if transport is not None)
 
     # ----------------------------------------------------------------- slots
-    def _start(self, slot: int, seq: int, read: Any, async_op: bool) -> "_SharedMemoryWork | None":
+    def _start(self, slot: int, seq: int, read: Any, async_op: bool) -> "SharedMemoryWork | None":
         # Published only after the bytes: system calls on one thread, in order.
         os.pwrite(self._fds[self.rank], _ENTRY.pack(seq), (SLOTS + slot) * _ENTRY.size)
-        work = _SharedMemoryWork(self, slot, seq, read)
+        work = SharedMemoryWork(self, slot, seq, read)
         self._slot_works[slot] = weakref.ref(work)
         if async_op:
             return work
@@ -340,8 +332,11 @@ class HostSharedMemory:
         os.pwrite(self._fds[self.rank], _ENTRY.pack(seq), slot * _ENTRY.size)
 
 
-class _SharedMemoryWork:
-    """An issued shared-memory collective; ``wait`` completes it (idempotent)."""
+class SharedMemoryWork:
+    """An issued shared-memory collective; ``wait`` completes it (idempotent).
+
+    Its inputs were copied out when it was issued: unlike a gloo or NCCL
+    work, nothing needs to keep them alive until the wait."""
 
     def __init__(self, transport: HostSharedMemory, slot: int, seq: int, read: Any) -> None:
         self._transport: HostSharedMemory | None = transport

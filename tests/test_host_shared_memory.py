@@ -51,14 +51,16 @@ def test_all_gather_through_shared_memory_equals_gloo(world_size: int) -> None:
     run_distributed(_all_gather_is_gloos_all_gather, world_size)
 
 
-def _reduce_scatter_sums_in_rank_order(rank: int, world_size: int) -> None:
+def _reduce_scatter_sums_own_chunk_then_peers(rank: int, world_size: int) -> None:
     assert comm.reduce_scatter_method(torch.zeros(1), None) == "shared_memory"
     for dtype in (torch.float32, torch.bfloat16):
         for chunk in (0, 1, 5, 3001):
             inputs = _inputs(rank, world_size, chunk * world_size, dtype, salt=2)
-            expected = inputs[0][rank * chunk : (rank + 1) * chunk].clone()
-            for other in inputs[1:]:
-                expected += other[rank * chunk : (rank + 1) * chunk]
+            # This rank's chunk first, then the peers' in rank order.
+            expected = inputs[rank][rank * chunk : (rank + 1) * chunk].clone()
+            for peer, other in enumerate(inputs):
+                if peer != rank:
+                    expected += other[rank * chunk : (rank + 1) * chunk]
             for async_op in (False, True):
                 grad = inputs[rank].clone()
                 output = torch.full((chunk,), -1.0, dtype=dtype)
@@ -67,11 +69,18 @@ def _reduce_scatter_sums_in_rank_order(rank: int, world_size: int) -> None:
                     work.wait()
                 assert torch.equal(output, expected), (dtype, chunk, async_op)
                 assert torch.equal(grad, inputs[rank]), "the input is left as it was"
+    # The input is copied out at issue: changing it before the wait changes nothing.
+    inputs = _inputs(rank, world_size, 6 * world_size, torch.float32, salt=4)
+    grad, output = inputs[rank].clone(), torch.empty(6)
+    work = comm.reduce_scatter(output, grad, None, async_op=True, method="shared_memory")
+    grad.fill_(1e6)
+    work.wait()
+    assert torch.allclose(output, sum(x[rank * 6 : (rank + 1) * 6] for x in inputs), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_reduce_scatter_through_shared_memory_sums_in_rank_order(world_size: int) -> None:
-    run_distributed(_reduce_scatter_sums_in_rank_order, world_size)
+def test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers(world_size: int) -> None:
+    run_distributed(_reduce_scatter_sums_own_chunk_then_peers, world_size)
 
 
 def _many_in_flight_waited_in_any_order(rank: int, world_size: int) -> None:
