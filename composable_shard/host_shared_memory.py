@@ -34,17 +34,17 @@ Operations take slots round-robin and every rank numbers them alike
   (their "read" entries; normally true already), wait; write this rank's
   bytes with ``pwritev``; then publish the operation in the "written" entry.
 - wait: until every peer's "written" entry shows the operation, wait; read
-  their bytes with ``preadv`` straight into the output (reduce-scatter: the
-  this rank's own chunk copied at issue, the peers' added in rank order
-  through one scratch chunk); publish
-  the "read" entry.
+  their bytes with ``preadv`` straight into the output (reduce-scatter:
+  this rank's own chunk was copied into it at issue, the peers' are added
+  in rank order through one scratch chunk); publish the "read" entry.
 
 Waiting polls the peers' headers with ``pread`` and sleeps with back-off
-(10 us doubling to 0.5 ms): no thread spins and no gloo thread competes with
-compute. Reuse cannot deadlock: before waiting for its peers to read a slot,
-a rank finishes its own older operation on that slot (reading early is
-harmless), so no two ranks wait on each other; a dropped operation (its work
-freed unwaited) counts as read.
+(5 us, growing by half each time up to 0.2 ms, so a wait overshoots little
+and a long one costs a few microseconds of CPU per 0.2 ms): no thread spins
+and no gloo thread competes with compute. Reuse cannot deadlock: before
+waiting for its peers to read a slot, a rank finishes its own older
+operation on that slot (reading early is harmless), so no two ranks wait on
+each other; a dropped operation (its work freed unwaited) counts as read.
 
 Ordering: bytes and header entries are written and read only through system
 calls on the files (the kernel's page cache), one thread per rank, entry
@@ -311,7 +311,7 @@ class HostSharedMemory:
         """Until every peer has written (``written``) or read operation
         ``seq`` of ``slot``: polls their headers, sleeping with back-off."""
         entry = SLOTS + slot if written else slot
-        deadline, pause = None, 10e-6
+        deadline, pause = None, 5e-6
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         while True:
             peers = [peer for peer in peers if _HEADER.unpack(os.pread(self._fds[peer], _HEADER.size, 0))[entry] < seq]
@@ -326,7 +326,7 @@ class HostSharedMemory:
                     f"or issue collectives in another order. Set {ENV_SWITCH}=0 to use gloo."
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
+            pause = min(pause * 1.5, 2e-4)
 
     def _mark_read(self, slot: int, seq: int) -> None:
         os.pwrite(self._fds[self.rank], _ENTRY.pack(seq), slot * _ENTRY.size)
