@@ -25,7 +25,9 @@ message at all.
 How: every rank of the group owns one file in ``/dev/shm``, unlinked as soon
 as every rank opened every file (nothing outlives the processes). Its header
 holds, per slot, the last operation whose bytes this rank finished writing
-and the last one it finished reading from its peers; slot ``s`` starts at
+(with its kind and size, which peers check: ranks that issue different
+collectives get an error naming both, not each other's bytes) and the last
+one it finished reading from its peers; slot ``s`` starts at
 ``(s + 1) * SLOT_STRIDE`` (a sparse file: the stride costs nothing).
 Operations take slots round-robin and every rank numbers them alike
 (collectives are issued in the same order on every rank).
@@ -86,10 +88,13 @@ ENV_SWITCH = "COMPOSABLE_SHARD_SHARED_MEMORY"
 _DIRECTORY = "/dev/shm"
 SLOTS = 4
 SLOT_STRIDE = 1 << 40  # 1 TiB apart in a sparse file: no operation is larger
-# Per slot: the last operation this rank finished reading from its peers,
-# then the last operation whose bytes this rank finished writing.
-_HEADER = struct.Struct(f"<{2 * SLOTS}q")
+# Per slot, the last operation this rank finished reading from its peers;
+# then per slot a pair: the signature (kind and size) of the last operation
+# this rank wrote, and its number, published together by one write.
+_HEADER = struct.Struct(f"<{3 * SLOTS}q")
 _ENTRY = struct.Struct("<q")
+_PUBLISHED = struct.Struct("<2q")
+_ALL_GATHER, _REDUCE_SCATTER = 1, 2
 # Linux returns short counts above this per read/write call.
 _MAX_IO = 1 << 30
 # A peer that has not read an old slot after this long is not coming.
@@ -182,7 +187,7 @@ class HostSharedMemory:
             own_path = os.path.join(_DIRECTORY, f"composable_shard_{os.getpid()}_{uuid.uuid4().hex}")
             try:
                 own_fd = os.open(own_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.pwrite(own_fd, _HEADER.pack(*([0] * 2 * SLOTS)), 0)
+                os.pwrite(own_fd, _HEADER.pack(*([0] * 3 * SLOTS)), 0)
             except OSError:
                 own_path, own_fd = None, None
         paths: list[Any] = [None] * world_size
@@ -232,7 +237,7 @@ class HostSharedMemory:
                     into = _byte_view(output.narrow(0, peer * chunk, chunk))
                     _pread_all(self._fds[peer], into, SLOT_STRIDE * (slot + 1))
 
-        return self._start(slot, seq, read, async_op)
+        return self._start(slot, seq, read, async_op, _signature(_ALL_GATHER, len(data)))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool
@@ -270,7 +275,7 @@ class HostSharedMemory:
                     _pread_all(self._fds[peer], _byte_view(scratch), offset)
                     output.add_(scratch)
 
-        return self._start(slot, seq, read, async_op)
+        return self._start(slot, seq, read, async_op, _signature(_REDUCE_SCATTER, len(before) + len(after)))
 
     @property
     def shared_bytes(self) -> int:
@@ -285,10 +290,14 @@ class HostSharedMemory:
         return sum(transport.shared_bytes for transport in cls._by_group.values() if transport is not None)
 
     # ----------------------------------------------------------------- slots
-    def _start(self, slot: int, seq: int, read: Any, async_op: bool) -> "SharedMemoryWork | None":
-        # Published only after the bytes: system calls on one thread, in order.
-        os.pwrite(self._fds[self.rank], _ENTRY.pack(seq), (SLOTS + slot) * _ENTRY.size)
-        work = SharedMemoryWork(self, slot, seq, read)
+    def _start(
+        self, slot: int, seq: int, read: Any, async_op: bool, signature: int
+    ) -> "SharedMemoryWork | None":
+        # Published only after the bytes (system calls on one thread, in
+        # order); the signature comes first in the pair, so a peer that sees
+        # the number sees it too.
+        os.pwrite(self._fds[self.rank], _PUBLISHED.pack(signature, seq), (SLOTS + 2 * slot) * _ENTRY.size)
+        work = SharedMemoryWork(self, slot, seq, read, signature)
         self._slot_works[slot] = weakref.ref(work)
         if async_op:
             return work
@@ -307,14 +316,27 @@ class HostSharedMemory:
             self._await_peers(slot, seq - SLOTS, written=False)
         return slot, seq
 
-    def _await_peers(self, slot: int, seq: int, *, written: bool) -> None:
-        """Until every peer has written (``written``) or read operation
-        ``seq`` of ``slot``: polls their headers, sleeping with back-off."""
-        entry = SLOTS + slot if written else slot
+    def _await_peers(self, slot: int, seq: int, *, written: bool, signature: int = 0) -> None:
+        """Until every peer has written (``written``: the same kind and size
+        of operation as ``signature``) or read operation ``seq`` of
+        ``slot``: polls their headers, sleeping with back-off."""
+        entry = SLOTS + 2 * slot + 1 if written else slot
         deadline, pause = None, 5e-6
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         while True:
-            peers = [peer for peer in peers if _HEADER.unpack(os.pread(self._fds[peer], _HEADER.size, 0))[entry] < seq]
+            waiting = []
+            for peer in peers:
+                header = _HEADER.unpack(os.pread(self._fds[peer], _HEADER.size, 0))
+                if header[entry] < seq:
+                    waiting.append(peer)
+                elif written and header[entry - 1] != signature:
+                    raise RuntimeError(
+                        f"composable_shard shared-memory collective {seq}: rank {peer} of the group issued "
+                        f"{_describe(header[entry - 1])} where this rank (rank {self.rank}) issued "
+                        f"{_describe(signature)}. Every rank must run the same collectives in the same order "
+                        "(the same modules in forward and backward, the same no_sync and state-dict calls)."
+                    )
+            peers = waiting
             if not peers:
                 return
             now = time.monotonic()
@@ -338,11 +360,12 @@ class SharedMemoryWork:
     Its inputs were copied out when it was issued: unlike a gloo or NCCL
     work, nothing needs to keep them alive until the wait."""
 
-    def __init__(self, transport: HostSharedMemory, slot: int, seq: int, read: Any) -> None:
+    def __init__(self, transport: HostSharedMemory, slot: int, seq: int, read: Any, signature: int) -> None:
         self._transport: HostSharedMemory | None = transport
         self._slot = slot
         self._seq = seq
         self._read = read
+        self._signature = signature
 
     def wait(self, *timeout: Any) -> bool:
         """As ``Work.wait``: blocks until the result is in the output (a
@@ -350,7 +373,7 @@ class SharedMemoryWork:
         transport = self._transport
         if transport is None:
             return True
-        transport._await_peers(self._slot, self._seq, written=True)
+        transport._await_peers(self._slot, self._seq, written=True, signature=self._signature)
         self._read()
         self._transport, self._read = None, None
         transport._mark_read(self._slot, self._seq)
@@ -368,6 +391,17 @@ class SharedMemoryWork:
                 transport._mark_read(self._slot, self._seq)
             except OSError:
                 pass
+
+
+def _signature(kind: int, nbytes: int) -> int:
+    """What a peer must have written for the same operation: every rank
+    writes the same number of bytes for a given collective."""
+    return nbytes * 4 + kind
+
+
+def _describe(signature: int) -> str:
+    kind = {_ALL_GATHER: "an all-gather", _REDUCE_SCATTER: "a reduce-scatter"}.get(signature % 4, "an unknown operation")
+    return f"{kind} writing {signature // 4} bytes"
 
 
 def _close_all(fds: list[int]) -> None:

@@ -168,3 +168,21 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_training_through_shared_memory_and_through_gloo_match_single_process(world_size: int) -> None:
     run_distributed(_training_matches_with_and_without_shared_memory, world_size)
+
+
+def _mismatched_collectives_raise(rank: int, world_size: int) -> None:
+    """Ranks that issue different collectives at the same point get an error
+    naming both, instead of reading each other's bytes as their own."""
+    group = dist.new_group(list(range(world_size)))  # its own transport: this one is left broken
+    assert HostSharedMemory.for_group(group) is not None
+    numel = 5 + 2 * (rank == 0)
+    output = torch.empty(numel * world_size)
+    work = comm.all_gather_into(output, torch.zeros(numel), group, async_op=True)
+    with pytest.raises(RuntimeError, match=r"issued an all-gather writing \d+ bytes where this rank"):
+        work.wait()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_ranks_issuing_different_collectives_get_an_error_not_wrong_data(world_size: int) -> None:
+    run_distributed(_mismatched_collectives_raise, world_size)
