@@ -272,7 +272,10 @@ def _zip64_values(extra: bytes, uncompressed: int, compressed: int, local_offset
             if size < 8 * len(values):
                 break
             found = iter(struct.unpack_from(f"<{len(values)}Q", extra, position + 4))
-            return tuple(next(found) if v == _MASK32 else v for v in (uncompressed, compressed, local_offset))  # type: ignore[return-value]
+            uncompressed = next(found) if uncompressed == _MASK32 else uncompressed
+            compressed = next(found) if compressed == _MASK32 else compressed
+            local_offset = next(found) if local_offset == _MASK32 else local_offset
+            return uncompressed, compressed, local_offset
         position += 4 + size
     raise _Unsupported("a zip64 record without its sizes")
 
@@ -332,8 +335,10 @@ def _read_exactly(stream: BinaryIO, offset: int, target: memoryview, path: str) 
     while done < total:
         count = stream.readinto(target[done:])
         if not count:
-            raise OSError(f"composable_shard DirectFileSystemReader: '{path}' ends at byte {offset + done}, before the "
-                          f"{total} bytes its checkpoint metadata places at {offset} (a truncated file)")
+            raise OSError(
+                f"composable_shard DirectFileSystemReader: '{path}' ends at byte {offset + done}, before the "
+                f"{total} bytes its checkpoint metadata places at {offset} (a truncated file; load another checkpoint)"
+            )
         done += count
 
 
