@@ -14,6 +14,9 @@ Layout (each module depends only on those above it)::
     model.py         get_model_state_dict / set_model_state_dict
     optim.py         get_optimizer_state_dict / set_optimizer_state_dict
     hooks.py         module.state_dict() / load_state_dict() on units
+    files.py         checksums, manifests, the atomic directory switch
+    reader.py        DirectFileSystemReader: DCP's file reader that reads
+                     each tensor straight into its destination
     checkpoint.py    save_checkpoint / load_checkpoint (safe directories)
     convert.py       checkpoint directory <-> torch.save / safetensors file
 
@@ -24,7 +27,8 @@ these modules' names.
 Public names: ``get_model_state_dict``, ``set_model_state_dict``,
 ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
 ``StateDictOptions`` (PyTorch's), ``StateDictError``, ``RangeShardedTensor``,
-``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``, and the helpers
+``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``,
+``DirectFileSystemReader``, and the helpers
 model.py lists for the other modules.
 """
 
@@ -47,6 +51,7 @@ from .model import (
 )
 from .optim import get_optimizer_state_dict, set_optimizer_state_dict
 from .range_tensor import RangeShardedTensor
+from .reader import DirectFileSystemReader
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -60,6 +65,7 @@ __all__ = [
     "load_checkpoint",
     "CheckpointError",
     "RangeShardedTensor",
+    "DirectFileSystemReader",
     "ModelEntries",
     "ShardedParamEntry",
     "model_entries",
