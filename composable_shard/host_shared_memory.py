@@ -10,17 +10,19 @@ Public names: ``HostSharedMemory``, ``SharedMemoryWork``, ``enabled``, ``ENV_SWI
 [Note: shared-memory collectives]
 Why: on CPU, gloo moves every byte through TCP over loopback: the kernel
 copies it twice and runs the TCP stack on gloo's own threads, which compete
-with compute for the same cores. Measured at world size 2, one thread per
-rank, 3.2 MB unsharded, 40 calls each (median wall time, and process CPU
-time of rank 0): an all-gather took 2.1-2.7 ms (1.4 ms CPU) through gloo
-and 1.1-1.5 ms (0.6-1.0 ms CPU) through shared memory; a gradient reduction
-through gloo's in-place all-reduce and chunk copy (the faster gloo method,
-see [Note: gradient collective per backend] in comm.py) took 3.5-4.5 ms
-(1.8-2.5 ms CPU), through shared memory 1.4-1.8 ms (0.7-1.6 ms CPU). That
-was still with a one-element gloo all-reduce per operation as the "written"
-signal, which under load cost more than the copies (1.6 ms per call in a
-profile): the signal is now a header entry, and no operation here sends a
-message at all.
+with compute for the same cores. ``scripts/bench_comm.py`` at world size 2,
+one thread per rank, 3.1 MiB unsharded, 40 interleaved calls each (median
+wall time; median CPU time of rank 0's process, all threads): all-gather
+2.60 ms (1.90 ms CPU) through gloo, 1.26 ms (1.20 ms CPU) here; gradient
+reduction 5.23 ms (3.41 ms CPU) through gloo's faster method (in-place
+all-reduce and chunk copy, see [Note: gradient collective per backend] in
+comm.py; its reduce-scatter took 5.96 ms), 1.81 ms (1.64 ms CPU) here. A
+first version signalled "written" with a one-element gloo all-reduce per
+operation; under load that cost more than the copies (1.6 ms per call in a
+profile), so the signal is a header entry and no operation sends a message.
+On a quiet machine the training step gains little from it (GPT 8x256: the
+step moved within run-to-run noise); on a loaded one, where gloo's threads
+take cores from compute, it gains most.
 
 How: every rank of the group owns one file in ``/dev/shm``, unlinked as soon
 as every rank opened every file (nothing outlives the processes). Its header

@@ -57,7 +57,17 @@ How it measures:
   every mode runs ``--steps`` steps in turns of ``--round-steps`` steps, the
   order rotating every turn, so machine noise hits all modes alike. Every
   step starts after a barrier and ends after the optimizer step (plus a
-  device synchronize on CUDA); its time is the slowest rank's. The table
+  device synchronize on CUDA); its time is the slowest rank's. Because the
+  modes share processes, they also share the C allocator's state: glibc
+  moves its mmap threshold after large frees, so one mode's allocations
+  decided whether the next mode's buffers came from the heap or from fresh,
+  page-faulting mmaps. That made FSDP1 and DDP 10-20% slower in runs where
+  composable_shard used shared memory than where it used gloo (ratio to
+  FSDP1 0.73-0.83 against 0.87-0.89, three pairs of runs), and with fixed
+  thresholds both gave 0.87-0.88. So the timing processes start with
+  ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` fixed at 256 MiB
+  (``--no-fixed-malloc`` leaves glibc's defaults; the memory pass always
+  runs with the defaults, as a user would). The table
   shows each round's median per mode (a reader sees the noise) and the
   median over all rounds.
 - Memory (memory pass): interleaving makes a process's RSS meaningless per
@@ -178,6 +188,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-bytes", type=int, default=2_000_000)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / processes)")
+    p.add_argument(
+        "--no-fixed-malloc",
+        dest="fixed_malloc",
+        action="store_false",
+        help="timing pass with glibc's moving mmap threshold (see the docstring: modes then affect each other)",
+    )
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="profile one timed step of MODE on rank 0 and print its table (times include the profiler)")
     args = p.parse_args(argv)
@@ -709,6 +725,26 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     return agree
 
 
+@contextlib.contextmanager
+def _fixed_malloc_thresholds(enabled: bool) -> Iterator[None]:
+    """Processes spawned inside start with glibc's mmap and trim thresholds
+    fixed (read from the environment at process start), so no mode changes
+    where the next mode's buffers come from (see the module docstring)."""
+    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    saved = {name: os.environ.get(name) for name in names}
+    if enabled:
+        for name in names:
+            os.environ.setdefault(name, str(256 * 2**20))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -719,7 +755,8 @@ def main() -> int:
             sys.exit(f"bench: cannot import composable_shard ({exc}). Run without it: --modes fsdp1,fsdp2,ddp,single")
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
         logger.info("timing pass: %s interleaved on %d process(es)", ",".join(args.modes), args.nprocs)
-        spawn(timing_worker, args, out_dir)
+        with _fixed_malloc_thresholds(args.fixed_malloc):
+            spawn(timing_worker, args, out_dir)
         for repeat in range(args.memory_repeats if args.memory_steps > 0 else 0):
             for mode in args.modes if repeat % 2 == 0 else list(reversed(args.modes)):
                 logger.info("memory pass %d: %s in fresh processes", repeat + 1, mode)
