@@ -5,7 +5,8 @@ use them.
 Knows nothing of: parameters, modules, streams, scheduling (``comm`` decides
 which collectives come here and keeps their buffers alive).
 
-Public names: ``HostSharedMemory``, ``SharedMemoryWork``, ``enabled``, ``ENV_SWITCH``, ``SLOTS``.
+Public names: ``HostSharedMemory``, ``SharedMemoryWork``, ``enabled``, ``expected``,
+``ENV_SWITCH``, ``SLOTS``.
 
 [Note: shared-memory collectives]
 Why: on CPU, gloo moves every byte through TCP over loopback: the kernel
@@ -84,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["HostSharedMemory", "SharedMemoryWork", "enabled", "ENV_SWITCH", "SLOTS"]
+__all__ = ["HostSharedMemory", "SharedMemoryWork", "enabled", "expected", "ENV_SWITCH", "SLOTS"]
 
 ENV_SWITCH = "COMPOSABLE_SHARD_SHARED_MEMORY"
 _DIRECTORY = "/dev/shm"
@@ -111,6 +112,22 @@ def enabled() -> bool:
     """Whether this process may use shared-memory collectives (checked at
     every collective: kept cheap)."""
     return _PLATFORM_SUPPORTED and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def expected(group: ProcessGroup | None, device_type: str) -> bool:
+    """Whether collectives of ``group`` (None: the default group) on
+    ``device_type`` go through shared memory, without a collective (for
+    memory plans): the group's decision once made; before that, a gloo group
+    of two or more ranks on one host is assumed, and with no process group
+    at all (a plan before the run), one host with gloo."""
+    if device_type != "cpu" or not enabled():
+        return False
+    if not dist.is_initialized():
+        return True
+    group = group if group is not None else dist.group.WORLD
+    if group in HostSharedMemory._by_group:
+        return HostSharedMemory._by_group[group] is not None
+    return "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -220,11 +237,7 @@ class HostSharedMemory:
         """Every rank's ``shard`` into ``output`` in rank order; ``output``
         holds the result once the returned work was waited on."""
         chunk = shard.numel()
-        if output.numel() != chunk * self.world_size or output.dtype != shard.dtype:
-            raise ValueError(
-                f"shared-memory all-gather: output has {output.numel()} {output.dtype} elements, expected "
-                f"{chunk * self.world_size} {shard.dtype} ({self.world_size} shards of {chunk})"
-            )
+        self._check_sizes("all-gather: output", output, shard)
         slot, seq = self._claim_slot()
         data = _byte_view(shard)
         _pwrite_all(self._fds[self.rank], data, SLOT_STRIDE * (slot + 1))
@@ -249,11 +262,7 @@ class HostSharedMemory:
         order (at two ranks the same bits as rank order: addition commutes).
         ``input`` is not used after this call returns."""
         chunk = output.numel()
-        if input.numel() != chunk * self.world_size or output.dtype != input.dtype:
-            raise ValueError(
-                f"shared-memory reduce-scatter: input has {input.numel()} {input.dtype} elements, expected "
-                f"{chunk * self.world_size} {output.dtype} ({self.world_size} chunks of {chunk})"
-            )
+        self._check_sizes("reduce-scatter: input", input, output)
         slot, seq = self._claim_slot()
         flat = input.detach().reshape(-1)
         base = SLOT_STRIDE * (slot + 1)
@@ -278,6 +287,13 @@ class HostSharedMemory:
                     output.add_(scratch)
 
         return self._start(slot, seq, read, async_op, _signature(_REDUCE_SCATTER, len(before) + len(after)))
+
+    def _check_sizes(self, what: str, whole: torch.Tensor, chunk: torch.Tensor) -> None:
+        if whole.numel() != chunk.numel() * self.world_size or whole.dtype != chunk.dtype:
+            raise ValueError(
+                f"shared-memory {what} has {whole.numel()} {whole.dtype} elements, expected "
+                f"{chunk.numel() * self.world_size} {chunk.dtype} ({self.world_size} chunks of {chunk.numel()})"
+            )
 
     @property
     def shared_bytes(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from . import host_shared_memory
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_layout import FlatParamLayout, compute_layout
 from .plan_activations import ActivationProfile, measure_activations
@@ -201,7 +202,10 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
     order = _module_order(module)
     for unit_name, state in named:
         flat_params = [
-            _flat_param_plan(h.layout, h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order)
+            _flat_param_plan(
+                h.layout, h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
+                host_shared_memory.expected(h.groups.shard_group, state.compute_device.type),
+            )
             for h in state.handles
         ]
         unit = _unit_plan_from_state(unit_name, state, flat_params)
@@ -271,6 +275,7 @@ def _flat_param_plan(
     keep_low_precision_grads: bool,
     offload: bool,
     module_index: dict[int, int],
+    reduction_frees_grad: bool,
 ) -> FlatParamPlan:
     """What ``FlatParamHandle`` allocates for ``layout`` (see its
     constructor, ``reduce_grad`` and ``finish_grad_reduction``)."""
@@ -295,6 +300,7 @@ def _flat_param_plan(
         is_sharded=is_sharded,
         param_count=len(layout.params),
         tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
+        reduction_frees_grad=reduction_frees_grad,
         last_uses=tuple(
             (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
         ),
@@ -316,7 +322,8 @@ def _new_unit_plan(
         dtypes = flat_param_dtypes(layout.dtype, kwargs["mixed_precision"])
         flat_params.append(
             _flat_param_plan(
-                layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order
+                layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order,
+                host_shared_memory.expected(None, compute_device.type),
             )
         )
     return _unit_plan(module, kwargs, flat_params)
@@ -360,7 +367,10 @@ def _replan_existing(
         )
         reduce = handle.reduce_dtype if handle.reduce_dtype != handle.param_dtype else None
         flat_params.append(
-            _flat_param_plan(layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order)
+            _flat_param_plan(
+                layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order,
+                host_shared_memory.expected(None, state.compute_device.type),
+            )
         )
     return _unit_plan_from_state("", state, flat_params)
 

@@ -23,7 +23,9 @@ reverse: the unit's gathered parameters, its ancestors', the unit
 and the padded flat gradient they are concatenated into exist together for a
 moment), the gradients of its ancestors' parameters used after it (held by
 autograd until the ancestor's flat gradient is complete), one reduction in
-flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``) and the sharded gradients
+flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``; through shared memory only
+its output: the padded gradient is copied out and freed when the reduction
+is issued) and the sharded gradients
 reduced so far. Forward order is taken to be module registration order: an
 ancestor's parameters registered after the unit (a GPT's final norm and head)
 have their gradients before its backward. ``optimizer.step()`` holds every
@@ -97,6 +99,9 @@ class FlatParamPlan:
     # Sum over parameters registered k > 1 times of k * numel: autograd holds
     # one gradient per use plus their sum before the flat gradient exists.
     tied_use_numel: int = 0
+    # Whether the reduction copies the padded gradient out when it is issued
+    # (shared memory on CPU), so the gradient is freed then, not at the wait.
+    reduction_frees_grad: bool = False
     # (module pre-order index of the parameter's last registration, numel)
     # per parameter: a parameter registered after a unit is used after it in
     # forward, so its gradient exists before that unit's backward.
@@ -163,13 +168,22 @@ class FlatParamPlan:
         return self.unsharded_grad_bytes if self.reduce_dtype != self.param_dtype else 0
 
     @property
-    def reduction_bytes(self) -> int:
-        """Buffers of this flat parameter's reduction while it is in flight."""
+    def reduction_issue_bytes(self) -> int:
+        """Buffers of this flat parameter's reduction when it is issued: the
+        padded gradient and the output."""
         if not self.requires_grad:
             return 0
         size = _itemsize(self.reduce_dtype)
         output = self.shard_numel * size if self.is_sharded else 0
         return self.padded_numel * size + output
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Buffers of this flat parameter's reduction while it is in flight
+        (after the issue)."""
+        if self.reduction_frees_grad and self.is_sharded and self.requires_grad:
+            return self.shard_numel * _itemsize(self.reduce_dtype)
+        return self.reduction_issue_bytes
 
 
 @dataclass(frozen=True)
@@ -332,8 +346,9 @@ def step_peak(
         # a sharded gradient), this one is issued, the unit reshards.
         if index + 1 < len(units):
             reduced += units[index + 1].bytes_of("grad_bytes")
-        in_flight = unit.bytes_of("reduction_bytes")
         converting = unit.bytes_of("conversion_bytes")
-        moment(f"reduce-scatter of '{name}'", reduced, held + converting, in_flight, f"backward of '{name}'")
+        issuing = unit.bytes_of("reduction_issue_bytes")
+        moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, f"backward of '{name}'")
+        in_flight = unit.bytes_of("reduction_bytes")
         gathered.pop(index, None)
     return max(moments, key=lambda m: m.transient)

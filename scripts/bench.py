@@ -120,6 +120,7 @@ import socket
 import statistics
 import sys
 import tempfile
+from unittest import mock
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -725,24 +726,14 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     return agree
 
 
-@contextlib.contextmanager
-def _fixed_malloc_thresholds(enabled: bool) -> Iterator[None]:
+def _fixed_malloc_thresholds(enabled: bool) -> contextlib.AbstractContextManager:
     """Processes spawned inside start with glibc's mmap and trim thresholds
     fixed (read from the environment at process start), so no mode changes
     where the next mode's buffers come from (see the module docstring)."""
+    if not enabled:
+        return contextlib.nullcontext()
     names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    saved = {name: os.environ.get(name) for name in names}
-    if enabled:
-        for name in names:
-            os.environ.setdefault(name, str(256 * 2**20))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, {name: os.environ.get(name, str(256 * 2**20)) for name in names})
 
 
 def main() -> int:

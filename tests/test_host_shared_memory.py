@@ -44,6 +44,11 @@ def _all_gather_is_gloos_all_gather(rank: int, world_size: int) -> None:
                 dist.all_gather_into_tensor(expected, shards[rank])
                 assert torch.equal(output, expected), (dtype, numel, async_op)
                 assert torch.equal(output, torch.cat(shards)), (dtype, numel, async_op)
+    # Mismatched sizes or dtypes are refused before anything is issued.
+    with pytest.raises(ValueError, match=r"all-gather: output has 3 torch.float32 elements, expected"):
+        transport.all_gather(torch.empty(3), torch.zeros(2), async_op=False)
+    with pytest.raises(ValueError, match=r"reduce-scatter: input has .* torch.bfloat16"):
+        transport.reduce_scatter(torch.empty(2), torch.zeros(2 * world_size, dtype=torch.bfloat16), async_op=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
