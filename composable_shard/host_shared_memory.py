@@ -171,8 +171,9 @@ class HostSharedMemory:
 
     _by_group: "weakref.WeakKeyDictionary[ProcessGroup, HostSharedMemory | None]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, group: ProcessGroup, rank: int, world_size: int, fds: list[int]) -> None:
-        self.group = group
+    def __init__(self, rank: int, world_size: int, fds: list[int]) -> None:
+        # No reference to the group: it is this cache's weak key, and the
+        # files close when the group goes away.
         self.rank = rank
         self.world_size = world_size
         self._fds = fds
@@ -230,7 +231,7 @@ class HostSharedMemory:
         if not all(everyone):
             _close_all(fds if own_fd in fds else fds + ([own_fd] if own_fd is not None else []))
             return None
-        return cls(group, rank, world_size, fds)
+        return cls(rank, world_size, fds)
 
     # ---------------------------------------------------------- collectives
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> "SharedMemoryWork | None":

@@ -191,3 +191,24 @@ def _mismatched_collectives_raise(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_ranks_issuing_different_collectives_get_an_error_not_wrong_data(world_size: int) -> None:
     run_distributed(_mismatched_collectives_raise, world_size)
+
+
+def _files_close_with_their_group(rank: int, world_size: int) -> None:
+    import gc
+
+    group = dist.new_group(list(range(world_size)))
+    transport = HostSharedMemory.for_group(group)
+    assert transport is not None
+    fds = list(transport._fds)
+    assert all(os.fstat(fd) for fd in fds)
+    dist.destroy_process_group(group)
+    del group, transport
+    gc.collect()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed: nothing keeps a destroyed group's files open
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_shared_memory_files_close_when_their_group_is_destroyed(world_size: int) -> None:
+    run_distributed(_files_close_with_their_group, world_size)
