@@ -25,7 +25,6 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as torch_state_dict
 import torch.nn as nn
@@ -38,6 +37,7 @@ from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.reader import DirectFileSystemReader
 
 from .harness import run_distributed
+from .test_checkpoint_interchange import _fsdp2
 from .models import TinyGPT
 from .test_optim_state_dict import make_optimizer
 from .test_state_dict import shard, train_steps
@@ -110,17 +110,6 @@ def _load_with_both(make: Callable[[], Any], path: str, what: str, **reader_kwar
 
 
 # -------------------------------------------- our and FSDP2's state dicts
-def _fsdp2(model: nn.Module) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fsdp2_fully_shard(block, mesh=mesh)
-    fsdp2_fully_shard(model, mesh=mesh)
-    return model
-
-
 def _model_and_state(stack: str, dtype: torch.dtype, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], Any]]:
     torch.manual_seed(seed)
     model = TinyGPT().to(dtype)
