@@ -145,15 +145,17 @@ def reduce_scatter(
     ``"shared_memory"``) overrides the per-backend choice of
     ``reduce_scatter_method``.
     """
-    method = method or reduce_scatter_method(input, group)
-    if method == "shared_memory":
+    if method in (None, "shared_memory"):
+        # The transport is looked up once per call: this runs every step.
         transport = _host_transport(input, group)
-        if transport is None:
+        if transport is not None:
+            return transport.reduce_scatter(output, input, async_op=async_op)
+        if method == "shared_memory":
             raise ValueError(
                 "comm.reduce_scatter: method 'shared_memory' needs CPU tensors and a gloo group whose ranks share "
                 f"a host, with {host_shared_memory.ENV_SWITCH} not set to 0"
             )
-        return transport.reduce_scatter(output, input, async_op=async_op)
+        method = _message_method(input, group)
     if method == "reduce_scatter":
         return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     if method != "all_reduce":
@@ -191,8 +193,15 @@ def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> st
     chunk is copied out of it (``ChunkOfAllReduce``), never kept as a view
     that would hold the whole buffer alive.
     """
+    if _host_transport(input, group) is not None:
+        return "shared_memory"
+    return _message_method(input, group)
+
+
+def _message_method(input: torch.Tensor, group: ProcessGroup | None) -> str:
+    """The choice among collectives that send messages (see the Note above)."""
     if input.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
-        return "shared_memory" if _host_transport(input, group) is not None else "all_reduce"
+        return "all_reduce"
     return "reduce_scatter"
 
 
