@@ -573,12 +573,14 @@ def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, 
         synchronize(device)
         result["peak_increase_mb"] = memory_now(device)[1] - start_mb
         if mode == "composable_shard" and device.type == "cpu":
-            # Shared-memory collectives keep their slots in /dev/shm, which
-            # RSS does not show: counted here, at their largest.
+            # Shared-memory collectives keep their slots in /dev/shm. RSS
+            # counts the pages this rank touched through its mappings, its
+            # peers' included: those are replaced by this rank's own slots,
+            # so every page is counted once, for the rank that owns it.
             from composable_shard.host_shared_memory import HostSharedMemory
 
-            shared_mb = HostSharedMemory.process_shared_bytes() / 2**20
-            result["peak_increase_mb"] += shared_mb
+            shared = HostSharedMemory.process_shared_bytes() - HostSharedMemory.process_mapped_bytes()
+            result["peak_increase_mb"] += shared / 2**20
     Path(out_dir, f"memory_{mode}_{repeat}_rank{rank}.json").write_text(json.dumps(result))
     barrier(args, device)
     dist.destroy_process_group()
@@ -702,7 +704,7 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         "divided by the mode's (<1: composable_shard faster).",
         "memory: increase over the level before the mode was built, largest over ranks; build = after "
         "building model and optimizer (sharded), peak = during the memory pass's steps "
-        "(composable_shard's on CPU includes its /dev/shm slots, which RSS does not show).",
+        "(composable_shard's on CPU counts its own /dev/shm slots, not its peers' that it maps).",
     ]
     if args.memory_repeats > 1 and args.memory_steps > 0:
         notes.append("peak per memory pass: " + "; ".join(

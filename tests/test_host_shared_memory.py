@@ -7,6 +7,7 @@ them switched off."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,15 +201,29 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
     transport = HostSharedMemory.for_group(group)
     assert transport is not None
     fds = list(transport._fds)
-    assert all(os.fstat(fd) for fd in fds)
+    inodes = {str(os.fstat(fd).st_ino) for fd in fds}
+
+    def mapped_files() -> list[str]:
+        """This group's mappings (the worker's other groups have their own)."""
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        return [line for line in maps if "composable_shard_" in line and line.split()[4] in inodes]
+
+    output = torch.empty(2 * world_size)
+    comm.all_gather_into(output, torch.ones(2), group, async_op=False)
+    reduced = torch.empty(2)
+    comm.reduce_scatter(reduced, torch.ones(2 * world_size), group, async_op=False)
+    # Every rank's slots of both operations are mapped here.
+    assert len(mapped_files()) == 2 * world_size
+    assert transport.mapped_bytes > 0 and transport.shared_bytes > 0
     dist.destroy_process_group(group)
     del group, transport
     gc.collect()
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed: nothing keeps a destroyed group's files open
+    assert mapped_files() == []  # nor a mapping
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_shared_memory_files_close_when_their_group_is_destroyed(world_size: int) -> None:
+def test_shared_memory_files_close_and_unmap_when_their_group_is_destroyed(world_size: int) -> None:
     run_distributed(_files_close_with_their_group, world_size)
