@@ -14,10 +14,11 @@ copies it twice and runs the TCP stack on gloo's own threads, which compete
 with compute for the same cores. ``scripts/bench_comm.py`` at world size 2,
 one thread per rank, 3.1 MiB unsharded, 40 interleaved calls each (median
 wall time; median CPU time of rank 0's process, all threads): all-gather
-2.60 ms (1.90 ms CPU) through gloo, 1.26 ms (1.20 ms CPU) here; gradient
-reduction 5.23 ms (3.41 ms CPU) through gloo's faster method (in-place
-all-reduce and chunk copy, see [Note: gradient collective per backend] in
-comm.py; its reduce-scatter took 5.96 ms), 1.81 ms (1.64 ms CPU) here. A
+3.00 ms (2.08 ms CPU) through gloo, 1.25 ms (1.13 ms CPU) here; gradient
+reduction 5.58 ms (4.42 ms CPU) through gloo's reduce-scatter and 5.70 ms
+(3.51 ms CPU) through its in-place all-reduce and chunk copy (see [Note:
+gradient collective per backend] in comm.py), 1.29 ms (1.23 ms CPU) here
+(1.81 ms when the bytes still went through ``pwritev``/``preadv``). A
 first version signalled "written" with a one-element gloo all-reduce per
 operation; under load that cost more than the copies (1.6 ms per call in a
 profile), so the signal is a header entry and no operation sends a message.
@@ -36,9 +37,9 @@ Operations take slots round-robin and every rank numbers them alike
 (collectives are issued in the same order on every rank). Slots are mapped
 into every process (``mmap``, grown when an operation needs more), so bytes
 move with one ``copy_`` each way: through ``pwritev``/``preadv`` the same
-moves took about twice as long (1.6 MB, buffers not in cache: 0.33 and
-0.32 ms against 0.16 and 0.18 ms), and an all-gather plus a reduce-scatter
-of 3.1 MiB went from 2.62 to 2.34 ms.
+moves took about twice as long (1.6 MB from and to buffers not in cache:
+0.33 and 0.32 ms against 0.16 and 0.18 ms), and the reduce-scatter needed a
+scratch chunk to add from.
 
 - issue: until every peer has read the operation that last used this slot
   (their "read" entries; normally true already), wait; copy this rank's
