@@ -140,7 +140,13 @@ def expected(group: ProcessGroup | None, device_type: str) -> bool:
     group = group if group is not None else dist.group.WORLD
     if group in HostSharedMemory._by_group:
         return HostSharedMemory._by_group[group] is not None
-    return "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1
+    return _may_share(group)
+
+
+def _may_share(group: ProcessGroup) -> bool:
+    """Whether ``group`` is one the path can serve at all (gloo, two or more
+    ranks); whether its ranks share a host is decided collectively."""
+    return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group))
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,9 +206,9 @@ class HostSharedMemory:
 
     @classmethod
     def _create(cls, group: ProcessGroup) -> "HostSharedMemory | None":
-        world_size = dist.get_world_size(group)
-        if world_size == 1 or "gloo" not in str(dist.get_backend(group)):
+        if not _may_share(group):
             return None
+        world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         own_path, own_fd = None, None
         if enabled() and os.access(_DIRECTORY, os.W_OK):

@@ -120,11 +120,11 @@ import socket
 import statistics
 import sys
 import tempfile
-from unittest import mock
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist

@@ -37,8 +37,8 @@ from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.reader import DirectFileSystemReader
 
 from .harness import run_distributed
-from .test_checkpoint_interchange import _fsdp2
 from .models import TinyGPT
+from .test_checkpoint_interchange import _fsdp2
 from .test_optim_state_dict import make_optimizer
 from .test_state_dict import shard, train_steps
 
