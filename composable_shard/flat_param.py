@@ -143,19 +143,33 @@ class FlatParamHandle:
         if self._shard_views_of is not self.sharded_flat_param:
             self._shard_views = tuple(self.local_shard_view(info) for info in self.layout.params)
             self._shard_views_of = self.sharded_flat_param
-        for info, param, view in zip(self.layout.params, self.orig_params, self._shard_views):
+        for param, view in zip(self.orig_params, self._shard_views):
             param.data = view
+        self._register_orig_params()
+
+    def _register_orig_params(self) -> None:
+        """Register the original parameters back on their owners (their
+        ``.data`` is left as it is)."""
+        for info, param in zip(self.layout.params, self.orig_params):
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = param
         self.shows_unsharded_views = False
 
     def use_unsharded_views(self) -> None:
         """Give the owners autograd views of the unsharded flat parameter
-        (forward and backward), so gradients flow into its ``.grad``."""
+        (forward and backward), so gradients flow into its ``.grad``.
+
+        Built anew at every unshard, not kept: the autograd engine runs
+        ready nodes newest first, and views kept from the first step would
+        put their split's backward (and so this flat parameter's
+        post-accumulate-grad hook, which reduces and frees the gradient)
+        behind every node of later steps, i.e. at the end of backward."""
         self._check_unsharded("use_unsharded_views")
         segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
         for info, index in zip(self.layout.params, self.layout.param_segments):
-            view = segments[index].view(info.shape)
+            view = segments[index]
+            if view.shape != info.shape:  # 1-D parameters use their segment as it is
+                view = view.view(info.shape)
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = view
         self.shows_unsharded_views = True
@@ -204,8 +218,14 @@ class FlatParamHandle:
         return self._shard_on_compute_device().to(self.param_dtype)
 
     def reshard(self) -> None:
-        """Free the unsharded buffer's storage and show the shard again."""
-        self.use_sharded_views()
+        """Free the unsharded buffer's storage and show the shard again.
+
+        The parameters' ``.data`` already is the shard's views (forward
+        showed the owners other tensors, not other data); only
+        ``show_full_params`` and the user change it, and the root's
+        pre-forward (``writeback_orig_params``) or ``unshard_params`` put
+        it back. So only the owners' registrations are restored here."""
+        self._register_orig_params()
         if self.needs_unshard_storage and self.is_unsharded:
             self.unsharded_flat_param.untyped_storage().resize_(0)
             self.is_unsharded = False
