@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .plan import ShardingPlan
+    from .sharding_plan import ShardingPlan
 
 __all__ = ["format_plan", "format_bytes"]
 

@@ -3,12 +3,12 @@ parameter costs in each state, the optimizer state per kind, the worst moment
 of a training step (replaying the order in which the runtime gathers, frees
 and reduces), and activations measured under fake tensors.
 
-Knows nothing of: process groups, hooks, how units are chosen (``plan.py``
+Knows nothing of: process groups, hooks, how units are chosen (``sharding_plan.py``
 gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
 
 Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
 ``optimizer_bytes``, ``optimizer_step_bytes``, ``step_peak``,
-``OPTIMIZERS``. Activations are measured in ``plan_activations.py``.
+``OPTIMIZERS``. Activations are measured in ``activations.py``.
 
 [Note: the step the plan replays]
 The plan assumes the usual loop ``zero_grad(set_to_none=True)``, forward,
@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .api import BackwardPrefetch, ShardingStrategy
+from ..api import BackwardPrefetch, ShardingStrategy
 
 __all__ = [
     "OPTIMIZERS",

@@ -3,7 +3,7 @@ before a run (``plan``, no process group, meta-device models welcome) or read
 from a sharded model (``describe``), and its printed table.
 
 Knows nothing of: hooks, collectives, storage (it reads layouts, and the
-memory arithmetic lives in ``plan_memory.py``).
+memory arithmetic lives in ``memory.py``).
 
 Public names: ``plan``, ``describe``, ``ShardingPlan``.
 
@@ -27,11 +27,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from . import host_shared_memory
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_layout import FlatParamLayout, compute_layout
-from .plan_activations import ActivationProfile, measure_activations
-from .plan_memory import (
+from .. import host_shared_memory
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..flat_layout import FlatParamLayout, compute_layout
+from .activations import ActivationProfile, measure_activations
+from .memory import (
     OPTIMIZERS,
     FlatParamPlan,
     StepPeak,
@@ -40,9 +40,9 @@ from .plan_memory import (
     optimizer_step_bytes,
     step_peak,
 )
-from .policy import Policy
-from .state import UnitState, get_state, unit_states_under
-from .units import choose_units, flat_param_dtypes, group_sources, offloads_params, plan_ownership, split_ignored, unit_kwargs
+from ..policy import Policy
+from ..state import UnitState, get_state, unit_states_under
+from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, plan_ownership, split_ignored, unit_kwargs
 
 __all__ = ["plan", "describe", "ShardingPlan"]
 
@@ -97,7 +97,7 @@ class ShardingPlan:
     source: str = "plan"
 
     def __str__(self) -> str:
-        from .plan_table import format_plan
+        from .table import format_plan
 
         return format_plan(self)
 

@@ -1,0 +1,18 @@
+"""Owns: memory planning before a run — which units ``fully_shard`` would
+build, how each flat parameter is laid out and sharded, and what every rank
+holds at the worst moment of a training step.
+
+- ``sharding_plan.py``: ``plan`` and ``describe`` (the public entry points)
+  and ``ShardingPlan``;
+- ``memory.py``: the per-rank memory arithmetic and the step replay;
+- ``activations.py``: activation memory measured under fake tensors;
+- ``table.py``: the printed table.
+
+Knows nothing of: hooks, collectives, storage.
+
+Public names: ``plan``, ``describe``, ``ShardingPlan``.
+"""
+
+from .sharding_plan import ShardingPlan, describe, plan
+
+__all__ = ["plan", "describe", "ShardingPlan"]
