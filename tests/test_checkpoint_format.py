@@ -188,3 +188,36 @@ def _legacy_fallback_round_trips(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_sharded_tensor_fallback_round_trips_and_its_checkpoints_still_load(world_size: int, tmp_path: Path) -> None:
     run_distributed(_legacy_fallback_round_trips, world_size, str(tmp_path))
+
+
+def _async_save_snapshot(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(2))
+    expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    future = dcp.async_save(state, checkpoint_id=f"{root}/async")
+    # Training on before the write finished changes every shard and state in
+    # place: the checkpoint must still hold the values at the call.
+    train_steps(model, optimizer, range(2, 3))
+    future.result()
+    after = get_model_state_dict(model, options=FULL)
+    assert any(
+        isinstance(value, torch.Tensor) and not torch.equal(value, expected["model"][fqn]) for fqn, value in after.items()
+    ), "the step after the call changed nothing: the test would not see a checkpoint that aliases the shards"
+
+    torch.manual_seed(1)
+    fresh = shard(BufferedGPT(), "policy")
+    fresh_optimizer = make_optimizer("adamw", fresh)
+    destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(destination, checkpoint_id=f"{root}/async")
+    set_model_state_dict(fresh, destination["model"])
+    set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+    assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], "model from async_save")
+    assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], "optimizer from async_save")
+
+
+@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
+def test_async_save_writes_the_state_at_the_call_while_training_goes_on(tmp_path: Path) -> None:
+    run_distributed(_async_save_snapshot, 2, str(tmp_path))

@@ -37,8 +37,11 @@ element has no boxes: it writes and reads nothing for the key but still has
 it (so every rank's state dict has the same keys; DCP's load planner treats
 a key missing on one rank as a pre-2.4 checkpoint). No collective runs.
 
-Any other tensor operation on it raises ``RuntimeError``: read it through
-``set_model_state_dict`` / ``set_optimizer_state_dict``, or its ``local``.
+``new_empty`` of its own shape gives the same range and boxes over a new
+``local``: ``dcp.async_save`` stages a state dict that way (then sets a
+staged copy of each attribute in). Any other tensor operation on it raises
+``RuntimeError``: read it through ``set_model_state_dict`` /
+``set_optimizer_state_dict``, or its ``local``.
 
 ``HAS_DCP_TENSOR_PROTOCOL`` says whether the installed torch consults the
 hooks: the protocol module and the hook calls in DCP came in together
@@ -95,6 +98,8 @@ class RangeShardedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
+        if func is torch.ops.aten.new_empty.default and list(args[1]) == list(args[0].shape):
+            return args[0]._new_empty(**(kwargs or {}))
         # RuntimeError, not TypeError: Python turns a TypeError from a tensor
         # operator (``value + 1``) into NotImplemented and loses this message.
         raise RuntimeError(
@@ -108,6 +113,21 @@ class RangeShardedTensor(torch.Tensor):
             f"RangeShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"local range=[{self.local_start}, {self.local_start + self.local.numel()}), boxes={len(self.boxes)})"
         )
+
+    def _new_empty(
+        self, dtype: torch.dtype | None = None, device: Any = None, pin_memory: bool | None = False, **_: Any
+    ) -> "RangeShardedTensor":
+        """``new_empty`` of the full shape: the same range and boxes over an
+        uninitialised ``local``. ``dcp.async_save`` stages a state dict this
+        way (``new_empty`` on the CPU, then a staged copy of ``local`` set
+        in), as it does for DTensor."""
+        local = torch.empty(
+            self.local.shape,
+            dtype=dtype or self.local.dtype,
+            device=device if device is not None else self.local.device,
+            pin_memory=bool(pin_memory),
+        )
+        return RangeShardedTensor(local, self.shape, self.local_start, self.boxes)
 
     def box_view(self, box: Box) -> torch.Tensor:
         """The plain tensor of one of this rank's boxes (a view of ``local``)."""
