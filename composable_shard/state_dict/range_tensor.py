@@ -115,7 +115,11 @@ class RangeShardedTensor(torch.Tensor):
         )
 
     def _new_empty(
-        self, dtype: torch.dtype | None = None, device: Any = None, pin_memory: bool | None = False, **_: Any
+        self,
+        dtype: torch.dtype | None = None,
+        layout: torch.layout | None = None,
+        device: Any = None,
+        pin_memory: bool | None = False,
     ) -> "RangeShardedTensor":
         """``new_empty`` of the full shape: the same range and boxes over an
         uninitialised ``local``. ``dcp.async_save`` stages a state dict this
@@ -124,6 +128,7 @@ class RangeShardedTensor(torch.Tensor):
         local = torch.empty(
             self.local.shape,
             dtype=dtype or self.local.dtype,
+            layout=layout or torch.strided,
             device=device if device is not None else self.local.device,
             pin_memory=bool(pin_memory),
         )
