@@ -51,16 +51,40 @@ def _sorted_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {fqn: dict(sorted(values.items())) for fqn, values in state.items()}
 
 
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, Any]]:
+    """A model sharded by hand after two AdamW steps, its full state (to
+    compare with) and its sharded state dicts (to save)."""
+    torch.manual_seed(0)
+    model = shard(BufferedGPT(), "manual")
+    optimizer = make_optimizer("adamw", model)
+    train_steps(model, optimizer, range(2))
+    expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return model, optimizer, expected, state
+
+
+def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Another model, sharded by policy, with other initial values."""
+    torch.manual_seed(1)
+    fresh = shard(BufferedGPT(), "policy")
+    return fresh, make_optimizer("adamw", fresh)
+
+
+def _fresh_from_dcp(path: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh model and optimizer loaded with plain ``dcp.load``."""
+    fresh, fresh_optimizer = _fresh()
+    destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(destination, checkpoint_id=path)
+    set_model_state_dict(fresh, destination["model"])
+    set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+    return fresh, fresh_optimizer
+
+
 def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
-        torch.manual_seed(0)
-        model = shard(BufferedGPT(), "manual")
-        optimizer = make_optimizer("adamw", model)
-        train_steps(model, optimizer, range(2))
-        expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        model, optimizer, expected, state = _trained()
         tensors = [leaf for leaf in _leaves(state) if isinstance(leaf, torch.Tensor)]
         assert all(type(leaf) in (torch.Tensor, RangeShardedTensor) for leaf in tensors), {type(leaf) for leaf in tensors}
         assert sum(isinstance(leaf, RangeShardedTensor) for leaf in tensors) > 20
@@ -70,17 +94,13 @@ def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
         # "raw" and "raw_safe_load": plain dcp.save read by dcp.load, and by load_checkpoint (no manifest:
         # into new buffers, after reading the optimizer's hyperparameters to check them).
         for source in ("raw", "raw_safe_load", "safe"):
-            torch.manual_seed(1)
-            fresh = shard(BufferedGPT(), "policy")
-            fresh_optimizer = make_optimizer("adamw", fresh)
             if source == "raw":
-                destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
-                dcp.load(destination, checkpoint_id=f"{root}/raw")
-                set_model_state_dict(fresh, destination["model"])
-                set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+                fresh, fresh_optimizer = _fresh_from_dcp(f"{root}/raw")
             elif source == "raw_safe_load":
+                fresh, fresh_optimizer = _fresh()
                 assert load_checkpoint(f"{root}/raw", fresh, fresh_optimizer) == {}
             else:
+                fresh, fresh_optimizer = _fresh()
                 assert load_checkpoint(f"{root}/safe", fresh, fresh_optimizer) == {"step": 2}
             assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"model from {source}")
             assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], f"optimizer from {source}")
@@ -191,12 +211,7 @@ def test_sharded_tensor_fallback_round_trips_and_its_checkpoints_still_load(worl
 
 
 def _async_save_snapshot(rank: int, world_size: int, root: str) -> None:
-    torch.manual_seed(0)
-    model = shard(BufferedGPT(), "manual")
-    optimizer = make_optimizer("adamw", model)
-    train_steps(model, optimizer, range(2))
-    expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    model, optimizer, expected, state = _trained()
     future = dcp.async_save(state, checkpoint_id=f"{root}/async")
     # Training on before the write finished changes every shard and state in
     # place: the checkpoint must still hold the values at the call.
@@ -207,17 +222,10 @@ def _async_save_snapshot(rank: int, world_size: int, root: str) -> None:
         isinstance(value, torch.Tensor) and not torch.equal(value, expected["model"][fqn]) for fqn, value in after.items()
     ), "the step after the call changed nothing: the test would not see a checkpoint that aliases the shards"
 
-    torch.manual_seed(1)
-    fresh = shard(BufferedGPT(), "policy")
-    fresh_optimizer = make_optimizer("adamw", fresh)
-    destination = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
-    dcp.load(destination, checkpoint_id=f"{root}/async")
-    set_model_state_dict(fresh, destination["model"])
-    set_optimizer_state_dict(fresh, fresh_optimizer, destination["optim"])
+    fresh, fresh_optimizer = _fresh_from_dcp(f"{root}/async")
     assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], "model from async_save")
     assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], "optimizer from async_save")
 
 
-@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
 def test_async_save_writes_the_state_at_the_call_while_training_goes_on(tmp_path: Path) -> None:
     run_distributed(_async_save_snapshot, 2, str(tmp_path))
