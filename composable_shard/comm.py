@@ -16,6 +16,7 @@ dicts and checkpoints, ``broadcast_object`` and ``all_gather_object``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -239,14 +240,28 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
     """Overwrite ``tensor`` with the one on group rank ``src_group_rank`` (synchronous)."""
-    dist.broadcast(tensor, group_src=src_group_rank, group=group)
+    dist.broadcast(tensor, group=group, **_source(src_group_rank, group))
 
 
 def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
     """The picklable ``obj`` of group rank ``src_group_rank``, on every rank."""
     holder = [obj]
-    dist.broadcast_object_list(holder, group_src=src_group_rank, group=group)
+    dist.broadcast_object_list(holder, group=group, **_source(src_group_rank, group))
     return holder[0]
+
+
+# Older torch releases (2.4 among them) name a broadcast's source by its
+# global rank only.
+_TAKES_GROUP_SRC = "group_src" in inspect.signature(dist.broadcast).parameters
+
+
+def _source(src_group_rank: int, group: ProcessGroup | None) -> dict[str, int]:
+    """The keyword naming a broadcast's source, for this torch release."""
+    if _TAKES_GROUP_SRC:
+        return {"group_src": src_group_rank}
+    if group is None:
+        return {"src": src_group_rank}
+    return {"src": dist.get_global_rank(group, src_group_rank)}
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:

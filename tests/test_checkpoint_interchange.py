@@ -38,7 +38,10 @@ TORCH_FULL = torch_state_dict.StateDictOptions(full_state_dict=True)
 
 def _fsdp2(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    except ImportError:  # older torch (2.4): FSDP2 under its earlier name
+        from torch.distributed._composable.fsdp import fully_shard as fsdp2_fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:

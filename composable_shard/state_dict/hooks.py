@@ -56,10 +56,25 @@ def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
     """Attach the state-dict hooks to the unit's root module."""
     module = state.module
     return [
-        module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
-        module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
+        _register_state_dict_post_hook(module, functools.partial(_post_state_dict, state)),
+        _register_load_state_dict_pre_hook(module, functools.partial(_pre_load_state_dict, state)),
         module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
     ]
+
+
+# torch 2.4 has neither public name; its private registrations call the hook
+# with the same arguments (the load pre-hook only with ``with_module``), and
+# a state-dict hook returning None edits the state dict in place, as ours do.
+def _register_state_dict_post_hook(module: nn.Module, hook: Any) -> RemovableHandle:
+    if hasattr(module, "register_state_dict_post_hook"):
+        return module.register_state_dict_post_hook(hook)
+    return module._register_state_dict_hook(hook)
+
+
+def _register_load_state_dict_pre_hook(module: nn.Module, hook: Any) -> RemovableHandle:
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
