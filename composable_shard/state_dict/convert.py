@@ -31,6 +31,7 @@ load_file(path), strict=True)`` works for a model without tied parameters
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -59,10 +60,17 @@ logger = logging.getLogger(__name__)
 SAFETENSORS_ALIASES_KEY = "composable_shard.aliases"
 
 
+# torch 2.4 has no ``no_dist``: there DCP runs without collectives exactly
+# when no process group is initialized (as in scripts/convert_checkpoint.py),
+# and says so in another warning.
+_NO_DIST: dict[str, bool] = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
+_SINGLE_PROCESS_WARNINGS = "torch.distributed is (disabled|unavailable or uninitialized)"
+
+
 def _load_without_process_group(state: dict[str, Any], directory: Path) -> None:
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=FileSystemReader(directory), no_dist=True)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
+        dcp.load(state, storage_reader=FileSystemReader(directory), **_NO_DIST)
 
 
 def _read_state(directory: Path, roots: set[str] | None, skip_model_keys: set[str] = frozenset()) -> dict[str, Any]:
@@ -138,8 +146,8 @@ def _write_directory(state: dict[str, Any], target: Path, aliases: dict[str, str
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(staging), **_NO_DIST)
     files = {p.name: file_record(p) for p in staging.iterdir() if p.name.endswith(".distcp") or p.name == ".metadata"}
     write_manifest(staging, files, list(state[MODEL]), [], aliases)
     switch_into_place(staging, target)
