@@ -49,6 +49,9 @@ Work = dist.Work
 # in favour of the ``*_single`` names; older releases only have the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Older releases (2.4 among them) name a broadcast's source by its global
+# rank only (see ``_source``).
+_TAKES_GROUP_SRC = "group_src" in inspect.signature(dist.broadcast).parameters
 
 
 class PendingCollective(NamedTuple):
@@ -248,11 +251,6 @@ def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | No
     holder = [obj]
     dist.broadcast_object_list(holder, group=group, **_source(src_group_rank, group))
     return holder[0]
-
-
-# Older torch releases (2.4 among them) name a broadcast's source by its
-# global rank only.
-_TAKES_GROUP_SRC = "group_src" in inspect.signature(dist.broadcast).parameters
 
 
 def _source(src_group_rank: int, group: ProcessGroup | None) -> dict[str, int]:

@@ -56,8 +56,8 @@ def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
     """Attach the state-dict hooks to the unit's root module."""
     module = state.module
     return [
-        _register_state_dict_post_hook(module, functools.partial(_post_state_dict, state)),
-        _register_load_state_dict_pre_hook(module, functools.partial(_pre_load_state_dict, state)),
+        _register(module, "register_state_dict_post_hook", functools.partial(_post_state_dict, state)),
+        _register(module, "register_load_state_dict_pre_hook", functools.partial(_pre_load_state_dict, state)),
         module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
     ]
 
@@ -65,16 +65,17 @@ def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
 # torch 2.4 has neither public name; its private registrations call the hook
 # with the same arguments (the load pre-hook only with ``with_module``), and
 # a state-dict hook returning None edits the state dict in place, as ours do.
-def _register_state_dict_post_hook(module: nn.Module, hook: Any) -> RemovableHandle:
-    if hasattr(module, "register_state_dict_post_hook"):
-        return module.register_state_dict_post_hook(hook)
-    return module._register_state_dict_hook(hook)
+_PRIVATE_REGISTRATIONS = {
+    "register_state_dict_post_hook": ("_register_state_dict_hook", {}),
+    "register_load_state_dict_pre_hook": ("_register_load_state_dict_pre_hook", {"with_module": True}),
+}
 
 
-def _register_load_state_dict_pre_hook(module: nn.Module, hook: Any) -> RemovableHandle:
-    if hasattr(module, "register_load_state_dict_pre_hook"):
-        return module.register_load_state_dict_pre_hook(hook)
-    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+def _register(module: nn.Module, public_name: str, hook: Any) -> RemovableHandle:
+    if hasattr(module, public_name):
+        return getattr(module, public_name)(hook)
+    private_name, keywords = _PRIVATE_REGISTRATIONS[public_name]
+    return getattr(module, private_name)(hook, **keywords)
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
