@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
-from composable_shard.host_shared_memory import HostSharedMemory
+from composable_shard.comm.shared_memory import HostSharedMemory
 from composable_shard.flat_layout import ParamOwner
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 

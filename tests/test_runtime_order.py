@@ -99,7 +99,7 @@ def test_units_are_gathered_and_freed_in_execution_order(prefetch: str) -> None:
 
 @contextlib.contextmanager
 def _counting_collectives(counts: dict[str, int]) -> Iterator[None]:
-    """Wrap comm.py's collectives with a spy that counts and calls through."""
+    """Wrap comm's collectives with a spy that counts and calls through."""
     from composable_shard import comm
 
     names = ("all_gather_into", "reduce_scatter", "all_reduce")

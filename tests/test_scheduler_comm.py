@@ -1,4 +1,4 @@
-"""The collectives (comm.py) and the scheduler's lanes on their own: results,
+"""The collectives (comm/) and the scheduler's lanes on their own: results,
 asynchrony, the limit on all-gathers in flight, reduction order; CUDA lanes
 on GPUs."""
 

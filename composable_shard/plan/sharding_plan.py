@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .. import host_shared_memory
+from ..comm import transport
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..flat_layout import FlatParamLayout, compute_layout
 from .activations import ActivationProfile, measure_activations
@@ -204,7 +204,7 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
         flat_params = [
             _flat_param_plan(
                 h.layout, h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
-                host_shared_memory.expected(h.groups.shard_group, state.compute_device.type),
+                transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
             )
             for h in state.handles
         ]
@@ -323,7 +323,7 @@ def _new_unit_plan(
         flat_params.append(
             _flat_param_plan(
                 layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order,
-                host_shared_memory.expected(None, compute_device.type),
+                transport.uses_shared_memory(None, compute_device.type),
             )
         )
     return _unit_plan(module, kwargs, flat_params)
@@ -369,7 +369,7 @@ def _replan_existing(
         flat_params.append(
             _flat_param_plan(
                 layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order,
-                host_shared_memory.expected(None, state.compute_device.type),
+                transport.uses_shared_memory(None, state.compute_device.type),
             )
         )
     return _unit_plan_from_state("", state, flat_params)

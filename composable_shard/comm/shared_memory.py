@@ -2,8 +2,9 @@
 through shared-memory files, and the decision whether a process group can
 use them.
 
-Knows nothing of: parameters, modules, streams, scheduling (``comm`` decides
-which collectives come here and keeps their buffers alive).
+Knows nothing of: parameters, modules, streams, scheduling, the gloo/NCCL
+path (``comm.transport`` decides which collectives come here; ``comm``'s
+callers keep their buffers alive).
 
 Public names: ``HostSharedMemory``, ``SharedMemoryWork``, ``enabled``, ``expected``,
 ``ENV_SWITCH``, ``SLOTS``.
@@ -17,7 +18,7 @@ wall time; median CPU time of rank 0's process, all threads): all-gather
 3.00 ms (2.08 ms CPU) through gloo, 1.25 ms (1.13 ms CPU) here; gradient
 reduction 5.58 ms (4.42 ms CPU) through gloo's reduce-scatter and 5.70 ms
 (3.51 ms CPU) through its in-place all-reduce and chunk copy (see [Note:
-gradient collective per backend] in comm.py), 1.29 ms (1.23 ms CPU) here
+gradient collective per backend] in comm/transport.py), 1.29 ms (1.23 ms CPU) here
 (1.81 ms when the bytes still went through ``pwritev``/``preadv``). A
 first version signalled "written" with a one-element gloo all-reduce per
 operation; under load that cost more than the copies (1.6 ms per call in a

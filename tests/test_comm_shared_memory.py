@@ -1,5 +1,5 @@
 """Shared-memory collectives between the processes of one host
-(``host_shared_memory``): the same results as gloo's collectives, bit for
+(``comm/shared_memory.py``): the same results as gloo's collectives, bit for
 bit, whatever the dtype, size, number in flight or order of waiting; the
 group-wide decision to use them; training parity through them and with
 them switched off."""
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from composable_shard import ShardingStrategy, comm
-from composable_shard.host_shared_memory import ENV_SWITCH, SLOTS, HostSharedMemory
+from composable_shard.comm.shared_memory import ENV_SWITCH, SLOTS, HostSharedMemory
 
 from .harness import run_distributed
 from .models import TinyGPT

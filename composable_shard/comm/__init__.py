@@ -1,0 +1,149 @@
+"""Owns: the collectives the package calls (all-gather into one tensor,
+reduce-scatter, all-reduce, broadcast, object collectives), each handed to
+the transport that carries it.
+
+Knows nothing of: modules, flat parameters, streams.
+
+Collectives live in this folder, one file per concern:
+
+- ``transport.py``: which transport carries a collective (shared memory or
+  the backend's messages), and which method reduces a gradient;
+- ``process_group.py``: the gloo/NCCL path, through ``torch.distributed``;
+- ``shared_memory.py``: the shared-memory transport between the processes
+  of one host;
+- ``groups.py``: the process groups of one unit (``ShardGroups``).
+
+Only this folder calls ``torch.distributed`` collectives, and the rest of
+the package calls them through the functions defined here, so tests can
+wrap this module to count or order them (a spy that calls through).
+
+Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
+its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
+``all_reduce``, ``all_reduce_max``, ``broadcast``, ``Work``,
+``PendingCollective``, ``inputs_in_use``; for state dicts and checkpoints,
+``broadcast_object`` and ``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import process_group, transport
+from .groups import ShardGroups
+from .process_group import ChunkOfAllReduce
+from .shared_memory import SharedMemoryWork
+
+__all__ = [
+    "ShardGroups",
+    "Work",
+    "all_gather_into",
+    "reduce_scatter",
+    "reduce_scatter_method",
+    "ChunkOfAllReduce",
+    "all_reduce",
+    "all_reduce_max",
+    "broadcast",
+    "broadcast_object",
+    "all_gather_object",
+    "PendingCollective",
+    "inputs_in_use",
+]
+
+# Work handle returned by asynchronous collectives (``None`` when synchronous).
+Work = dist.Work
+
+
+class PendingCollective(NamedTuple):
+    """An issued collective and the tensors it reads or writes.
+
+    Whoever holds this keeps ``output`` and ``inputs`` alive until the work is
+    waited on (the backend may still be reading or writing them).
+    """
+
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | None
+    output: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+
+
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
+) -> Work | SharedMemoryWork | None:
+    """Gather every rank's equal-sized ``shard`` into ``output`` (rank order).
+    CPU tensors of a group on one host go through shared memory (see
+    [Note: shared-memory collectives] in comm/shared_memory.py)."""
+    shared = transport.host_transport(shard, group)
+    if shared is not None:
+        return shared.all_gather(output, shard, async_op=async_op)
+    return process_group.all_gather_into(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    async_op: bool,
+    method: str | None = None,
+) -> Work | ChunkOfAllReduce | SharedMemoryWork | None:
+    """Sum ``input`` over the group and keep this rank's chunk in ``output``.
+
+    ``input`` may be overwritten (it is scratch for the reduction), and
+    ``output`` holds the result only once the returned work was waited on.
+    ``method`` (``"reduce_scatter"``, ``"all_reduce"`` or
+    ``"shared_memory"``) overrides the per-backend choice of
+    ``reduce_scatter_method``.
+    """
+    if method in (None, "shared_memory"):
+        # The transport is looked up once per call: this runs every step.
+        shared = transport.host_transport(input, group)
+        if shared is not None:
+            return shared.reduce_scatter(output, input, async_op=async_op)
+        if method == "shared_memory":
+            raise ValueError(
+                "comm.reduce_scatter: method 'shared_memory' needs CPU tensors and a gloo group whose ranks share "
+                f"a host, with {transport.shared_memory.ENV_SWITCH} not set to 0"
+            )
+        method = process_group.message_method(input, group)
+    return process_group.reduce_scatter(output, input, group, async_op=async_op, method=method)
+
+
+def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> str:
+    """How ``reduce_scatter`` reduces ``input`` over ``group`` (see [Note:
+    gradient collective per backend] in comm/transport.py)."""
+    return transport.reduce_scatter_method(input, group)
+
+
+def inputs_in_use(work: Any) -> bool:
+    """Whether the backend may still read a collective's inputs until its
+    work is waited on (False for shared-memory work, which copied them out
+    when it was issued)."""
+    return transport.inputs_in_use(work)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
+    """Sum ``tensor`` in place over the group."""
+    return process_group.all_reduce(tensor, group, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
+    process_group.all_reduce_max(tensor, group)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
+    """Overwrite ``tensor`` with the one on group rank ``src_group_rank`` (synchronous)."""
+    process_group.broadcast(tensor, src_group_rank, group)
+
+
+def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
+    """The picklable ``obj`` of group rank ``src_group_rank``, on every rank."""
+    return process_group.broadcast_object(obj, src_group_rank, group)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group rank order, on every rank."""
+    return process_group.all_gather_object(obj, group)
