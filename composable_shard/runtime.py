@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .api import BackwardPrefetch
 from .flat_param import FlatParamHandle
+from .output_tensors import scan_output
 from .scheduler import Scheduler
 from .state import RootContext, TrainingState, UnitState, raise_internal, unit_states_under
 
@@ -234,11 +236,13 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
             or not state.config.strategy.reshards_after_forward
             or _backward_starts_with(state)
         )
+        hooked = _register_pre_backward_hooks(state, output) if grad_enabled else False
+        if grad_enabled and not hooked and state.trainable_handles:
+            # [Note: outputs without a hookable tensor]
+            keeps_unsharded = True
         if not keeps_unsharded:
             reshard_unit(state)
-        if grad_enabled:
-            _register_pre_backward_hooks(state, output)
-        elif state.is_root:
+        if not grad_enabled and state.is_root:
             # No backward will come: free what forward prefetch left behind.
             context = _context(state)
             for unit in context.units:
@@ -268,11 +272,37 @@ def _backward_starts_with(state: UnitState) -> bool:
 
 
 # ---------------------------------------------------------------- backward
-def _register_pre_backward_hooks(state: UnitState, output: Any) -> None:
+def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
+    """Hook every output tensor that requires grad; whether there was one.
+
+    [Note: outputs without a hookable tensor]
+    When a forward under grad mode returns no tensor that requires grad
+    where ``scan_output`` can find it (see [Note: hooking arbitrary outputs]
+    in output_tensors.py) although the unit has trainable parameters, a
+    gradient may still reach the unit through a tensor it cannot see: one
+    kept in an opaque object, or stored on a module as a side channel. No
+    pre-backward hook can run then, so the unit keeps its parameters
+    unsharded after forward, as the root does: a backward that reaches them
+    finds them valid (the flat parameter's post-accumulate-grad hook reduces
+    and reshards as usual), and the end of backward reshards them if none
+    does. The cost is one unit's parameters held until then, with a warning
+    naming the unit and what could not be looked into.
+    """
+    scan = scan_output(output)
     hook = functools.partial(_pre_backward, state)
-    for value in tree_flatten(output)[0]:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            value.register_hook(hook)
+    for tensor in scan.tensors:
+        tensor.register_hook(hook)
+    if not scan.tensors and state.trainable_handles:
+        hidden = f" (could not look into: {sorted(set(scan.opaque))})" if scan.opaque else ""
+        warnings.warn(
+            f"fully_shard({state.fqn}): its forward returned no tensor that requires grad{hidden}, "
+            f"output type {type(output).__qualname__}. Its parameters stay unsharded until the end of the "
+            "next backward, in case a gradient reaches them through a tensor hidden from composable_shard. "
+            "Return the tensors in tuples, lists, dicts, dataclasses or namedtuples, or run the forward "
+            "under torch.no_grad() when no backward follows.",
+            stacklevel=2,
+        )
+    return bool(scan.tensors)
 
 
 def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
