@@ -323,7 +323,7 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
         _queue_finalize_once(context)
         if not state.skip_grad_sync:
             context.scheduler.reduce(
-                functools.partial(_launch_reduce, handle), handle.finish_grad_reduction
+                functools.partial(_launch_reduce, handle), functools.partial(_finish_reduction, context, handle)
             )
         context.scheduler.wait_for_unshard(handle)
         handle.reshard()
@@ -390,6 +390,43 @@ def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> Any:
     return handle.reduce_grad(async_op=async_op)
 
 
+def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Any) -> None:
+    """The handle's sharded gradient is final: show it in ``.grad`` and run
+    the user's post-accumulate-grad hooks.
+
+    [Note: user post-accumulate-grad hooks]
+    The original parameters never take part in autograd here (forward and
+    backward use views of the unsharded flat parameter), so hooks a user
+    registers on them with ``register_post_accumulate_grad_hook`` would never
+    run. They run here instead, once per backward that reduces the handle
+    (not inside ``no_sync``, where no gradient is final), after the
+    reduction, with ``.grad`` holding this rank's part (empty where the rank
+    holds none): handles in the order their reductions finish (backward
+    order), parameters in reverse layout order. An "optimizer in backward"
+    that steps and zeroes a parameter from its hook works, since nothing
+    reads the shard or the sharded gradient again in this backward. Torch
+    keeps the hooks in ``Tensor._post_accumulate_grad_hooks`` (None or an
+    ordered dict); reading it per parameter is the only cost without hooks.
+    With CPU offload the gradients reach host memory only at the end of
+    backward, so the hooks run there, after the host's wait.
+    """
+    handle.finish_grad_reduction(reduced)
+    if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
+        if context.offloads_params:
+            context.handles_with_deferred_grad_hooks.append(handle)
+        else:
+            _run_user_grad_hooks(handle)
+
+
+def _run_user_grad_hooks(handle: FlatParamHandle) -> None:
+    """See [Note: user post-accumulate-grad hooks]."""
+    for param in reversed(handle.orig_params):
+        hooks = param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(param)
+
+
 def _queue_finalize_once(context: RootContext) -> None:
     if not context.post_backward_callback_queued:
         context.post_backward_callback_queued = True
@@ -410,6 +447,9 @@ def _finalize_backward(context: RootContext) -> None:
             unit.pending_backward_uses = 0
         context.post_backward_callback_queued = False
         _synchronize_host_copies(context)
+        deferred, context.handles_with_deferred_grad_hooks = context.handles_with_deferred_grad_hooks, []
+        for handle in deferred:  # [Note: user post-accumulate-grad hooks]
+            _run_user_grad_hooks(handle)
 
 
 def _synchronize_host_copies(context: RootContext) -> None:
@@ -427,6 +467,7 @@ def _reset_after_error(context: RootContext) -> None:
     """Bring every unit back to IDLE and sharded (after a misuse)."""
     context.post_backward_callback_queued = False
     context.scheduler.wait_for_all()
+    context.handles_with_deferred_grad_hooks = []
     for unit in context.units:
         for handle in unit.handles:
             handle.clear_unsharded_grad()

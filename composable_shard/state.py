@@ -153,6 +153,11 @@ class RootContext:
         # Whether any unit keeps its shards on CPU (offload): the host then
         # waits for the device once per step (computed once, read per step).
         self.offloads_params = any(handle.offload_params for unit in units for handle in unit.handles)
+        # Handles whose reduction finished in this backward and whose
+        # parameters have user post-accumulate-grad hooks to run at its end
+        # (CPU offload only: see [Note: user post-accumulate-grad hooks] in
+        # runtime.py).
+        self.handles_with_deferred_grad_hooks: list[FlatParamHandle] = []
 
     def next_in(self, order: list[UnitState], unit: UnitState, step: int) -> UnitState | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None if out)."""
