@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import composable_shard.state_dict.files as files_module
 from composable_shard import CheckpointError, load_checkpoint, save_checkpoint
-from composable_shard.checkpoint import MANIFEST_NAME
+from composable_shard.state_dict.checkpoint import MANIFEST_NAME
 
 from .harness import run_distributed
 from .test_checkpoint_resharding import _damage, _snapshot

