@@ -40,6 +40,7 @@ from .memory import (
     optimizer_step_bytes,
     step_peak,
 )
+from .table import format_plan
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, plan_ownership, split_ignored, unit_kwargs
@@ -97,8 +98,6 @@ class ShardingPlan:
     source: str = "plan"
 
     def __str__(self) -> str:
-        from .table import format_plan
-
         return format_plan(self)
 
 

@@ -1,20 +1,42 @@
 """Owns: the printed form of a ``ShardingPlan`` (``str(plan)``).
 
-Knows nothing of: how the numbers are computed (it only reads the plan).
+Knows nothing of: how the numbers are computed, nor ``sharding_plan.py``
+itself (it reads the fields ``PlanFields`` names).
 
-Public names: ``format_plan``, ``format_bytes``.
+Public names: ``format_plan``, ``format_bytes``, ``PlanFields``.
+
+[Note: the plan package's imports go one way]
+``sharding_plan.py`` imports this module (``ShardingPlan.__str__`` is
+``format_plan``), so this module must not import ``sharding_plan.py`` back,
+not even for a type hint: ``format_plan`` takes anything with the fields of
+``PlanFields``, a protocol ``ShardingPlan`` satisfies. The order is
+``memory.py`` <- ``table.py`` <- ``sharding_plan.py`` (which also imports
+``memory.py`` and ``activations.py``); tests/test_import_graph.py checks it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .sharding_plan import ShardingPlan
+from .memory import UnitPlan
 
-__all__ = ["format_plan", "format_bytes"]
+__all__ = ["format_plan", "format_bytes", "PlanFields"]
+
+
+class PlanFields(Protocol):
+    """What the table reads of a plan (``ShardingPlan``'s fields of these names)."""
+
+    world_size: int
+    rank: int
+    optimizer: str
+    units: Sequence[UnitPlan]
+    rank_bytes: dict[str, int]
+    optimizer_by_kind: dict[str, int]
+    peak_moment: str
+    warnings: list[str]
+    source: str
 
 
 def format_bytes(count: int) -> str:
@@ -33,7 +55,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def format_plan(plan: ShardingPlan) -> str:
+def format_plan(plan: PlanFields) -> str:
+    """The table ``str(plan)`` prints: one row per flat parameter, then what
+    rank ``plan.rank`` holds after a step and at the step's worst moment."""
     header = ["unit", "type", "params", "flat param", "padded", "padding", "shard"]
     rows: list[list[str]] = []
     for unit in plan.units:
