@@ -6,7 +6,7 @@ gradients. See API.md for the contract.
 """
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .fully_shard import fully_shard, is_fully_sharded
+from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from .plan import ShardingPlan, describe, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
@@ -25,6 +25,7 @@ from .state_dict import (
 __all__ = [
     "fully_shard",
     "is_fully_sharded",
+    "register_forward_method",
     "ShardingStrategy",
     "BackwardPrefetch",
     "MixedPrecision",

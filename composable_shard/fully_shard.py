@@ -5,7 +5,7 @@ group into flat parameters come from ``units.py`` (shared with ``plan``).
 
 Knows nothing of: runtime details (it calls ``runtime.register_hooks``).
 
-Public names: ``fully_shard``, ``is_fully_sharded``.
+Public names: ``fully_shard``, ``is_fully_sharded``, ``register_forward_method``.
 
 Everything is validated before anything is changed, so a call that raises
 leaves the module as it was.
@@ -13,7 +13,9 @@ leaves the module as it was.
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 from typing import Any, Callable, Iterable
 
 import torch
@@ -26,7 +28,7 @@ from .comm import ShardGroups
 from .flat_param import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
-from .runtime import register_hooks
+from .runtime import call_as_forward, register_hooks
 from .state_dict.hooks import register_state_dict_hooks
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
@@ -40,7 +42,7 @@ from .units import (
     unit_skipper,
 )
 
-__all__ = ["fully_shard", "is_fully_sharded"]
+__all__ = ["fully_shard", "is_fully_sharded", "register_forward_method"]
 
 def fully_shard(
     module: nn.Module,
@@ -123,6 +125,32 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------ checks
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` gather and free the unit's parameters
+    as ``module(...)`` does, for a unit whose caller runs another method
+    than ``forward`` (a vision encoder's ``forward_features``, a language
+    model's ``generate`` step). Without it such a call would see the
+    1-D shards. The method is wrapped on this instance only (an instance
+    attribute, the one the user asked for); registering it again changes
+    nothing."""
+    state = get_state(module)
+    name = type(module).__name__
+    if state is None:
+        raise ValueError(
+            f"register_forward_method({name}, {method_name!r}): this module is not a unit. "
+            "Call fully_shard on it (or choose it with a policy) first."
+        )
+    method = getattr(type(module), method_name, None)
+    if method_name == "forward" or not callable(method):
+        raise ValueError(
+            f"register_forward_method({name}, {method_name!r}): {type(module).__qualname__} has no method "
+            f"{method_name!r} other than forward. Name a method defined on the module's class."
+        )
+    if method_name in module.__dict__:
+        return
+    module.__dict__[method_name] = types.MethodType(functools.partial(call_as_forward, state, method), module)
+
+
 def _compute_device(
     name: str,
     module: nn.Module,

@@ -6,7 +6,7 @@ prefetching by the recorded forward order.
 Knows nothing of: flattening details (it calls the handle and the scheduler).
 
 Public names: ``register_hooks``, ``lazy_init``, ``reshard_unit``,
-``unshard_unit``, ``in_backward``.
+``unshard_unit``, ``in_backward``, ``call_as_forward``.
 
 [Note: activation-checkpoint re-runs]
 Activation checkpointing re-runs a unit's forward inside backward. Such a
@@ -38,7 +38,7 @@ from .output_tensors import scan_output
 from .scheduler import Scheduler
 from .state import RootContext, TrainingState, UnitState, raise_internal, unit_states_under
 
-__all__ = ["register_hooks", "lazy_init", "reshard_unit", "unshard_unit", "in_backward"]
+__all__ = ["register_hooks", "lazy_init", "reshard_unit", "unshard_unit", "in_backward", "call_as_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -476,6 +476,18 @@ def _reset_after_error(context: RootContext) -> None:
         unit.reduced_handles.clear()
         unit.pending_backward_uses = 0
     _synchronize_host_copies(context)
+
+
+def call_as_forward(state: UnitState, method: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``method`` (a unit's method other than ``forward``, registered
+    with ``register_forward_method``) between the unit's forward hooks, as
+    ``module(...)`` runs ``forward``; called from the unit's own forward it
+    is a plain call (the parameters are already unsharded)."""
+    if state.training_state is TrainingState.FORWARD:
+        return method(module, *args, **kwargs)
+    args, kwargs = _pre_forward(state, module, args, kwargs)
+    output = method(module, *args, **kwargs)
+    return _post_forward(state, module, args, output)
 
 
 # -------------------------------------------------------------- registration

@@ -79,6 +79,24 @@ class LoRAGPT(TinyGPT):
         self.blocks = nn.ModuleList([LoRABlock() for _ in range(n_blocks)])
 
 
+class MLP(nn.Module):
+    """in_proj -> relu -> out_proj, optionally with a buffer added to the
+    output (the shape of FSDP2's test MLP, for the ports of its scenarios)."""
+
+    def __init__(self, dim: int, hidden_multiplier: int = 4, *, bias: bool = True, with_buffer: bool = False) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, dim * hidden_multiplier, bias=bias)
+        self.out_proj = nn.Linear(dim * hidden_multiplier, dim, bias=bias)
+        if with_buffer:
+            self.register_buffer("buffer", torch.randn(dim))
+        else:
+            self.buffer = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.out_proj(F.relu(self.in_proj(x)))
+        return z + self.buffer if self.buffer is not None else z
+
+
 def batch(step: int, global_batch: int = 8, seq: int = SEQ, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``, identical on every rank."""
     generator = torch.Generator().manual_seed(1000 + step)
