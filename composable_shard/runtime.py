@@ -236,10 +236,9 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
             or not state.config.strategy.reshards_after_forward
             or _backward_starts_with(state)
         )
-        hooked = _register_pre_backward_hooks(state, output) if grad_enabled else False
-        if grad_enabled and not hooked and state.trainable_handles:
+        if grad_enabled and not _register_pre_backward_hooks(state, output):
             # [Note: outputs without a hookable tensor]
-            keeps_unsharded = True
+            keeps_unsharded = bool(state.trainable_handles)
         if not keeps_unsharded:
             reshard_unit(state)
         if not grad_enabled and state.is_root:
@@ -287,6 +286,12 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
     and reshards as usual), and the end of backward reshards them if none
     does. The cost is one unit's parameters held until then, with a warning
     naming the unit and what could not be looked into.
+
+    A unit with nothing to train whose output requires no grad (a frozen
+    unit on inputs that need none, such as a frozen embedding) is resharded
+    at once, even as the root or the last unit: no backward can reach its
+    parameters (autograd records no op of it), so nothing would end a kept
+    state.
     """
     scan = scan_output(output)
     hook = functools.partial(_pre_backward, state)

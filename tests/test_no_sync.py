@@ -34,6 +34,8 @@ class CollectiveSpy:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
+        # (name, numel of the first tensor argument: a reduce-scatter's output).
+        self.sizes: list[tuple[str, int]] = []
 
     def counts(self) -> collections.Counter[str]:
         return collections.Counter(name for name, _ in self.calls)
@@ -43,7 +45,10 @@ class CollectiveSpy:
 
     def _wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def spy(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((name, tuple(a.dtype for a in tensors)))
+            if tensors:
+                self.sizes.append((name, tensors[0].numel()))
             return function(*args, **kwargs)
 
         return spy
