@@ -155,6 +155,12 @@ class FlatParamHandle:
                 owner.module._parameters[owner.attr] = param
         self.shows_unsharded_views = False
 
+    def hide_unsharded_views(self) -> None:
+        """Show the owners the original parameters (the shard) again and
+        keep the unsharded buffer gathered: a unit held for its backward
+        (see [Note: held for backward] in runtime.py); ``reshard`` frees it."""
+        self._register_orig_params()
+
     def use_unsharded_views(self) -> None:
         """Give the owners autograd views of the unsharded flat parameter
         (forward and backward), so gradients flow into its ``.grad``.

@@ -6,7 +6,7 @@ prefetching by the recorded forward order.
 Knows nothing of: flattening details (it calls the handle and the scheduler).
 
 Public names: ``register_hooks``, ``lazy_init``, ``reshard_unit``,
-``unshard_unit``, ``in_backward``, ``call_as_forward``.
+``unshard_unit``, ``reshard_held_units``, ``in_backward``, ``call_as_forward``.
 
 [Note: activation-checkpoint re-runs]
 Activation checkpointing re-runs a unit's forward inside backward. Such a
@@ -16,6 +16,39 @@ and its post-forward neither reshards nor registers backward hooks. The
 reentrant form runs the first forward under ``no_grad``: that forward reshards
 like an eval forward, and the re-run unshards again inside backward; the
 flat parameter's post-accumulate-grad hook reduces afterwards as usual.
+
+[Note: held for backward]
+A forward with autograd on ends with some units still gathered for the
+backward it expects: the root, the unit that ran last (see [Note: the last
+unit stays gathered]) and, under strategies that do not reshard after
+forward, every unit. Such a unit is in state ``HELD_FOR_BACKWARD``: its
+unsharded buffer is kept, but its owners show the original parameters (the
+shards) again, so outside a unit's forward and backward the user, the
+optimizer and every utility see shards only. The state ends in one of three
+ways:
+
+- the backward comes: the unit's pre-backward finds the buffer gathered (no
+  second all-gather) and moves it to ``PRE_BACKWARD``; the end of backward
+  resets every unit it did not reach;
+- anything else comes first: ``reshard_held_units`` frees every gathered
+  buffer of the tree (prefetched ones too), waits for what the lanes still
+  do, and, with CPU offload, for the device's copies from and to the pinned
+  shards, and moves the units to ``IDLE``. Every entry point that reads or
+  changes the parameters outside a step calls it first: the root's
+  pre-forward (and the forward of a unit called on its own), the optimizer
+  step (a global ``Optimizer`` step pre-hook, for optimizers that hold
+  parameters of the tree), ``unshard_params``, ``clip_grad_norm_`` and every
+  state-dict entry point. The buffer may be stale by then (the optimizer
+  wrote the shards), and a dropped forward's graph may be freed without any
+  hook running, so nothing waits for autograd to end the state;
+- a backward of that forward's output comes after all (two forwards then
+  one backward, or a backward after a state dict was taken): pre-backward
+  unshards again from the shards, into the same storage the forward's saved
+  views alias, so the gradients are right.
+
+Resharding is local (no collective), so ending the state on one rank and
+not on another cannot hang; the all-gathers that follow run on every rank
+that makes the same calls.
 """
 
 from __future__ import annotations
@@ -24,23 +57,40 @@ import contextlib
 import functools
 import logging
 import warnings
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .api import BackwardPrefetch
 from .flat_param import FlatParamHandle
 from .output_tensors import scan_output
 from .scheduler import Scheduler
-from .state import RootContext, TrainingState, UnitState, raise_internal, unit_states_under
+from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState, raise_internal, unit_states_under
 
-__all__ = ["register_hooks", "lazy_init", "reshard_unit", "unshard_unit", "in_backward", "call_as_forward"]
+__all__ = [
+    "register_hooks",
+    "lazy_init",
+    "reshard_unit",
+    "unshard_unit",
+    "reshard_held_units",
+    "in_backward",
+    "call_as_forward",
+]
 
 logger = logging.getLogger(__name__)
+
+# Every root's context, for the optimizer step pre-hook (weak: a deleted
+# model drops its context).
+_ROOT_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
+# The process-wide optimizer step pre-hook, registered at the first lazy init.
+_OPTIMIZER_STEP_PRE_HOOK: RemovableHandle | None = None
 
 
 def in_backward() -> bool:
@@ -94,6 +144,8 @@ def lazy_init(state: UnitState) -> RootContext:
     for name, unit in named_units:
         unit.root_context = context
         unit.fqn = name or "<root>"
+    _ROOT_CONTEXTS.add(context)
+    _register_optimizer_step_pre_hook_once()
     logger.debug("composable_shard: lazy init of root %s with %d units", type(state.module).__name__, len(units))
     return context
 
@@ -126,6 +178,33 @@ def reshard_unit(state: UnitState) -> None:
         handle.reshard()
 
 
+def reshard_held_units(units: Iterable[UnitState]) -> None:
+    """End ``HELD_FOR_BACKWARD`` in every tree ``units`` belong to: free
+    every gathered buffer and make the shards safe to change. A no-op for a
+    tree inside a forward or backward. See [Note: held for backward]."""
+    contexts = {id(unit.root_context): unit.root_context for unit in units if unit.root_context is not None}
+    for context in contexts.values():
+        held = [unit for unit in context.units if unit.training_state is TrainingState.HELD_FOR_BACKWARD]
+        if not held or not _is_between_steps(context):
+            continue
+        with _hook_label(context.root, "reshard_held_units"):
+            context.scheduler.wait_for_all()
+            for unit in context.units:
+                for handle in unit.handles:
+                    handle.reshard()  # also what forward prefetch left gathered
+            for unit in held:
+                unit.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
+            _synchronize_host_copies(context)
+
+
+def _is_between_steps(context: RootContext) -> bool:
+    return (
+        not in_backward()
+        and not context.post_backward_callback_queued
+        and all(unit.training_state in BETWEEN_STEPS for unit in context.units)
+    )
+
+
 def _prefetch(unit: UnitState | None) -> None:
     if unit is not None and unit.handles:
         unshard_unit(unit, wait=False)
@@ -147,14 +226,17 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         if state.root_context is None:
             lazy_init(state)
         if in_backward():  # [Note: activation-checkpoint re-runs]
-            if state.training_state is TrainingState.IDLE:
-                state.transition(TrainingState.PRE_BACKWARD, TrainingState.IDLE)
+            if state.training_state in BETWEEN_STEPS:
+                state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS)
             unshard_unit(state, wait=True)
             return args, kwargs
+        context = _context(state)
         if state.is_root:
             args, kwargs = _root_pre_forward(state, args, kwargs)
-        state.transition(TrainingState.FORWARD, TrainingState.IDLE)
-        context = _context(state)
+        elif context.root.training_state is not TrainingState.FORWARD:
+            reshard_held_units(context.units)  # called on its own: [Note: held for backward]
+        # From HELD_FOR_BACKWARD: the unit already ran in this forward.
+        state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)
         if state not in context.forward_order:
             context.forward_order.append(state)
         unshard_unit(state, wait=True)
@@ -166,7 +248,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
 
 def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     context = _context(state)
-    busy = [unit for unit in context.units if unit.training_state is not TrainingState.IDLE]
+    busy = [unit for unit in context.units if unit.training_state not in BETWEEN_STEPS]
     if busy and not context.post_backward_callback_queued and all(
         unit.training_state is TrainingState.FORWARD for unit in busy
     ):
@@ -181,6 +263,7 @@ def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tupl
             f"(units still in backward: {[unit.fqn for unit in busy[:4]]}). Finish backward (or call it on every output) before "
             "the next forward; the model has been reset to its sharded state and is usable."
         )
+    reshard_held_units(context.units)  # [Note: held for backward]
     for unit in context.units:
         for handle in unit.handles:
             handle.writeback_orig_params()
@@ -227,7 +310,6 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
     with _hook_label(state, "post_forward"):
         if in_backward():  # [Note: activation-checkpoint re-runs]
             return output
-        state.transition(TrainingState.IDLE, TrainingState.FORWARD)
         grad_enabled = torch.is_grad_enabled()
         # The root's backward comes first, so its parameters stay gathered;
         # so do the last unit's (see [Note: the last unit stays gathered]).
@@ -239,7 +321,12 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
         if grad_enabled and not _register_pre_backward_hooks(state, output):
             # [Note: outputs without a hookable tensor]
             keeps_unsharded = bool(state.trainable_handles)
-        if not keeps_unsharded:
+        if keeps_unsharded:  # [Note: held for backward]
+            state.transition(TrainingState.HELD_FOR_BACKWARD, TrainingState.FORWARD)
+            for handle in state.handles:
+                handle.hide_unsharded_views()
+        else:
+            state.transition(TrainingState.IDLE, TrainingState.FORWARD)
             reshard_unit(state)
         if not grad_enabled and state.is_root:
             # No backward will come: free what forward prefetch left behind.
@@ -263,8 +350,9 @@ def _backward_starts_with(state: UnitState) -> bool:
     post-backward (or the end of backward) reshards it. The memory held
     longer is one unit's parameters, during the part of forward after that
     unit (head and loss), which stays below the peak at the start of
-    backward, where the unit is gathered anyway. Without a backward the unit
-    stays gathered until the next backward ends, like the root.
+    backward, where the unit is gathered anyway. Like the root's, its
+    parameters are then held for a backward that may not come (see
+    [Note: held for backward]).
     """
     order = _context(state).previous_forward_order
     return bool(order) and order[-1] is state and not state.is_root
@@ -285,7 +373,11 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
     finds them valid (the flat parameter's post-accumulate-grad hook reduces
     and reshards as usual), and the end of backward reshards them if none
     does. The cost is one unit's parameters held until then, with a warning
-    naming the unit and what could not be looked into.
+    naming the unit and what could not be looked into. Like every unit held
+    for a backward, it is released when anything else comes first (see
+    [Note: held for backward]); a backward of that forward that reaches the
+    unit only through the hidden tensor after that finds its parameters
+    freed, as it does after an eval forward in between.
 
     A unit with nothing to train whose output requires no grad (a frozen
     unit on inputs that need none, such as a frozen embedding) is resharded
@@ -316,7 +408,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
     with _hook_label(state, "pre_backward"):
         context = _context(state)
         _queue_finalize_once(context)
-        state.transition(TrainingState.PRE_BACKWARD, TrainingState.IDLE, TrainingState.POST_BACKWARD)
+        state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
         unshard_unit(state, wait=True)
         if state.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch(context.next_in(context.forward_order, state, -1))
@@ -493,6 +585,30 @@ def call_as_forward(state: UnitState, method: Callable[..., Any], module: nn.Mod
     args, kwargs = _pre_forward(state, module, args, kwargs)
     output = method(module, *args, **kwargs)
     return _post_forward(state, module, args, output)
+
+
+# ------------------------------------------------------------ optimizer step
+def _register_optimizer_step_pre_hook_once() -> None:
+    global _OPTIMIZER_STEP_PRE_HOOK
+    if _OPTIMIZER_STEP_PRE_HOOK is None:
+        _OPTIMIZER_STEP_PRE_HOOK = register_optimizer_step_pre_hook(_pre_optimizer_step)
+
+
+def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Before any ``Optimizer.step``: the trees whose parameters it updates
+    end their held state (the step writes the shards; with CPU offload, an
+    upload may still read them). See [Note: held for backward]."""
+    for context in list(_ROOT_CONTEXTS):
+        if context.root.root_context is not context:
+            continue  # a tree that became part of a larger one
+        held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
+        if held and _updates_tree(optimizer, context):
+            reshard_held_units(context.units)
+
+
+def _updates_tree(optimizer: torch.optim.Optimizer, context: RootContext) -> bool:
+    params = {id(param) for unit in context.units for handle in unit.handles for param in handle.orig_params}
+    return any(id(param) in params for group in optimizer.param_groups for param in group["params"])
 
 
 # -------------------------------------------------------------- registration

@@ -3,8 +3,8 @@ and the module -> state registry.
 
 Knows nothing of: collectives, streams, flattening details.
 
-Public names: ``TrainingState``, ``UnitConfig``, ``UnitState``,
-``RootContext``, ``get_state``, ``register_state``, ``unit_states_under``.
+Public names: ``TrainingState``, ``BETWEEN_STEPS``, ``UnitConfig``,
+``UnitState``, ``RootContext``, ``get_state``, ``register_state``, ``unit_states_under``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TrainingState",
+    "BETWEEN_STEPS",
     "UnitConfig",
     "UnitState",
     "RootContext",
@@ -43,16 +44,25 @@ logger = logging.getLogger(__name__)
 class TrainingState(enum.Enum):
     """Where a unit is in the step."""
 
-    # Between steps, or between forward and backward: parameters sharded
-    # (unless the strategy keeps them unsharded until backward).
+    # Between steps, or between forward and backward: parameters sharded.
     IDLE = enum.auto()
     # Inside the unit's forward: parameters unsharded.
     FORWARD = enum.auto()
+    # Forward ended with autograd on and the unit kept its parameters
+    # gathered for a backward that may never come; the owners show the
+    # shards meanwhile. Ends at the unit's pre-backward, at the end of
+    # backward, or in ``runtime.reshard_held_units`` before anything else
+    # reads or changes the parameters (see [Note: held for backward]).
+    HELD_FOR_BACKWARD = enum.auto()
     # Backward reached the unit's outputs: parameters unsharded for gradient
     # computation (also during an activation-checkpoint re-run).
     PRE_BACKWARD = enum.auto()
     # Every trainable flat parameter's gradient was reduced this backward.
     POST_BACKWARD = enum.auto()
+
+
+# The states of a unit while no forward or backward runs in its tree.
+BETWEEN_STEPS = (TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .flat_param import FlatParamHandle
-from .runtime import in_backward
-from .state import TrainingState, UnitState, get_state, unit_states_under
+from .runtime import in_backward, reshard_held_units
+from .state import BETWEEN_STEPS, UnitState, get_state, unit_states_under
 
 __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
 
@@ -51,9 +51,10 @@ def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
 
 
 def _check_idle(units: list[UnitState], what: str) -> None:
-    """Raise unless every unit is between steps: not inside a forward, not
-    inside a backward, and not holding parameters a pending backward saved."""
-    busy = [unit for unit in units if unit.training_state is not TrainingState.IDLE]
+    """Raise unless every unit is between steps (not inside a forward or a
+    backward); then end what a forward held for a backward that has not come
+    (see [Note: held for backward] in runtime.py)."""
+    busy = [unit for unit in units if unit.training_state not in BETWEEN_STEPS]
     backward_queued = any(u.root_context is not None and u.root_context.post_backward_callback_queued for u in units)
     if busy or in_backward() or backward_queued:
         where = busy[0].fqn if busy else units[0].fqn
@@ -62,13 +63,7 @@ def _check_idle(units: list[UnitState], what: str) -> None:
             f"{(busy[0] if busy else units[0]).training_state.name}). Call it between training steps, not from "
             "a module's forward, a forward hook or a backward hook."
         )
-    in_use = [unit for unit in units if any(handle.shows_unsharded_views for handle in unit.handles)]
-    if in_use:
-        raise RuntimeError(
-            f"{what}: called between a forward and its backward: the parameters of unit '{in_use[0].fqn}' are "
-            "gathered and saved for that backward (or this is a forward hook of that unit). Call it after "
-            "backward, or run a forward that needs no backward under torch.no_grad()."
-        )
+    reshard_held_units(units)
 
 
 @contextlib.contextmanager

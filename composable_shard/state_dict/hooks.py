@@ -42,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..flat_layout import ParamInfo
 from ..flat_param import FlatParamHandle
-from ..runtime import in_backward
+from ..runtime import in_backward, reshard_held_units
 from ..state import TrainingState, UnitState
 from .model import is_shown_unsharded
 from .shards import global_shape
@@ -79,7 +79,10 @@ def _register(module: nn.Module, public_name: str, hook: Any) -> RemovableHandle
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
-    """The unit must be idle; user edits of ``.data`` go into the shards first."""
+    """The unit must be between steps (what a forward held for a backward
+    that has not come is released: [Note: held for backward] in runtime.py);
+    user edits of ``.data`` go into the shards first."""
+    reshard_held_units([state])
     if state.training_state is not TrainingState.IDLE or in_backward():
         raise RuntimeError(
             f"{what}: called inside forward or backward (unit '{state.fqn}' is "
