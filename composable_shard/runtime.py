@@ -66,11 +66,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .api import BackwardPrefetch
 from .flat_param import FlatParamHandle
-from .output_tensors import scan_output
+from .nested_tensors import map_tensors, scan_output
 from .scheduler import Scheduler
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState, raise_internal, unit_states_under
 
@@ -303,7 +303,7 @@ def _cast_inputs(state: UnitState, args: tuple, kwargs: dict, *, is_root: bool) 
             return value.to(dtype)
         return value
 
-    return tree_map(cast, args), tree_map(cast, kwargs)
+    return map_tensors(cast, args), map_tensors(cast, kwargs)
 
 
 def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -365,7 +365,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
     [Note: outputs without a hookable tensor]
     When a forward under grad mode returns no tensor that requires grad
     where ``scan_output`` can find it (see [Note: hooking arbitrary outputs]
-    in output_tensors.py) although the unit has trainable parameters, a
+    in nested_tensors.py) although the unit has trainable parameters, a
     gradient may still reach the unit through a tensor it cannot see: one
     kept in an opaque object, or stored on a module as a side channel. No
     pre-backward hook can run then, so the unit keeps its parameters

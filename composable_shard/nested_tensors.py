@@ -1,9 +1,11 @@
-"""Owns: finding the tensors that require grad in whatever a unit's forward
-returns (pre-backward hooks go on them).
+"""Owns: the tensors inside arbitrary nested structures — finding those
+that require grad in whatever a unit's forward returns (pre-backward hooks go
+on them), and mapping a function over a unit's inputs (mixed-precision
+casts).
 
 Knows nothing of: units, hooks, flat parameters.
 
-Public names: ``OutputScan``, ``scan_output``.
+Public names: ``OutputScan``, ``scan_output``, ``map_tensors``.
 
 [Note: hooking arbitrary outputs]
 A unit's pre-backward hook must sit on every output tensor through which
@@ -27,13 +29,13 @@ import dataclasses
 import enum
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OutputScan", "scan_output"]
+__all__ = ["OutputScan", "scan_output", "map_tensors"]
 
 # Values that never hold a tensor.
 _ATOMS = (
@@ -108,3 +110,31 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     slots = cls.__dict__.get("__slots__", ())
     names = (slots,) if isinstance(slots, str) else tuple(slots)
     return tuple(name for name in names if name not in ("__dict__", "__weakref__"))
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any, *, depth: int = 0) -> Any:
+    """``value`` with every tensor ``t`` replaced by ``fn(t)``: through
+    pytree nodes (tuples, lists, dicts, namedtuples, registered types) and
+    dataclass fields (a changed dataclass is rebuilt with
+    ``dataclasses.replace``). Other objects are passed as they are: copying
+    an arbitrary object to change one attribute is not ours to do."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, _ATOMS) or depth >= MAX_DEPTH:
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, Mapping):
+        changes = {}
+        for field in dataclasses.fields(value):
+            if field.init and hasattr(value, field.name):
+                old = getattr(value, field.name)
+                new = map_tensors(fn, old, depth=depth + 1)
+                if new is not old:
+                    changes[field.name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    leaves, spec = tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return value  # not a container we can rebuild
+    mapped = [map_tensors(fn, leaf, depth=depth + 1) for leaf in leaves]
+    if all(new is old for new, old in zip(mapped, leaves)):
+        return value
+    return tree_unflatten(mapped, spec)
