@@ -243,7 +243,15 @@ def _entry_points_after_a_dropped_forward(rank: int, world_size: int) -> None:
             get_optimizer_state_dict(model, pair.optimizer)
             _assert_shows_shards(model, f"{case}: after get_model_state_dict")
 
+            # A step of an optimizer over other parameters leaves the tree
+            # alone; the model's own optimizer ends what it held.
             pair.forward(2, f"{case}: dropped forward")
+            torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1).step()
+            assert any(
+                state.training_state is TrainingState.HELD_FOR_BACKWARD for _, state in unit_states_under(model)
+            ), f"{case}: another model's optimizer step released this one"
+            pair.optimizer.step()  # no gradients: changes nothing
+            _assert_shows_shards(model, f"{case}: after optimizer.step")
             loaded = {key: value * 1.5 for key, value in reference.state_dict().items()}
             model.load_state_dict(loaded)
             reference.load_state_dict(loaded)
