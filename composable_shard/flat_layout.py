@@ -79,7 +79,12 @@ class FlatParamLayout:
     """
 
     params: tuple[ParamInfo, ...]
+    # The parameters' dtype (a cast after sharding replaces the layout with
+    # one of the new dtype and the same offsets).
     dtype: torch.dtype
+    # The parameters' requires_grad when fully_shard grouped them; later
+    # changes live in FlatParamHandle.param_requires_grad (see [Note: changes
+    # to original parameters] in flat_param.py).
     requires_grad: bool
     # Sizes of consecutive segments of the padded unsharded buffer: each
     # parameter's segment is preceded by its alignment padding (if any) and

@@ -24,15 +24,45 @@ padded unsharded gradient that ``reduce_grad`` reduce-scatters.
 When the shard group has one rank and no copy is needed (same dtype, same
 device), the unsharded flat parameter shares the shard's storage and nothing
 is ever gathered or freed.
+
+[Note: changes to original parameters]
+Users change their parameters after ``fully_shard``; ``writeback_orig_params``
+takes the changes in between steps (the root's pre-forward, state dicts,
+``unshard_params``), cheaply enough for every step:
+
+- values (``.data`` assigned, same numel or full shape): copied into the shard;
+- ``requires_grad``: each parameter's flag is read once per step into
+  ``param_requires_grad``; the layout (grouped by ``requires_grad`` when
+  ``fully_shard`` ran) stays, so every parameter keeps its local part and the
+  optimizer's state keeps its shapes. The flat parameter needs a gradient
+  while any of its parameters does: a flat parameter frozen as a whole gets
+  none and is never reduced. A frozen parameter inside a trainable flat
+  parameter gets a detached forward view: autograd computes no gradient for
+  it, its segment of the flat gradient is zero (``split``'s backward fills
+  it), and its ``.grad`` is left as the user left it, as autograd leaves a
+  tensor that needs no gradient. Since no gradient flows from its uses into
+  the flat parameter's, the flat parameter may be accumulated before those
+  uses ran in backward; so it is resharded like a frozen one ([Note:
+  resharding frozen flat parameters] in runtime.py). A change while a
+  ``no_sync`` gradient waits for its reduction is refused: the gradient
+  accumulated before it would be reduced with the new flags;
+- dtype (``model.to(torch.float64)``, ``.double()``, ``.half()``): the flat
+  parameter takes the new dtype when all its parameters have it, keeping the
+  layout's offsets (every local part keeps its shape; alignment is only a
+  speed matter); the compute and reduction dtypes follow unless a
+  mixed-precision policy set them. Part of a flat parameter cast alone would
+  need a new grouping of the unit: refused, with what to do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from . import comm
 from .comm import PendingCollective, ShardGroups
@@ -78,10 +108,17 @@ class FlatParamHandle:
         self.orig_params: tuple[nn.Parameter, ...] = tuple(src.param for src in sources)
         # Device forward and backward run on (where the unsharded buffer lives).
         self.compute_device = compute_device
+        # The mixed-precision policy's dtypes (None: follow the parameters'
+        # dtype, also after a cast; see [Note: changes to original parameters]).
+        self._policy_param_dtype = param_dtype
+        self._policy_reduce_dtype = reduce_dtype
         # Dtype of the unsharded buffer (all-gather and compute).
         self.param_dtype: torch.dtype = param_dtype or first.dtype
         # Dtype gradients are reduced in.
         self.reduce_dtype: torch.dtype = reduce_dtype or self.param_dtype
+        # Each original parameter's requires_grad as the last write-back read
+        # it (see [Note: changes to original parameters]).
+        self.param_requires_grad: tuple[bool, ...] = (first.requires_grad,) * len(sources)
         self.keep_low_precision_grads = keep_low_precision_grads
         # Shard (and sharded gradient) live on CPU between uses.
         self.offload_params = offload_params
@@ -90,12 +127,10 @@ class FlatParamHandle:
         # 1-D, shard_numel, parameters' dtype: this rank's shard (master copy).
         self.sharded_flat_param: torch.Tensor = self._build_shard(shard_device)
         # True when the unsharded buffer must be a separate allocation.
-        self.needs_unshard_storage: bool = (
-            groups.is_sharded or self.param_dtype != self.layout.dtype or shard_device != compute_device
-        )
+        self.needs_unshard_storage: bool = self._needs_unshard_storage()
         # 1-D, padded_unsharded_numel, param_dtype: autograd leaf whose storage
         # is freed while resharded (see the module note).
-        self.unsharded_flat_param: torch.Tensor = self._build_unsharded()
+        self.unsharded_flat_param: torch.Tensor = self._build_unsharded().requires_grad_(self.requires_grad)
         # True while the unsharded buffer holds the gathered data.
         self.is_unsharded: bool = not self.needs_unshard_storage
         # True while the owners hold forward views of the unsharded buffer
@@ -122,15 +157,31 @@ class FlatParamHandle:
             shard = shard.pin_memory()
         return shard
 
+    def _needs_unshard_storage(self) -> bool:
+        return (
+            self.groups.is_sharded
+            or self.param_dtype != self.layout.dtype
+            or self.sharded_flat_param.device != self.compute_device
+        )
+
     def _build_unsharded(self) -> torch.Tensor:
+        """The unsharded buffer's data: the shard itself, or freed storage."""
         if not self.needs_unshard_storage:
-            unsharded = self.sharded_flat_param.detach()
-        else:
-            unsharded = torch.empty(
-                self.layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.compute_device
-            )
-            unsharded.untyped_storage().resize_(0)
-        return unsharded.requires_grad_(self.layout.requires_grad)
+            return self.sharded_flat_param.detach()
+        unsharded = torch.empty(self.layout.padded_unsharded_numel, dtype=self.param_dtype, device=self.compute_device)
+        unsharded.untyped_storage().resize_(0)
+        return unsharded
+
+    # ----------------------------------------------------- requires_grad
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the flat parameter gets a gradient (some parameter of it
+        requires grad); see [Note: changes to original parameters]."""
+        return any(self.param_requires_grad)
+
+    @property
+    def has_frozen_params(self) -> bool:
+        return not all(self.param_requires_grad)
 
     # ----------------------------------------------------------------- views
     def local_shard_view(self, info: ParamInfo) -> torch.Tensor:
@@ -172,10 +223,12 @@ class FlatParamHandle:
         behind every node of later steps, i.e. at the end of backward."""
         self._check_unsharded("use_unsharded_views")
         segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
-        for info, index in zip(self.layout.params, self.layout.param_segments):
+        for info, index, requires_grad in zip(self.layout.params, self.layout.param_segments, self.param_requires_grad):
             view = segments[index]
             if view.shape != info.shape:  # 1-D parameters use their segment as it is
                 view = view.view(info.shape)
+            if not requires_grad and view.requires_grad:
+                view = view.detach()  # frozen: see [Note: changes to original parameters]
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = view
         self.shows_unsharded_views = True
@@ -248,44 +301,129 @@ class FlatParamHandle:
             raise RuntimeError(f"FlatParamHandle({names}, ...): {what} needs the handle unsharded; call unshard() first")
 
     # ----------------------------------------------------------- write-back
-    def writeback_orig_params(self) -> bool:
-        """Copy user changes of an original parameter's ``.data`` (a new
-        tensor assigned with the same numel) into the shard. Returns whether
-        anything was written back. Raises ``ValueError`` on a changed size.
-        Skipped while forward views are shown (between a forward and its
-        backward the parameters are not the user's to edit)."""
+    def writeback_orig_params(self, *, name_prefix: str = "") -> bool:
+        """Take in what the user changed on the original parameters since the
+        last call: ``requires_grad``, a dtype cast, and ``.data`` assigned
+        (same numel, or the full shape) or cast, copied into the shard. See
+        [Note: changes to original parameters]. Returns whether any value was
+        written back. Raises on a change that cannot be taken (a replaced
+        parameter object, a changed size, part of the flat parameter cast, a
+        ``requires_grad`` change while a ``no_sync`` gradient waits) before
+        changing anything; ``name_prefix`` (the unit's name and a dot)
+        completes parameter names in messages. Skipped while forward views
+        are shown (between a forward and its backward the parameters are not
+        the user's to edit)."""
         if self.shows_unsharded_views:
             return False
-        wrote = False
+        edits, requires_grad = self._user_edits(name_prefix)
+        # A cast gives every parameter it changes new storage: only edited
+        # parameters can have another dtype.
+        cast = any(param.dtype != self.layout.dtype for _, param, _ in edits)
+        dtype = self._cast_dtype(name_prefix) if cast else None
+        if requires_grad != self.param_requires_grad:
+            self._set_requires_grad(requires_grad, name_prefix)
+        if dtype is not None:
+            self._change_dtype(dtype)
+        if not edits:
+            return False
+        with torch.no_grad():
+            for info, param, local in edits:
+                if local is not None:
+                    self.local_shard_view(info).copy_(local)
+                param.data = self.local_shard_view(info)
+        return any(local is not None for _, _, local in edits)
+
+    def _user_edits(
+        self, name_prefix: str
+    ) -> tuple[list[tuple[ParamInfo, nn.Parameter, torch.Tensor | None]], tuple[bool, ...]]:
+        """Parameters whose ``.data`` is no longer their view of the shard,
+        each with its local part to copy in (None: nothing to copy, only
+        point it at the shard again), and every parameter's
+        ``requires_grad``: one pass, run every step. Checks registrations
+        and sizes."""
+        edits: list[tuple[ParamInfo, nn.Parameter, torch.Tensor | None]] = []
+        requires_grad: list[bool] = []
         shard_ptr = self.sharded_flat_param.untyped_storage().data_ptr()
         for info, param in zip(self.layout.params, self.orig_params):
+            requires_grad.append(param.requires_grad)
             for owner in info.owners:
                 if owner.module._parameters.get(owner.attr) is not param:
                     raise RuntimeError(
-                        f"fully_shard: parameter '{owner.fqn}' was replaced by another object after "
+                        f"fully_shard: parameter '{name_prefix}{owner.fqn}' was replaced by another object after "
                         "sharding. Assign to its .data (same shape) or copy_() into it instead."
                     )
             if param.untyped_storage().data_ptr() == shard_ptr and param.numel() == info.local_numel:
                 continue
             if param.numel() == info.local_numel and info.local_numel > 0:
-                local = param.detach().reshape(-1)
+                edits.append((info, param, param.detach().reshape(-1)))
             elif param.shape == info.shape and param.numel() > 0:
-                local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+                edits.append((info, param, param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]))
             elif param.numel() == 0 and info.local_numel == 0:
-                param.data = self.local_shard_view(info)
-                continue
+                edits.append((info, param, None))
             else:
                 raise ValueError(
-                    f"fully_shard: parameter '{info.fqn}' changed size behind the shards: it holds "
+                    f"fully_shard: parameter '{name_prefix}{info.fqn}' changed size behind the shards: it holds "
                     f"shape {tuple(param.shape)}, but its unsharded shape is {tuple(info.shape)} and "
                     f"this rank's shard of it has {info.local_numel} elements. Change a sharded "
                     "parameter's values in place (or inside unshard_params), not its size."
                 )
-            with torch.no_grad():
-                self.local_shard_view(info).copy_(local)
-            param.data = self.local_shard_view(info)
-            wrote = True
-        return wrote
+        return edits, tuple(requires_grad)
+
+    def _cast_dtype(self, name_prefix: str) -> torch.dtype | None:
+        """The dtype every parameter was cast to (None: the flat
+        parameter's); raises if only some were."""
+        dtypes = {param.dtype for param in self.orig_params}
+        if len(dtypes) == 1:
+            dtype = dtypes.pop()
+            return dtype if dtype != self.layout.dtype else None
+        first: dict[torch.dtype, str] = {}
+        for info, param in zip(self.layout.params, self.orig_params):
+            first.setdefault(param.dtype, name_prefix + info.fqn)
+        cast_dtype, cast_name = next((d, n) for d, n in first.items() if d != self.layout.dtype)
+        other_dtype, other_name = next((d, n) for d, n in first.items() if d != cast_dtype)
+        raise ValueError(
+            f"fully_shard: parameter '{cast_name}' was cast to {cast_dtype} after sharding, but '{other_name}', "
+            f"which shares its flat parameter, is {other_dtype}. The parameters of a sharded unit are cast "
+            "together: cast the whole model or unit (model.to(dtype) works after fully_shard), or cast parts "
+            "of it before calling fully_shard. Cast it back to train on."
+        )
+
+    def _set_requires_grad(self, requires_grad: tuple[bool, ...], name_prefix: str) -> None:
+        if self.unsharded_flat_param.grad is not None:
+            changed = next(
+                info.fqn for info, old, new in zip(self.layout.params, self.param_requires_grad, requires_grad) if old != new
+            )
+            raise RuntimeError(
+                f"fully_shard: parameter '{name_prefix}{changed}' changed requires_grad while gradients accumulated "
+                "under no_sync wait for their reduction, which would use the new setting for the whole "
+                "accumulation. Change requires_grad after a backward outside no_sync (or set it back)."
+            )
+        self.param_requires_grad = requires_grad
+        self.unsharded_flat_param.requires_grad_(self.requires_grad)
+
+    def _change_dtype(self, dtype: torch.dtype) -> None:
+        """Give the flat parameter ``dtype``, keeping its layout's offsets
+        (see [Note: changes to original parameters]). The shard starts as a
+        cast of the old one (padding, empty parts); the caller copies the
+        parameters' values in."""
+        old_shard = self.sharded_flat_param
+        with torch.no_grad():
+            shard = old_shard.to(dtype)
+        if shard.device.type == "cpu" and self.compute_device.type == "cuda":
+            shard = shard.pin_memory()  # as _build_shard: offloaded shards are pinned
+        self.layout = dataclasses.replace(self.layout, dtype=dtype)
+        self.sharded_flat_param = shard
+        self.param_dtype = self._policy_param_dtype or dtype
+        self.reduce_dtype = self._policy_reduce_dtype or self.param_dtype
+        self.needs_unshard_storage = self._needs_unshard_storage()
+        # The same autograd leaf (its post-accumulate-grad hook stays) with
+        # new data; a gradient accumulated under no_sync follows the dtype.
+        pending_grad = self.unsharded_flat_param.grad
+        self.unsharded_flat_param.grad = None
+        self.unsharded_flat_param.data = self._build_unsharded()
+        if pending_grad is not None:
+            self.unsharded_flat_param.grad = pending_grad.to(self.param_dtype)
+        self.is_unsharded = not self.needs_unshard_storage
 
     # ---------------------------------------------- full copies (unshard_params)
     def gather_full_flat_param(self) -> torch.Tensor:
@@ -485,7 +623,8 @@ class FlatParamHandle:
 
     def use_sharded_grad_views(self, sharded_flat_grad: torch.Tensor | None) -> None:
         """Set each original parameter's ``.grad`` to its slice of
-        ``sharded_flat_grad`` (all None when it is None).
+        ``sharded_flat_grad`` (all None when it is None); frozen parameters'
+        ``.grad`` is left alone (see [Note: changes to original parameters]).
 
         [Note: empty gradients on empty ranges]
         A parameter of which this rank holds no element gets an *empty*
@@ -498,7 +637,9 @@ class FlatParamHandle:
         across ranks whatever the layout. ``_collect_user_grads`` and
         ``clip_grad_norm_`` ignore empty gradients.
         """
-        for info, param in zip(self.layout.params, self.orig_params):
+        for info, param, requires_grad in zip(self.layout.params, self.orig_params, self.param_requires_grad):
+            if not (requires_grad and param.requires_grad):
+                continue  # frozen: its .grad stays the user's (see [Note: changes to original parameters])
             if sharded_flat_grad is None:
                 param.grad = None
                 continue
@@ -513,6 +654,22 @@ class FlatParamHandle:
                 # the parameter's dtype, so swap the data in after assigning.
                 param.grad = torch.empty_like(param)
                 param.grad.data = local
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle | None:
+        """Run ``hook`` once the flat parameter's gradient is accumulated,
+        whenever it requires grad, also if that starts after sharding
+        (autograd keeps the hook while ``requires_grad`` changes, but refuses
+        to register it on a tensor that needs no gradient). None for a flat
+        parameter that can never have a gradient (integer dtypes)."""
+        flat_param = self.unsharded_flat_param
+        if not (flat_param.is_floating_point() or flat_param.is_complex()):
+            return None
+        requires_grad = flat_param.requires_grad
+        flat_param.requires_grad_(True)
+        try:
+            return flat_param.register_post_accumulate_grad_hook(hook)
+        finally:
+            flat_param.requires_grad_(requires_grad)
 
     def clear_unsharded_grad(self) -> None:
         self.unsharded_flat_param.grad = None

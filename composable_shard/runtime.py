@@ -266,7 +266,7 @@ def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tupl
     reshard_held_units(context.units)  # [Note: held for backward]
     for unit in context.units:
         for handle in unit.handles:
-            handle.writeback_orig_params()
+            handle.writeback_orig_params(name_prefix=unit.name_prefix)
     _check_input_devices(state, args, kwargs)
     if context.forward_order:
         context.previous_forward_order = context.forward_order
@@ -422,8 +422,9 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
             context.scheduler.reduce(
                 functools.partial(_launch_reduce, handle), functools.partial(_finish_reduction, context, handle)
             )
-        context.scheduler.wait_for_unshard(handle)
-        handle.reshard()
+        if not handle.has_frozen_params:  # else see [Note: resharding frozen flat parameters]
+            context.scheduler.wait_for_unshard(handle)
+            handle.reshard()
         state.reduced_handles.add(id(handle))
         if len(state.reduced_handles) == len(state.trainable_handles):
             state.training_state = TrainingState.POST_BACKWARD
@@ -443,7 +444,11 @@ class _ReshardFrozenAfterInputGrad(torch.autograd.Function):
     is resharded once both happened for every forward use: this function's
     backward ran for each use, and every trainable flat parameter of the unit
     was reduced. Uses whose inputs need no gradient never report; the
-    end-of-backward callback reshards those.
+    end-of-backward callback reshards those. A trainable flat parameter that
+    holds frozen parameters (frozen after sharding) waits the same way: its
+    frozen parameters' uses send no gradient into it, so its own gradient
+    may be complete before they ran ([Note: changes to original parameters]
+    in flat_param.py).
     """
 
     @staticmethod
@@ -620,6 +625,8 @@ def register_hooks(state: UnitState) -> None:
         module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
     )
     state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
-    for handle in state.trainable_handles:
+    for handle in state.handles:  # also frozen ones: they may be unfrozen later
         hook: Callable[[torch.Tensor], None] = functools.partial(_post_backward, state, handle)
-        state.module_hooks.append(handle.unsharded_flat_param.register_post_accumulate_grad_hook(hook))
+        registered = handle.register_post_accumulate_grad_hook(hook)
+        if registered is not None:
+            state.module_hooks.append(registered)

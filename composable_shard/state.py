@@ -90,14 +90,10 @@ class UnitState:
     ) -> None:
         # The user's module this state belongs to (no wrapper).
         self.module = module
-        # One flat parameter per (dtype, requires_grad) group of the unit.
+        # One flat parameter per (dtype, requires_grad) group of the unit, as
+        # fully_shard found them (requires_grad and dtype may change later:
+        # [Note: changes to original parameters] in flat_param.py).
         self.handles = handles
-        # The handles with gradients (computed once: hooks read them per step).
-        self.trainable_handles: list[FlatParamHandle] = [h for h in handles if h.layout.requires_grad]
-        # Frozen handles with storage to free after backward.
-        self.frozen_handles_to_reshard: list[FlatParamHandle] = [
-            h for h in handles if not h.layout.requires_grad and h.needs_unshard_storage
-        ]
         self.groups = groups
         self.config = config
         self.compute_device = compute_device
@@ -123,6 +119,24 @@ class UnitState:
     @property
     def is_root(self) -> bool:
         return self.root_context is not None and self.root_context.root is self
+
+    @property
+    def trainable_handles(self) -> list[FlatParamHandle]:
+        """The handles with gradients. Derived each time (a few handles), so
+        it follows ``requires_grad`` changes without a copy to keep current."""
+        return [handle for handle in self.handles if handle.requires_grad]
+
+    @property
+    def frozen_handles_to_reshard(self) -> list[FlatParamHandle]:
+        """Handles holding frozen parameters, with storage to free after
+        backward ([Note: resharding frozen flat parameters] in runtime.py)."""
+        return [handle for handle in self.handles if handle.has_frozen_params and handle.needs_unshard_storage]
+
+    @property
+    def name_prefix(self) -> str:
+        """The unit's name and a dot, to complete its parameters' names in
+        messages (empty for the root and before lazy init)."""
+        return "" if self.root_context is None or self.is_root else f"{self.fqn}."
 
     @property
     def is_unsharded(self) -> bool:

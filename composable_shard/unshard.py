@@ -103,12 +103,16 @@ def unshard_params(
     units = _units(module, recurse=recurse, what="unshard_params")
     _check_idle(units, "unshard_params")
     handles = [h for unit in units for h in unit.handles if id(h) not in _ACTIVE_UNSHARDED]
+    for unit in units:  # the user's changes since the last step first (values, dtype, requires_grad)
+        for handle in unit.handles:
+            if id(handle) not in _ACTIVE_UNSHARDED:
+                handle.writeback_orig_params(name_prefix=unit.name_prefix)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     shown: list[tuple[FlatParamHandle, torch.Tensor, list[torch.Tensor | None]]] = []
     try:
         for handle in handles:
             full_flat = handle.gather_full_flat_param()
-            full_grad = handle.gather_full_flat_grad() if with_grads and handle.layout.requires_grad else None
+            full_grad = handle.gather_full_flat_grad() if with_grads and handle.requires_grad else None
             if rank0_only and not is_rank0:
                 continue
             if offload_to_cpu:

@@ -108,7 +108,7 @@ def _changed_size_raises(rank: int, world_size: int) -> None:
     weight = model.blocks[1].fc_in.weight
     local = weight.data
     weight.data = torch.zeros(5, 5)
-    with pytest.raises(ValueError, match=r"parameter 'fc_in.weight' changed size behind the shards: it holds shape \(5, 5\)"):
+    with pytest.raises(ValueError, match=r"parameter 'blocks.1.fc_in.weight' changed size behind the shards: it holds shape \(5, 5\)"):
         model(batch(0)[0])
     weight.data = local  # what the message asks: put back a tensor of the right size
     _train_step_matches(model, reference, rank, world_size)

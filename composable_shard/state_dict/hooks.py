@@ -89,7 +89,7 @@ def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> Non
             f"{state.training_state.name}). Call it between training steps."
         )
     for handle in handles:
-        handle.writeback_orig_params()
+        handle.writeback_orig_params(name_prefix=state.name_prefix)
 
 
 def _relative_prefixes(root: nn.Module) -> dict[int, list[str]]:

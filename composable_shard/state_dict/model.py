@@ -197,7 +197,7 @@ def prepare_units(module: nn.Module, what: str) -> list[UnitState]:
         )
     for unit in units:
         for handle in unit.handles:
-            handle.writeback_orig_params()
+            handle.writeback_orig_params(name_prefix=unit.name_prefix)
     return units
 
 
