@@ -522,9 +522,9 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: An
 
 def _run_user_grad_hooks(handle: FlatParamHandle) -> None:
     """See [Note: user post-accumulate-grad hooks]."""
-    for param in reversed(handle.orig_params):
+    for param, requires_grad in zip(reversed(handle.orig_params), reversed(handle.param_requires_grad)):
         hooks = param._post_accumulate_grad_hooks
-        if hooks:
+        if hooks and requires_grad and param.requires_grad:  # a frozen parameter gets no gradient, no hook
             for hook in tuple(hooks.values()):
                 hook(param)
 

@@ -266,6 +266,27 @@ def test_requires_grad_change_inside_no_sync_is_refused_at_the_next_forward() ->
     run_distributed(_requires_grad_change_inside_no_sync_is_refused, 2)
 
 
+def _frozen_parameter_runs_no_grad_hook(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    _shard(ShardingStrategy.FULL_SHARD, None)(model)
+    calls: list[str] = []
+    for name in ("fc_in.weight", "fc_out.weight"):
+        model.blocks[0].get_parameter(name).register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+    inputs, targets = batch(0)
+    expected: list[str] = []
+    for frozen, hooked in ((False, ["fc_out.weight", "fc_in.weight"]), (True, ["fc_out.weight"]), (False, ["fc_out.weight", "fc_in.weight"])):
+        model.blocks[0].fc_in.weight.requires_grad_(not frozen)
+        model.zero_grad()
+        plain_step(model, inputs, targets)
+        expected += hooked
+        assert calls == expected, (frozen, calls)
+
+
+def test_frozen_parameter_runs_no_post_accumulate_grad_hook() -> None:
+    run_distributed(_frozen_parameter_runs_no_grad_hook, 2)
+
+
 # ------------------------------------------------------------- dtype casts
 def _casts() -> dict[str, Callable[[nn.Module], object]]:
     return {
