@@ -25,11 +25,20 @@ No process group is needed; run it on one machine that sees the directory::
     python scripts/convert_checkpoint.py from-safetensors model.safetensors CHECKPOINT_DIR
 
 The whole model is read into memory on this machine.
+
+Reading a checkpoint never runs code from its files: its pickles are read as
+data, and anything beyond plain data is refused (README, "Checkpoints are
+data"). To admit a type of yours, name it (its module is imported)::
+
+    python scripts/convert_checkpoint.py to-torch DIR all.pt --everything --safe-global mypkg.schedules.Warmup
+
+and ``--trusted`` reads a checkpoint you trust unrestricted (never the default).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -53,6 +62,27 @@ def _tie(text: str) -> tuple[str, str]:
     return alias, canonical
 
 
+def _safe_global(text: str) -> object:
+    module, _, name = text.rpartition(".")
+    if not module:
+        raise argparse.ArgumentTypeError(f"--safe-global expects MODULE.NAME (e.g. mypkg.schedules.Warmup), got '{text}'")
+    try:
+        found: object = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise argparse.ArgumentTypeError(f"--safe-global {text}: cannot find it ({exc}); check the name and PYTHONPATH") from exc
+    return found
+
+
+def _add_trust_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--safe-global", type=_safe_global, action="append", default=[], metavar="MODULE.NAME",
+        help="admit this class or function in the checkpoint's pickles (repeatable)",
+    )
+    parser.add_argument("--trusted", action="store_true", help="read the checkpoint's pickles unrestricted (only one you trust)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -60,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     to_torch.add_argument("checkpoint_dir", type=Path)
     to_torch.add_argument("output", type=Path)
     to_torch.add_argument("--everything", action="store_true", help="also the optimizer and extra state, nested")
+    _add_trust_options(to_torch)
     to_dcp = commands.add_parser("to-dcp", help="torch.save file -> checkpoint directory")
     to_dcp.add_argument("input", type=Path)
     to_dcp.add_argument("checkpoint_dir", type=Path)
     to_st = commands.add_parser("to-safetensors", help="checkpoint directory -> one .safetensors file of the model")
     to_st.add_argument("checkpoint_dir", type=Path)
     to_st.add_argument("output", type=Path)
+    _add_trust_options(to_st)
     from_st = commands.add_parser("from-safetensors", help=".safetensors file -> checkpoint directory")
     from_st.add_argument("input", type=Path)
     from_st.add_argument("checkpoint_dir", type=Path)
@@ -73,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "to-torch":
-        dcp_to_torch_save(args.checkpoint_dir, args.output, everything=args.everything)
+        dcp_to_torch_save(
+            args.checkpoint_dir, args.output, everything=args.everything, trusted=args.trusted, safe_globals=args.safe_global
+        )
         logger.info("wrote %s", args.output)
     elif args.command == "to-dcp":
         torch_save_to_dcp(args.input, args.checkpoint_dir)
         logger.info("wrote %s", args.checkpoint_dir)
     elif args.command == "to-safetensors":
-        dcp_to_safetensors(args.checkpoint_dir, args.output)
+        dcp_to_safetensors(args.checkpoint_dir, args.output, trusted=args.trusted, safe_globals=args.safe_global)
         logger.info("wrote %s", args.output)
     else:
         safetensors_to_dcp(args.input, args.checkpoint_dir, aliases=dict(args.tie))

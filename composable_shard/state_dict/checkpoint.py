@@ -65,16 +65,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import comm
@@ -96,6 +95,7 @@ from .files import (
     CheckpointError,
     ChecksummingFileSystem,
     agree,
+    clear_staging,
     current_rank,
     file_record,
     manifest_hints,
@@ -108,6 +108,7 @@ from .model import StateDictOptions, get_model_state_dict, model_entries, prepar
 from .optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from .range_tensor import HAS_DCP_TENSOR_PROTOCOL
 from .reader import DirectFileSystemReader
+from .safe_pickle import PickleTrust, UnsafeCheckpointError, refusal_in
 
 __all__ = [
     "save_checkpoint",
@@ -163,11 +164,7 @@ def save_checkpoint(
     if extra_state:
         state[EXTRA] = dict(extra_state)
 
-    def prepare() -> None:
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-        staging.mkdir(parents=True)
-
-    rank0_step(f"{what}: cannot create the staging directory '{staging}'", prepare)
+    rank0_step(f"{what}: cannot create the staging directory '{staging}'", lambda: clear_staging(staging))
     error = None
     checksums: ChecksummingFileSystem | None = None
     try:
@@ -217,6 +214,8 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    trusted: bool = False,
+    safe_globals: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint directory (from ``save_checkpoint``, any world size
     or strategy) into ``model`` (and ``optimizer``); returns the saved
@@ -225,12 +224,22 @@ def load_checkpoint(
     (missing, unexpected or differently shaped keys), in both cases before
     changing anything; reads in place once it is checked (see [Note:
     checkpoint safety]). With ``strict=False`` only the keys both have are
-    loaded. Collective: every rank calls it."""
+    loaded. Collective: every rank calls it.
+
+    Never runs code from the files: their pickles are read as data, and one
+    that wants anything else is refused (``UnsafeCheckpointError``, a
+    ``CheckpointError``) before anything changes; see [Note: checkpoints are
+    data]. ``safe_globals`` admits more types (so does
+    ``torch.serialization.add_safe_globals``); ``trusted=True`` reads a
+    checkpoint you trust unrestricted."""
     directory = Path(path)
     what = f"load_checkpoint({directory})"
+    trust = PickleTrust.of(trusted, safe_globals)
     in_place = verify_checkpoint(directory)  # only files checked against the manifest are read in place
     try:
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = _reader(directory, trust).read_metadata()
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{what}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged metadata file; say so clearly
         raise CheckpointError(
             f"{what}: cannot read the checkpoint's metadata ({type(exc).__name__}: {exc}). The checkpoint is "
@@ -242,11 +251,12 @@ def load_checkpoint(
     options = StateDictOptions(strict=strict)
     if optimizer is not None:
         destination[OPTIM] = optim_destination(entries, optimizer, saved, strict, what, in_place=in_place)
-        check_optimizer_state_dict(model, optimizer, _optim_to_check(directory, destination[OPTIM], saved, what), options=options)
+        to_check = _optim_to_check(directory, destination[OPTIM], saved, what, trust)
+        check_optimizer_state_dict(model, optimizer, to_check, options=options)
     extra = template(saved, EXTRA)
     if extra is not None:
         destination[EXTRA] = extra
-    _read(directory, destination, what, in_place=in_place)
+    _read(directory, destination, what, trust, in_place=in_place)
     set_model_state_dict(model, destination[MODEL], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, destination[OPTIM], options=options)
@@ -254,7 +264,7 @@ def load_checkpoint(
     return dict(destination.get(EXTRA) or {})
 
 
-def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, what: str) -> dict[str, Any]:
+def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, what: str, trust: PickleTrust) -> dict[str, Any]:
     """The optimizer destination as ``check_optimizer_state_dict`` needs it,
     before any tensor is read: its parameter names per group from the
     manifest, or (a checkpoint without them) its objects read first."""
@@ -263,16 +273,28 @@ def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, w
         return {"state": optim.get("state", {}), "param_groups": [{"params": list(names)} for names in groups]}
     objects = objects_tree(saved, OPTIM)
     if objects is not None:  # hyperparameters: a few bytes, read on their own
-        _read(directory, {OPTIM: objects}, what, in_place=False)
+        _read(directory, {OPTIM: objects}, what, trust, in_place=False)
         fill_objects(optim, objects)
     return optim
 
 
-def _read(directory: Path, destination: dict[str, Any], what: str, *, in_place: bool) -> None:
+def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
+    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
+
+
+def _read(directory: Path, destination: dict[str, Any], what: str, trust: PickleTrust, *, in_place: bool) -> None:
     try:
         with _quiet_sharded_tensor():
-            dcp.load(destination, storage_reader=DirectFileSystemReader(directory))
+            dcp.load(destination, storage_reader=_reader(directory, trust))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
+        refusal = refusal_in(exc)
+        if refusal is not None:  # every rank refuses every bytes item before it reads a tensor
+            state = (
+                "Ranks that do not read that item may have read their part: load a checkpoint again before training."
+                if refusal.others_may_have_read and in_place
+                else "The model and optimizer were not changed."
+            )
+            raise type(refusal)(f"{what}: {refusal} {state}") from None
         state = (
             "It had passed its checks, so this is an I/O error; the model and optimizer may now hold part of it: "
             "load a checkpoint again before training."

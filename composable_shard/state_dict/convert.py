@@ -35,17 +35,19 @@ import inspect
 import json
 import logging
 import os
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .destinations import MODEL, OPTIM, saved_paths, template
-from .files import file_record, manifest_hints, switch_into_place, verify_checkpoint, write_manifest
+from .files import clear_staging, file_record, manifest_hints, switch_into_place, verify_checkpoint, write_manifest
+from .reader import DirectFileSystemReader
+from .safe_pickle import PickleTrust, refusal_in
 
 __all__ = [
     "dcp_to_torch_save",
@@ -67,24 +69,37 @@ _NO_DIST: dict[str, bool] = {"no_dist": True} if "no_dist" in inspect.signature(
 _SINGLE_PROCESS_WARNINGS = "torch.distributed is (disabled|unavailable or uninitialized)"
 
 
-def _load_without_process_group(state: dict[str, Any], directory: Path) -> None:
+def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
+    """Our reader: the checkpoint's pickles are read as data (see [Note:
+    checkpoints are data])."""
+    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
+
+
+def _load_without_process_group(state: dict[str, Any], directory: Path, trust: PickleTrust) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
-        dcp.load(state, storage_reader=FileSystemReader(directory), **_NO_DIST)
+        try:
+            dcp.load(state, storage_reader=_reader(directory, trust), **_NO_DIST)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a refusal is said as ours
+            refusal = refusal_in(exc)
+            if refusal is None:
+                raise
+            raise refusal from None
 
 
-def _read_state(directory: Path, roots: set[str] | None, skip_model_keys: set[str] = frozenset()) -> dict[str, Any]:
+def _read_state(
+    directory: Path, roots: set[str] | None, trust: PickleTrust, skip_model_keys: set[str] = frozenset()
+) -> dict[str, Any]:
     """The nested state saved in a verified directory (only ``roots``, all
     if None), read whole; model keys in the saved model order, 0-dim
     parameters with their shape back."""
-    verify_checkpoint(directory, ranks_share_work=False)
-    saved = saved_paths(FileSystemReader(directory).read_metadata())
+    saved = saved_paths(_metadata(directory, trust))
     present = {path[0] for path, _ in saved.values()}
     state = {root: template(saved, root) for root in sorted(present) if roots is None or root in roots}
     if isinstance(state.get(MODEL), dict):
         for key in skip_model_keys:
             state[MODEL].pop(key, None)
-    _load_without_process_group(state, directory)
+    _load_without_process_group(state, directory, trust)
     manifest = manifest_hints(directory)
     _restore_scalar_shapes(state, set(manifest.get("scalar_params", [])))
     if isinstance(state.get(MODEL), dict):
@@ -94,22 +109,30 @@ def _read_state(directory: Path, roots: set[str] | None, skip_model_keys: set[st
 
 
 def dcp_to_torch_save(
-    checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str], *, everything: bool = False
+    checkpoint_dir: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    *,
+    everything: bool = False,
+    trusted: bool = False,
+    safe_globals: Sequence[Any] | None = None,
 ) -> None:
     """Write one ``torch.save`` file from a checkpoint directory, with no
     process group: the unsharded model state dict (original names and
     shapes, loadable by the unsharded model's ``load_state_dict``), or with
-    ``everything`` the whole nested state (model, optimizer, extra)."""
+    ``everything`` the whole nested state (model, optimizer, extra). The
+    checkpoint's pickles are read as data (``safe_globals`` and
+    ``trusted`` as for ``load_checkpoint``)."""
     directory = Path(checkpoint_dir)
-    saved_roots = {path[0] for path, _ in saved_paths(_metadata(directory)).values()}
+    trust = PickleTrust.of(trusted, safe_globals)
+    saved_roots = {path[0] for path, _ in saved_paths(_metadata(directory, trust)).values()}
     model_only = not everything and MODEL in saved_roots
-    state = _read_state(directory, {MODEL} if model_only else None)
+    state = _read_state(directory, {MODEL} if model_only else None, trust)
     _replace_file(Path(output_path), lambda partial: torch.save(state[MODEL] if model_only else state, partial))
 
 
-def _metadata(directory: Path) -> Any:
+def _metadata(directory: Path, trust: PickleTrust) -> Any:
     verify_checkpoint(directory, ranks_share_work=False)
-    return FileSystemReader(directory).read_metadata()
+    return _reader(directory, trust).read_metadata()
 
 
 def _replace_file(output: Path, write: Any) -> None:
@@ -143,8 +166,7 @@ def torch_save_to_dcp(input_path: str | os.PathLike[str], checkpoint_dir: str | 
 
 def _write_directory(state: dict[str, Any], target: Path, aliases: dict[str, str]) -> None:
     staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    clear_staging(staging)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
         dcp.save(state, storage_writer=FileSystemWriter(staging), **_NO_DIST)
@@ -154,20 +176,28 @@ def _write_directory(state: dict[str, Any], target: Path, aliases: dict[str, str
 
 
 # ------------------------------------------------------------ safetensors
-def dcp_to_safetensors(checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str]) -> None:
+def dcp_to_safetensors(
+    checkpoint_dir: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    *,
+    trusted: bool = False,
+    safe_globals: Sequence[Any] | None = None,
+) -> None:
     """Write the model of a checkpoint directory as one ``.safetensors``
     file of full tensors (original names, shapes and dtypes; tied aliases
     stored once, see [Note: tied weights in safetensors]), with no process
     group. Non-tensor entries (extra states) have no place in safetensors
-    and are left out (logged)."""
+    and are left out (logged). The checkpoint's pickles are read as data
+    (``safe_globals`` and ``trusted`` as for ``load_checkpoint``)."""
     from safetensors.torch import save_file
 
     directory = Path(checkpoint_dir)
+    trust = PickleTrust.of(trusted, safe_globals)
     what = f"dcp_to_safetensors({directory})"
     aliases = dict(manifest_hints(directory).get("aliases", {}))
-    if MODEL not in {path[0] for path, _ in saved_paths(_metadata(directory)).values()}:
+    if MODEL not in {path[0] for path, _ in saved_paths(_metadata(directory, trust)).values()}:
         raise ValueError(f"{what}: the checkpoint holds no model state (no 'model.*' keys). Convert a checkpoint of save_checkpoint.")
-    model_state = _read_state(directory, {MODEL}, skip_model_keys=set(aliases))[MODEL]
+    model_state = _read_state(directory, {MODEL}, trust, skip_model_keys=set(aliases))[MODEL]
     tensors = {key: value.contiguous() for key, value in model_state.items() if isinstance(value, torch.Tensor)}
     left_out = [key for key in model_state if key not in tensors]
     if left_out:

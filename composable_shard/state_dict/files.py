@@ -9,7 +9,7 @@ its files.
 
 Public names: ``CheckpointError``, ``MANIFEST_NAME``, ``verify_checkpoint``,
 ``manifest_hints``, ``write_manifest``, ``file_record``,
-``switch_into_place``, ``agree``, ``rank0_step``, ``current_rank``,
+``switch_into_place``, ``SwitchedButNotDurable``, ``clear_staging``, ``agree``, ``rank0_step``, ``current_rank``,
 ``current_world_size``, ``ChecksummingFileSystem``.
 """
 
@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import mmap
 import os
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -41,6 +43,8 @@ __all__ = [
     "write_manifest",
     "file_record",
     "switch_into_place",
+    "SwitchedButNotDurable",
+    "clear_staging",
     "agree",
     "rank0_step",
     "current_rank",
@@ -104,6 +108,8 @@ def rank0_step(what: str, step: Callable[[], None]) -> None:
     if current_rank() == 0:
         try:
             step()
+        except SwitchedButNotDurable as exc:  # not what ``what`` says (the switch happened): say that
+            error = f"{what.split(':', 1)[0]}: {exc}"
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{what}: {type(exc).__name__}: {exc}"
     if dist.is_initialized():
@@ -225,13 +231,23 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, algorithm: _digest_file(path, algorithm)}
 
 
+# errnos of a file system that cannot fsync a directory at all (nothing to
+# make durable there, so nothing lost by going on).
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS}
+
+
 def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Make ``path``'s entries durable. Raises ``OSError`` when the sync
+    fails; a file system that cannot sync directories is logged (DEBUG)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _FSYNC_UNSUPPORTED:
+            raise
+        logger.debug("composable_shard: fsync of directory '%s' is not supported here (%s)", path, exc)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(
@@ -265,35 +281,105 @@ def write_manifest(
     _fsync_dir(directory)
 
 
-def _exchange(first: Path, second: Path) -> bool:
-    """Atomically swap two directories (Linux ``renameat2``); False where the
-    platform cannot."""
+def _libc_renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2`` (None where this platform has none)."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
+        return None
+    return getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None)
+
+
+def _exchange(first: Path, second: Path) -> str | None:
+    """Atomically swap two directories (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); None when done, else why not."""
+    renameat2 = _libc_renameat2()
     if renameat2 is None:
-        return False
+        return "this platform's C library has no renameat2"
     at_fdcwd, rename_exchange = -100, 2
-    result = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
-    return result == 0
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return None
+    code = ctypes.get_errno()
+    return f"renameat2(RENAME_EXCHANGE) failed: {errno.errorcode.get(code, code)} ({os.strerror(code)})"
+
+
+class SwitchedButNotDurable(CheckpointError):
+    """The new checkpoint is in place, but syncing its parent directory
+    failed, so a crash may still bring the previous one back."""
 
 
 def switch_into_place(staging: Path, target: Path) -> None:
     """Make the complete ``staging`` directory be ``target``; the old
-    ``target`` is never left half-written. See [Note: checkpoint safety]."""
+    ``target`` is never left half-written. See [Note: checkpoint safety].
+
+    Raises before the switch (``target`` unchanged) or
+    ``SwitchedButNotDurable`` after it; deleting the old checkpoint once
+    the new one is in place may fail (a file held open on NFS): that is a
+    warning, and the next save clears it away (``clear_staging``)."""
     if not target.exists():
         os.rename(staging, target)
-    elif _exchange(staging, target):
-        shutil.rmtree(staging)  # now the old checkpoint
-    else:
-        previous = target.with_name(target.name + ".previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(target, previous)
-        os.rename(staging, target)
-        shutil.rmtree(previous)
-    _fsync_dir(target.parent)
+        _sync_switch(target)
+        return
+    why_not = _exchange(staging, target)
+    if why_not is None:
+        _sync_switch(target)
+        _remove_old(staging, target)  # staging now holds the old checkpoint
+        return
+    previous = target.with_name(target.name + ".previous")
+    logger.warning(
+        "composable_shard: switching '%s' into place through two renames via '%s' (%s): a crash between them leaves "
+        "the previous checkpoint at '%s'",
+        target, previous, why_not, previous,
+    )
+    shutil.rmtree(previous, ignore_errors=True)
+    os.rename(target, previous)
+    os.rename(staging, target)
+    _sync_switch(target)
+    _remove_old(previous, target)
+
+
+def _sync_switch(target: Path) -> None:
+    """fsync ``target``'s parent right after the switch, so the switch is
+    durable before anything else happens (not resting on journal order)."""
+    try:
+        _fsync_dir(target.parent)
+    except OSError as exc:
+        raise SwitchedButNotDurable(
+            f"the new checkpoint is in place at '{target}', but syncing its directory '{target.parent}' failed ({exc}): "
+            "after a crash the previous checkpoint may be back. Check the file system and save again."
+        ) from exc
+
+
+def _remove_old(old: Path, target: Path) -> None:
+    """Delete the previous checkpoint; failing is a warning (the new one is
+    in place)."""
+    try:
+        shutil.rmtree(old)
+    except OSError as exc:
+        message = (
+            f"composable_shard: the new checkpoint is in place at '{target}', but deleting the previous one at '{old}' "
+            f"failed ({exc}); the next save to '{target}' moves it aside and retries. Delete it yourself to free the space."
+        )
+        logger.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def clear_staging(staging: Path) -> None:
+    """Make ``staging`` a new, empty directory: what an interrupted save or
+    an undeletable previous checkpoint left there is deleted, or, where that
+    fails, moved aside to ``<staging>.stale-<n>`` (deleted by a later save
+    where possible)."""
+    for stale in staging.parent.glob(f"{staging.name}.stale-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    if staging.exists():
+        aside = next(
+            staging.with_name(f"{staging.name}.stale-{n}")
+            for n in range(1, 1 << 30)
+            if not staging.with_name(f"{staging.name}.stale-{n}").exists()
+        )
+        logger.warning("composable_shard: cannot delete '%s'; moving it aside to '%s'", staging, aside)
+        os.rename(staging, aside)
+    staging.mkdir(parents=True)
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = True) -> bool:

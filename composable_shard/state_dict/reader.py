@@ -60,12 +60,26 @@ import os
 import pickle
 import struct
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from .files import CheckpointError
+from .safe_pickle import (
+    HOW_TO_ADMIT,
+    PickleTrust,
+    UnsafeCheckpointError,
+    UnsafeTensorItemError,
+    admitted_globals,
+    load_metadata,
+    load_object,
+    unsafe_globals_in,
+)
 
 __all__ = ["DirectFileSystemReader"]
 
@@ -106,6 +120,11 @@ _MAX_PICKLE_BYTES = 1 << 20  # a data.pkl of one tensor is a few hundred bytes
 
 class _Unsupported(Exception):
     """This item is not one this reader reads itself; the stock reader will."""
+
+    def __init__(self, why: str, *, wants_global: bool = False) -> None:
+        super().__init__(why)
+        # Its pickle names a global beyond a plain tensor's (see _refuse_unsafe_item).
+        self.wants_global = wants_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +183,7 @@ class _TensorDescriptionUnpickler(pickle.Unpickler):
             return _Hooks
         if module == "torch" and name in _STORAGE_DTYPES:
             return name  # the persistent id names its storage class; see persistent_load
-        raise _Unsupported(f"pickle global {module}.{name}")
+        raise _Unsupported(f"pickle global {module}.{name}", wants_global=True)
 
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
@@ -178,7 +197,7 @@ class _TensorDescriptionUnpickler(pickle.Unpickler):
 def _describe(data: bytes) -> _SavedTensor:
     try:
         result = _TensorDescriptionUnpickler(io.BytesIO(data)).load()
-    except _Unsupported:
+    except (_Unsupported, UnsafeCheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle: let the stock reader say what it is
         raise _Unsupported(f"an unreadable pickle ({type(exc).__name__})") from exc
@@ -312,6 +331,36 @@ def _parse_item(stream: BinaryIO, offset: int, length: int) -> _SavedItem:
     return _SavedItem(saved, data_start)
 
 
+class _ItemView(io.RawIOBase):
+    """The bytes ``[start, start + length)`` of a file, as a seekable
+    read-only file (for torch's zip reader)."""
+
+    def __init__(self, stream: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._start, self._length, self._position = stream, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, target: Any) -> int:
+        count = max(0, min(len(target), self._length - self._position))
+        data = _pread(self._stream, self._start + self._position, count)
+        target[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -349,40 +398,158 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 class DirectFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that reads tensor items straight into their
-    destinations; same arguments, same results. See [Note: direct reads].
+    destinations, with the same results, and reads the checkpoint's pickles
+    as data: ``.metadata`` and every bytes item refuse any global beyond
+    plain data with ``UnsafeCheckpointError`` (a ``CheckpointError``), before
+    any tensor is read. See [Note: direct reads] and [Note: checkpoints are
+    data] (safe_pickle.py).
 
     Use it as any storage reader: ``dcp.load(state_dict,
-    storage_reader=DirectFileSystemReader(path))``. ``counts`` says how its
-    items were read so far: ``"direct"`` (into the destination),
-    ``"temporary"`` (through one temporary tensor) and ``"stock"`` (by
-    ``FileSystemReader.read_data``, bytes items included)."""
+    storage_reader=DirectFileSystemReader(path))``. ``safe_globals`` admits
+    more types (as ``torch.serialization.add_safe_globals``, which is
+    honoured too); ``trusted=True`` reads the pickles unrestricted, for a
+    checkpoint you trust. ``counts`` says how its items were read so far:
+    ``"direct"`` (into the destination), ``"temporary"`` (through one
+    temporary tensor) and ``"stock"`` (by ``FileSystemReader.read_data``,
+    bytes items included: it finds their bytes, they are then read here as
+    data)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, path: str | os.PathLike[str], *args: Any, trusted: bool = False, safe_globals: Sequence[Any] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.trust = PickleTrust.of(trusted, safe_globals)
         self.counts: dict[str, int] = {"direct": 0, "temporary": 0, "stock": 0}
 
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.trust.trusted:
+            return super().read_metadata(*args, **kwargs)
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = load_metadata(os.fspath(self.fs.concat_path(self.path, name)), self.trust)
+        load_id = getattr(self, "load_id", None)
+        if load_id is not None and hasattr(metadata, "storage_meta"):  # as the stock reader does
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = load_id
+        return metadata
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Everything that can refuse the checkpoint runs before anything is
+        # handed to the planner: a refused load changes nothing.
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            if item.type != LoadItemType.BYTE_IO:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        parsed = {relative_path: self._parse_items(relative_path, items) for relative_path, items in per_file.items()}
+        objects = dataclasses.replace(plan, items=[item for item in plan.items if item.type == LoadItemType.BYTE_IO])
+        if objects.items:
+            self._read_objects(objects, planner)
         pending: list[ReadItem] = []  # for the stock reader, in plan order
         for relative_path, items in per_file.items():
             path = os.fspath(self.fs.concat_path(self.path, relative_path))
-            parsed: dict[tuple[int, int], _SavedItem | None] = {}
             with open(path, "rb", buffering=0) as stream:
                 for item in items:
-                    how = self._read_item(stream, path, item, planner, parsed)
+                    how = self._read_checked_item(stream, path, item, planner, parsed[relative_path])
                     if how is None:
                         pending.append(item)
                     else:
                         self.counts[how] += 1
         if pending:
-            super().read_data(dataclasses.replace(plan, items=pending), planner).wait()
-            self.counts["stock"] += len(pending)
+            self._read_stock(dataclasses.replace(plan, items=pending), planner)
         logger.debug("DirectFileSystemReader: items read so far: %s", self.counts)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _parse_items(self, relative_path: str, items: list[ReadItem]) -> dict[tuple[int, int], _SavedItem | None]:
+        """Each tensor item's description (None: the stock reader reads
+        it), reading only the zip directories and pickles. Refuses an item
+        whose pickle wants a global ``torch.load(weights_only=True)`` would
+        refuse, before any item is read."""
+        path = os.fspath(self.fs.concat_path(self.path, relative_path))
+        parsed: dict[tuple[int, int], _SavedItem | None] = {}
+        with open(path, "rb", buffering=0) as stream:
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                where = (info.offset, info.length)
+                if where in parsed or getattr(info, "transform_descriptors", None):
+                    continue
+                try:
+                    parsed[where] = _parse_item(stream, info.offset, info.length)
+                except _Unsupported as why:
+                    logger.debug("DirectFileSystemReader: %s in %s at %d: stock reader", why, path, info.offset)
+                    parsed[where] = None
+                    if why.wants_global and not self.trust.trusted:
+                        self._refuse_unsafe_item(stream, path, item)
+                except (struct.error, ValueError, OverflowError, IndexError, RuntimeError) as exc:
+                    if isinstance(exc, CheckpointError):
+                        raise
+                    raise self._malformed(path, item, exc) from exc
+        return parsed
+
+    def _refuse_unsafe_item(self, stream: BinaryIO, path: str, item: ReadItem) -> None:
+        """Raise ``UnsafeCheckpointError`` if the tensor item's pickle names
+        a global that ``torch.load(weights_only=True)`` does not admit
+        (where this torch can tell without unpickling; else the stock
+        read refuses it, see ``_read_stock``)."""
+        info = self.storage_data[item.storage_index]
+        with admitted_globals(self.trust):
+            unsafe = unsafe_globals_in(_ItemView(stream, info.offset, info.length))
+        if unsafe:
+            raise UnsafeTensorItemError(
+                f"'{path}': the tensor item '{item.storage_index.fqn}' wants {', '.join(unsafe)}, which a tensor does "
+                f"not need; refused before this rank read any tensor. {HOW_TO_ADMIT}."
+            )
+
+    def _read_stock(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """The stock reader's read of ``plan``'s tensor items (it loads each
+        with ``torch.load(weights_only=True)``)."""
+        try:
+            super().read_data(plan, planner).wait()
+        except pickle.UnpicklingError as exc:
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            raise UnsafeTensorItemError(
+                f"DirectFileSystemReader({self.path}): a tensor item in {files} was refused by "
+                f"torch.load(weights_only=True) ({' '.join(str(exc).split())[-200:]}). {HOW_TO_ADMIT}."
+            ) from None
+        self.counts["stock"] += len(plan.items)
+
+    def _read_objects(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read every bytes item of ``plan`` as data (the stock reader finds
+        and untransforms their bytes), then hand them all to ``planner``."""
+        if self.trust.trusted:
+            super().read_data(plan, planner).wait()
+        else:
+            checked = _CheckedObjects(self.trust, os.fspath(self.path), self.storage_data)
+            super().read_data(plan, checked).wait()  # type: ignore[arg-type]  # the stock reader calls only load_bytes
+            for item, value in checked.values:
+                _deliver(planner, item, value)
+        self.counts["stock"] += len(plan.items)
+
+    def _read_checked_item(
+        self,
+        stream: BinaryIO,
+        path: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+        parsed: dict[tuple[int, int], _SavedItem | None],
+    ) -> str | None:
+        """``_read_item``, with a malformed item's low-level error said as
+        a ``CheckpointError`` naming the file and item."""
+        try:
+            return self._read_item(stream, path, item, planner, parsed)
+        except CheckpointError:
+            raise
+        except (struct.error, RuntimeError, ValueError, OverflowError, IndexError) as exc:
+            raise self._malformed(path, item, exc) from exc
+
+    def _malformed(self, path: str, item: ReadItem, exc: BaseException) -> CheckpointError:
+        return CheckpointError(
+            f"DirectFileSystemReader: '{path}': the item '{item.storage_index.fqn}' at offset "
+            f"{self.storage_data[item.storage_index].offset} is malformed ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}). The checkpoint is damaged; load another one."
+        )
 
     def _read_item(
         self,
@@ -392,21 +559,11 @@ class DirectFileSystemReader(FileSystemReader):
         planner: LoadPlanner,
         parsed: dict[tuple[int, int], _SavedItem | None],
     ) -> str | None:
-        """Read one item into its destination and say how (a ``counts``
-        key); None (nothing done) when the stock reader must read it."""
-        if item.type == LoadItemType.BYTE_IO:
-            return None
+        """Read one item (described in ``parsed``) into its destination and
+        say how (a ``counts`` key); None (nothing done) when the stock reader
+        must read it."""
         info = self.storage_data[item.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            return None
-        where = (info.offset, info.length)
-        if where not in parsed:
-            try:
-                parsed[where] = _parse_item(stream, info.offset, info.length)
-            except _Unsupported as why:
-                logger.debug("DirectFileSystemReader: %s in %s at %d: stock reader", why, path, info.offset)
-                parsed[where] = None
-        saved = parsed[where]
+        saved = parsed.get((info.offset, info.length))
         if saved is None:
             return None
         target = planner.resolve_tensor(item).detach()
@@ -434,6 +591,58 @@ class DirectFileSystemReader(FileSystemReader):
             target.copy_(temporary.as_strided(tuple(item.lengths), saved.tensor.stride, 0))
         planner.commit_tensor(item, target)
         return how
+
+
+class _CheckedObjects:
+    """Stands in for the planner while the stock reader reads bytes items:
+    each is loaded as data (``load_object``) and kept, so that all are
+    checked before any reaches the planner."""
+
+    def __init__(self, trust: PickleTrust, root: str, storage_data: dict[Any, Any]) -> None:
+        self._trust = trust
+        self._root = root
+        self._storage_data = storage_data
+        # (read item, the object it holds), in read order.
+        self.values: list[tuple[ReadItem, Any]] = []
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        file = os.path.join(self._root, self._storage_data[read_item.storage_index].relative_path)
+        self.values.append((read_item, load_object(value.getvalue(), self._trust, file=file, item=read_item.dest_index.fqn)))
+
+
+def _deliver(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Hand an object read as data to ``planner``: into its state dict where
+    it is DCP's default planner (its ``load_bytes`` would unpickle it again,
+    unrestricted), else through ``load_bytes`` of a fresh ``torch.save`` of
+    the checked object (whatever that planner does with it runs only on
+    what we built)."""
+    if type(planner).load_bytes is DefaultLoadPlanner.load_bytes and _set_in_default_planner(planner, item, value):
+        return
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    planner.load_bytes(item, buffer)
+
+
+def _set_in_default_planner(planner: Any, item: ReadItem, value: Any) -> bool:
+    """Put ``value`` where ``DefaultLoadPlanner.load_bytes`` puts it (the
+    place must exist, as it does in the state dict being loaded); False
+    where it does not."""
+    fqn = item.dest_index.fqn
+    try:
+        if getattr(planner, "flatten_state_dict", False):
+            *parents, last = planner.mappings[fqn]
+            node = planner.original_state_dict
+            for key in parents:
+                node = node[key]
+            if not isinstance(node, (dict, list)):
+                return False
+            node[last] = value
+        else:
+            planner.state_dict[fqn] = value
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def _box(saved: _SavedTensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, bool] | None:
