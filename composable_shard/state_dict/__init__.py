@@ -15,8 +15,11 @@ Layout (each module depends only on those above it)::
     optim.py         get_optimizer_state_dict / set_optimizer_state_dict
     hooks.py         module.state_dict() / load_state_dict() on units
     files.py         checksums, manifests, the atomic directory switch
+    safe_pickle.py   the checkpoint's pickles read as data: .metadata
+                     through an allow-list, objects with weights_only
     reader.py        DirectFileSystemReader: DCP's file reader that reads
-                     each tensor straight into its destination
+                     each tensor straight into its destination, and every
+                     pickle through safe_pickle.py
     checkpoint.py    save_checkpoint / load_checkpoint (safe directories)
     convert.py       checkpoint directory <-> torch.save / safetensors file
 
@@ -28,7 +31,7 @@ Public names: ``get_model_state_dict``, ``set_model_state_dict``,
 ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
 ``StateDictOptions`` (PyTorch's), ``StateDictError``, ``RangeShardedTensor``,
 ``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``,
-``DirectFileSystemReader``, and the helpers
+``UnsafeCheckpointError``, ``DirectFileSystemReader``, and the helpers
 model.py lists for the other modules.
 """
 
@@ -52,6 +55,7 @@ from .model import (
 from .optim import get_optimizer_state_dict, set_optimizer_state_dict
 from .range_tensor import RangeShardedTensor
 from .reader import DirectFileSystemReader
+from .safe_pickle import UnsafeCheckpointError
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -64,6 +68,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "CheckpointError",
+    "UnsafeCheckpointError",
     "RangeShardedTensor",
     "DirectFileSystemReader",
     "ModelEntries",

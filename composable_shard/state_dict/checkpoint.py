@@ -52,6 +52,15 @@ place:
    ``dcp.load`` through PyTorch's reader (README, Checkpoints). Loading
    without a manifest (below) reads through it as well.
 
+No step runs code from the files: ``.metadata`` and every object (extra
+states, hyperparameters, ``extra_state``) are read as data, and a pickle
+that wants more is refused (``UnsafeCheckpointError``) before any value is
+handed over; see [Note: checkpoints are data] in safe_pickle.py.
+
+Saving: the parent directory is fsynced right after the switch; an old
+checkpoint that cannot be deleted afterwards (a file held open on NFS) is a
+warning, and the next save moves it aside (``clear_staging``).
+
 A refused checkpoint therefore changes nothing. Once step 1 verified every
 file, the read in step 4 can only fail on an I/O error, and that error says
 the model may hold part of the checkpoint. A directory without a manifest

@@ -40,8 +40,19 @@ box of that saved tensor):
   temporary tensor and ``copy_`` the box's view of it;
 - anything unexpected (a transform such as compression named in the item's
   metadata, another serialization, an unknown pickle, a dtype or size that
-  differs from the destination, a byte-order other than this machine's, a
-  bytes item): the stock ``read_data`` reads that item.
+  differs from the destination, a byte-order other than this machine's):
+  the stock ``read_data`` reads that item (with
+  ``torch.load(weights_only=True)``).
+
+Bytes items (objects) are found and untransformed by the stock
+``read_data``, but unpickled here as data (``load_object``; see [Note:
+checkpoints are data] in safe_pickle.py), all of them, and a tensor item
+whose pickle names a global beyond a tensor's is checked the same way,
+before any value is handed to the planner: a refused read changes nothing
+on this rank. (A tensor item is read only by the ranks whose boxes need it,
+so only they refuse it; bytes items are read by every rank that loads
+them.) A malformed item (a zip structure that does not parse) raises
+``CheckpointError`` naming the file and item.
 
 So every destination holds what the stock reader would have written (the
 same bytes; the tests compare them bit for bit) and ``commit_tensor`` is
