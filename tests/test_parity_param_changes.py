@@ -5,7 +5,7 @@ parity with a single-process reference that makes the same changes:
   layer mid fine-tuning): in the root and in blocks, whole units and parts of
   units, a flat parameter grouped frozen at ``fully_shard`` time unfrozen,
   under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, in fp32 and under mixed
-  precision, then a state-dict round trip. Frozen parameters get no
+  precision, with activation checkpointing, then a state-dict round trip. Frozen parameters get no
   ``.grad``, are not updated (AdamW with weight decay), and a flat parameter
   frozen as a whole is not reduced; a change while a ``no_sync`` gradient
   waits for its reduction is refused at the next forward.
@@ -40,16 +40,18 @@ from .harness import run_distributed, run_subtests, world_sizes
 from .models import TinyGPT, batch, lm_loss
 from .parity import assert_resharded, plain_step
 from .test_mixed_precision import _Case, _reference_step
+from .test_parity_composition import _function_checkpoint_gpt
 from .test_no_sync import CollectiveSpy
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 BF16_FP32_REDUCE = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _build() -> nn.Module:
+def _build(use_reentrant: bool | None = None) -> nn.Module:
     """TinyGPT with ``blocks.2.norm`` frozen before sharding, so that block 2
-    has a flat parameter grouped frozen by ``fully_shard``."""
-    model = TinyGPT()
+    has a flat parameter grouped frozen by ``fully_shard``; with
+    ``use_reentrant`` set, its blocks run under activation checkpointing."""
+    model = TinyGPT() if use_reentrant is None else _function_checkpoint_gpt(use_reentrant)
     model.blocks[2].norm.requires_grad_(False)
     return model
 
@@ -78,6 +80,9 @@ def _change_requires_grad(model: nn.Module, step: int) -> None:
     elif step == 4:
         model.blocks[2].requires_grad_(False)  # both of its flat parameters
         model.norm.requires_grad_(False)
+        # Used first in forward, so last in backward: the block's flat
+        # gradient is complete before its LayerNorm's backward reads it.
+        model.blocks[0].norm.requires_grad_(False)
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -90,14 +95,16 @@ def _fp32_loss_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     return loss.detach()
 
 
-def _trainable_flat_params(model: nn.Module) -> int:
-    """Flat parameters holding at least one parameter that requires grad:
-    the reductions one backward may cost."""
-    return sum(
-        any(param.requires_grad for param in handle.orig_params)
-        for _, state in unit_states_under(model)
-        for handle in state.handles
-    )
+def _flat_params_with_grads(model: nn.Module, reference: nn.Module) -> int:
+    """Flat parameters holding a parameter the reference gave a gradient:
+    the reductions one backward should cost (a frozen flat parameter none)."""
+    has_grad = {name for name, param in reference.named_parameters() if param.grad is not None}
+    count = 0
+    for unit_name, state in unit_states_under(model):
+        prefix = f"{unit_name}." if unit_name else ""
+        for handle in state.handles:
+            count += any(prefix + fqn in has_grad for info in handle.layout.params for fqn in info.fqns)
+    return count
 
 
 class _Reference:
@@ -150,10 +157,14 @@ def _check_params(model: nn.Module, reference: nn.Module, tolerance: dict[str, f
 
 
 def _requires_grad_changes_match_reference(
-    strategy: ShardingStrategy, mixed_precision: MixedPrecision | None, rank: int, world_size: int
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None,
+    rank: int,
+    world_size: int,
+    use_reentrant: bool | None = None,
 ) -> None:
     torch.manual_seed(0)
-    model = _build()
+    model = _build(use_reentrant)
     reference = _Reference(model, mixed_precision, world_size)
     _shard(strategy, mixed_precision)(model)
     optimizer, reference_optimizer = _adamw(model), _adamw(reference.model)
@@ -174,8 +185,8 @@ def _requires_grad_changes_match_reference(
         assert_resharded(model)
         reductions = spy.counts()["all_reduce" if strategy is ShardingStrategy.NO_SHARD else "reduce_scatter"]
         if world_size > 1:
-            expected = _trainable_flat_params(model)
-            assert reductions == expected, f"{when}: {reductions} reductions, {expected} flat parameters train"
+            expected = _flat_params_with_grads(model, reference.model)
+            assert reductions == expected, f"{when}: {reductions} reductions, {expected} flat parameters get gradients"
         _check_grads(model, reference.model, reference.tolerance, when)
         optimizer.step()
         reference_optimizer.step()
@@ -184,7 +195,8 @@ def _requires_grad_changes_match_reference(
         for name, before in frozen_before.items():
             assert torch.equal(dict(model.named_parameters())[name], before), f"{when}: frozen {name} changed"
         _check_params(model, reference.model, reference.tolerance, f"{when} after optimizer step")
-    _state_dict_round_trip(model, optimizer, reference, reference_optimizer, strategy, mixed_precision, rank, world_size)
+    if use_reentrant is None:
+        _state_dict_round_trip(model, optimizer, reference, reference_optimizer, strategy, mixed_precision, rank, world_size)
 
 
 def _state_dict_round_trip(
@@ -228,9 +240,23 @@ def _state_dict_round_trip(
 
 
 def _requires_grad_changes(rank: int, world_size: int) -> None:
+    # One rank shards nothing: one strategy stands for all. Mixed precision
+    # and checkpointing at two ranks; four ranks add empty local parts.
+    strategies = STRATEGIES if world_size > 1 else STRATEGIES[:1]
+    precisions = (None,) if world_size == 4 else (None, BF16_FP32_REDUCE)
     run_subtests(
-        {"strategy": STRATEGIES, "mixed_precision": (None, BF16_FP32_REDUCE)},
+        {"strategy": strategies, "mixed_precision": precisions},
         _requires_grad_changes_match_reference,
+        rank=rank,
+        world_size=world_size,
+    )
+    if world_size != 2:
+        return
+    run_subtests(  # activation checkpointing re-runs forward with the frozen views
+        {"use_reentrant": (False, True)},
+        _requires_grad_changes_match_reference,
+        strategy=ShardingStrategy.FULL_SHARD,
+        mixed_precision=None,
         rank=rank,
         world_size=world_size,
     )
