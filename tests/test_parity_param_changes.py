@@ -381,7 +381,37 @@ def _float64_after_cast_matches_reference(strategy: ShardingStrategy, cast: str,
         torch.testing.assert_close(model_state[name], value, **tolerance)
 
 
+def _float64_right_after_sharding_matches_reference(strategy: ShardingStrategy, rank: int, world_size: int) -> None:
+    """FSDP2's cast-after-init scenario: the cast (swapping tensors) right
+    after fully_shard, before lazy init, then Adam with foreach."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model).double()
+    _shard(strategy, None)(model)
+    _to_float64_swapping(model)
+    assert all(param.dtype == torch.float64 for param in model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=True)
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    tolerance = dict(atol=1e-12, rtol=1e-12)
+    for step in range(3):
+        inputs, targets = batch(step)
+        reference_loss = plain_step(reference, inputs, targets)
+        loss = plain_step(model, inputs[local], targets[local])
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss / world_size, reference_loss, **tolerance)
+        _check_grads(model, reference, tolerance, f"step {step}")
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        _check_params(model, reference, tolerance, f"step {step} after optimizer step")
+
+
 def _float64_casts(rank: int, world_size: int) -> None:
+    run_subtests(
+        {"strategy": STRATEGIES}, _float64_right_after_sharding_matches_reference, rank=rank, world_size=world_size
+    )
     run_subtests(
         {"strategy": STRATEGIES, "cast": tuple(_casts())},
         _float64_after_cast_matches_reference,
@@ -426,9 +456,34 @@ def _low_precision_casts(rank: int, world_size: int) -> None:
         torch.testing.assert_close(loss / world_size, reference_loss, atol=2e-2, rtol=2e-2)
 
 
+def _policy_dtypes_survive_a_cast(rank: int, world_size: int) -> None:
+    """FSDP2's clamp-reduce-dtype scenario: a bf16 model under a bf16
+    compute and reduction policy, cast to fp32 after sharding, keeps
+    computing and reducing in bf16 while its shards and gradients are fp32."""
+    torch.manual_seed(0)
+    model = TinyGPT().bfloat16()
+    _shard(ShardingStrategy.FULL_SHARD, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))(model)
+    model.to(torch.float32)
+    inputs, targets = batch(0)
+    spy = CollectiveSpy()
+    with spy.watching():
+        logits = model(inputs)
+        lm_loss(logits.float(), targets).backward()
+    assert logits.dtype == torch.bfloat16
+    assert spy.dtypes("reduce_scatter") == {torch.bfloat16}, spy.dtypes("reduce_scatter")
+    assert spy.dtypes("all_gather_into") == {torch.bfloat16}, spy.dtypes("all_gather_into")
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, (name, param.dtype, param.grad.dtype)
+
+
+def _low_precision_and_policy_casts(rank: int, world_size: int) -> None:
+    _low_precision_casts(rank, world_size)
+    _policy_dtypes_survive_a_cast(rank, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2])
 def test_low_precision_cast_after_sharding_moves_shards_and_compute(world_size: int) -> None:
-    run_distributed(_low_precision_casts, world_size)
+    run_distributed(_low_precision_and_policy_casts, world_size)
 
 
 def _partial_cast_is_refused(rank: int, world_size: int) -> None:
