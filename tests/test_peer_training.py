@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 
 from composable_shard import ShardingStrategy, comm, fully_shard, no_sync, register_forward_method
 from composable_shard.state import get_state
 
 from .harness import run_distributed
 from .models import MLP
-from .parity import Parity, assert_resharded, compare_full
+from .parity import Parity, assert_resharded, compare_full, hybrid_groups
 from .peer_parity import float_batch, local_slice, mean_square, train_in_parity
 from .test_no_sync import CollectiveSpy
 
@@ -268,3 +269,38 @@ def _gradient_accumulation_modes(rank: int, world_size: int) -> None:
 def test_gradient_accumulation_in_every_mode_matches_reference(world_size: int) -> None:
     run_distributed(_gradient_accumulation_modes, world_size)
 
+
+
+def _hybrid_with_checkpointing_and_accumulation(rank: int, world_size: int) -> None:
+    """HYBRID_SHARD (2 x 2) with composable checkpointing and no_sync over
+    the first two of three micro-batches, odd and even widths."""
+    shard_group, replicate_group = hybrid_groups(world_size)
+    micro_batches = 3
+    for dim in (3, 17):
+        for use_checkpoint in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.LayerNorm(dim, bias=False), MLP(dim, 3), MLP(dim), MLP(dim, 3))
+            reference = copy.deepcopy(model)
+            for module in model:
+                if use_checkpoint:
+                    composable_checkpoint(module)
+                fully_shard(module, strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
+            fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+            parity = Parity(build=lambda: model, shard=lambda m: None, atol=5e-6)
+            for step in range(2):
+                for micro in range(micro_batches):
+                    inputs = float_batch(step * micro_batches + micro, dim)
+                    mean_square(reference(inputs)).backward()
+                    with no_sync(model) if micro < micro_batches - 1 else contextlib.nullcontext():
+                        mean_square(model(local_slice(inputs))).backward()
+                assert_resharded(model)
+                compare_full(model, reference, parity, f"dim {dim} checkpoint={use_checkpoint} step {step}", grads=True)
+                for opt in (optimizer, reference_optimizer):
+                    opt.step()
+                    opt.zero_grad(set_to_none=step % 2 == 0)
+
+
+def test_hybrid_shard_with_checkpointing_and_accumulation_matches_reference() -> None:
+    run_distributed(_hybrid_with_checkpointing_and_accumulation, 4)
