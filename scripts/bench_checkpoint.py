@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--sizes", default="", help="comma list of LAYERSxEMBD model sizes (overrides --n-layer/--n-embd)")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--json", default="", help="also write the rows and the raw samples to this JSON file")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--dir", default="", help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / world size)")
@@ -239,8 +239,12 @@ def worker(rank: int, args: argparse.Namespace, port: int, mode: str, out_dir: s
     dist.destroy_process_group()
 
 
-def run_size(args: argparse.Namespace, ckpt_root: str) -> list[tuple[str, float, float, float, float]]:
-    """Every mode at the model size in ``args``; one row per mode."""
+def run_size(
+    args: argparse.Namespace, ckpt_root: str
+) -> tuple[list[tuple[str, float, float, float, float]], dict[str, dict[str, list[float]]]]:
+    """Every mode at the model size in ``args``: one row per mode, and the
+    raw samples behind them (per mode: every timed repeat's slowest-rank
+    time, every round's largest peak)."""
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     numel = sum(p.numel() for p in GPT(config).parameters())
     logger.info(
@@ -276,7 +280,7 @@ def run_size(args: argparse.Namespace, ckpt_root: str) -> list[tuple[str, float,
     logger.info("%-22s %10s %14s %10s %14s", "mode", "save (s)", "save peak (MB)", "load (s)", "load peak (MB)")
     for mode, save_s, save_mb, load_s, load_mb in rows:
         logger.info("%-22s %10.3f %14.1f %10.3f %14.1f", mode, save_s, save_mb, load_s, load_mb)
-    return rows
+    return rows, samples
 
 
 def main() -> int:
@@ -287,8 +291,8 @@ def main() -> int:
     try:
         for n_layer, n_embd in args.sizes:
             args.n_layer, args.n_embd = n_layer, n_embd
-            rows = run_size(args, ckpt_root)
-            results.append({"n_layer": n_layer, "n_embd": n_embd, "rows": rows})
+            rows, samples = run_size(args, ckpt_root)
+            results.append({"n_layer": n_layer, "n_embd": n_embd, "rows": rows, "samples": samples})
     finally:
         if not args.dir:
             shutil.rmtree(ckpt_root, ignore_errors=True)

@@ -82,7 +82,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import comm
@@ -117,6 +116,8 @@ from .model import StateDictOptions, get_model_state_dict, model_entries, prepar
 from .optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from .range_tensor import HAS_DCP_TENSOR_PROTOCOL
 from .reader import DirectFileSystemReader
+from .shards import stored_shape
+from .tied_aliases import TiedOnceFileSystemWriter, TiedOnceSavePlanner
 from .safe_pickle import PickleTrust, UnsafeCheckpointError, refusal_in
 
 __all__ = [
@@ -166,7 +167,11 @@ def save_checkpoint(
     what = f"save_checkpoint({target})"
     staging = target.with_name(target.name + ".partial")
     entries = model_entries(model, prepare_units(model, "save_checkpoint"))
-    scalar_params = [key for entry in entries.sharded if len(entry.info.shape) == 0 for key in entry.keys]
+    # 0-dim parameters stored with shape (1,) (only under the ShardedTensor fallback now), for the converters.
+    scalar_params = [
+        key for entry in entries.sharded if stored_shape(entry.info.shape) != entry.info.shape for key in entry.keys
+    ]
+    tied = {(MODEL, alias): (MODEL, entry.keys[0]) for entry in entries.sharded for alias in entry.keys[1:]}
     state: dict[str, Any] = {MODEL: get_model_state_dict(model)}
     if optimizer is not None:
         state[OPTIM] = get_optimizer_state_dict(model, optimizer)
@@ -177,10 +182,10 @@ def save_checkpoint(
     error = None
     checksums: ChecksummingFileSystem | None = None
     try:
-        writer = FileSystemWriter(staging)
+        writer = TiedOnceFileSystemWriter(staging, aliases=tied)  # see [Note: tied aliases written once]
         checksums = ChecksummingFileSystem.attach(writer)  # checksums while writing, not by reading back
         with _quiet_sharded_tensor():
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, planner=TiedOnceSavePlanner(tied))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank; say what is left
         error = (
             f"{what}: writing the checkpoint failed ({_describe(exc)}). The checkpoint at '{target}' (if any) is "

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .model import (
     ModelEntries,
+    ShardedParamEntry,
     StateDictError,
     empty_model_state_dict,
     key_mismatch_message,
@@ -41,7 +42,8 @@ from .model import (
     value_mismatch_message,
 )
 from .optim import is_param_shaped, optimizer_params
-from .shards import sharded_tensor_of_range, stored_shape
+from .range_tensor import RangeShardedTensor
+from .shards import LEGACY_SCALAR_SHAPE, is_legacy_scalar, sharded_tensor_of_range, stored_shape, with_shape
 
 __all__ = [
     "SavedPaths",
@@ -101,9 +103,10 @@ def model_destination(entries: ModelEntries, saved: SavedPaths, strict: bool, wh
         expected = stored_shape(entry.info.shape) if entry is not None else value.shape
         if not isinstance(md, TensorStorageMetadata):
             problems.append((key, "the checkpoint holds an object, not a tensor"))
-        elif entry is not None and md.size == entry.info.shape != expected:
-            # A 0-dim parameter saved unsharded (torch_save_to_dcp): read it whole.
-            destination[key] = torch.empty((), dtype=md.properties.dtype, device=entry.param.device)
+        elif entry is not None and md.size != expected and md.size in (entry.info.shape, LEGACY_SCALAR_SHAPE):
+            # A 0-dim parameter in the other of its two stored shapes (see [Note:
+            # sharded state dict representation]): the same elements, viewed so.
+            destination[key] = _reshaped(value, entry, md.size)
         elif md.size != expected:
             problems.append((key, f"shape {tuple(md.size)} does not match the model's {tuple(expected)}"))
     if problems:
@@ -147,9 +150,11 @@ def optim_destination(
             if not isinstance(md, TensorStorageMetadata):
                 continue
             probe = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
-            if not is_param_shaped(key, probe, info.shape) or md.size == info.shape != stored_shape(info.shape):
-                continue  # not per-element, or a 0-dim parameter's state saved unsharded: read it whole
-            if md.size != stored_shape(info.shape):
+            if not is_param_shaped(key, probe, info.shape):
+                continue  # not per-element: read it whole
+            # A 0-dim parameter's state may be stored as () or (1,) (see [Note: sharded state dict representation]).
+            shape = md.size if md.size in (info.shape, stored_shape(info.shape)) or is_legacy_scalar(info.shape, md.size) else None
+            if shape is None:
                 why = f"shape {tuple(md.size)} does not match the parameter's {tuple(info.shape)}"
                 problems.append((f"{fqn}.{key}", why))
                 continue
@@ -158,10 +163,19 @@ def optim_destination(
                 local = existing.detach()
             else:
                 local = torch.empty(info.local_numel, dtype=md.properties.dtype, device=op.param.device)
-            values[key] = sharded_tensor_of_range(local, sharding_of(op.entry))
+            values[key] = sharded_tensor_of_range(local, with_shape(sharding_of(op.entry), shape))
     if problems:
         raise StateDictError(value_mismatch_message(what, problems))
     return _materialize(shape_tree)
+
+
+def _reshaped(value: Any, entry: ShardedParamEntry, shape: torch.Size) -> Any:
+    """A 0-dim parameter's destination ``value`` (sharded, or a new full
+    tensor) stored with ``shape`` instead."""
+    if isinstance(value, RangeShardedTensor):
+        return sharded_tensor_of_range(value.local, with_shape(sharding_of(entry), shape))
+    # A full tensor, or the ShardedTensor fallback (which cannot hold shape ()): read the one element whole.
+    return torch.empty(shape, dtype=value.dtype, device=entry.param.device)
 
 
 def _fits(value: Any, numel: int, dtype: torch.dtype, device: torch.device) -> bool:

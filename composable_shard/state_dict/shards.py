@@ -7,7 +7,8 @@ Knows nothing of: modules, units, optimizers, collectives (everything here is
 computed locally, from the layout).
 
 Public names: ``RangeSharding``, ``range_sharding``, ``range_boxes``,
-``stored_shape``, ``sharded_tensor_of_range``, ``range_source_error``,
+``stored_shape``, ``LEGACY_SCALAR_SHAPE``, ``is_legacy_scalar``, ``with_shape``,
+``sharded_tensor_of_range``, ``range_source_error``,
 ``read_range``, ``is_sharded_tensor``, ``global_shape``, ``local_range_of``.
 
 [Note: sharded state dict representation]
@@ -33,10 +34,14 @@ names and shapes.
 
 Replicas (hybrid sharding, ``NO_SHARD``) build identical boxes; DCP's save
 planner keeps one copy of each box (its write items are keyed by name and
-offset), so replicated data is written once. A 0-dim parameter is stored
-with shape ``(1,)`` (``stored_shape``; ``nn.Module.load_state_dict`` accepts
-that for a 0-dim parameter, and checkpoints of earlier versions hold it so).
-Parameters with no elements are plain empty tensors.
+offset), so replicated data is written once. A 0-dim parameter keeps its
+shape ``()`` (one box of no dimensions, on the rank that holds its
+element), so a checkpoint loads as it is into FSDP2 and into the unsharded
+model. Checkpoints of earlier versions hold it with shape ``(1,)``
+(``LEGACY_SCALAR_SHAPE``), and so do checkpoints written where the
+ShardedTensor fallback is used (it cannot hold a 0-dim tensor); loading
+reads either (``is_legacy_scalar``). Parameters with no elements are plain
+empty tensors.
 
 Where the installed torch predates DCP's tensor protocol
 (``HAS_DCP_TENSOR_PROTOCOL`` is False) the same boxes become the local shards
@@ -48,6 +53,7 @@ state dict. Reading accepts either form.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -63,6 +69,9 @@ __all__ = [
     "range_sharding",
     "range_boxes",
     "stored_shape",
+    "LEGACY_SCALAR_SHAPE",
+    "is_legacy_scalar",
+    "with_shape",
     "sharded_tensor_of_range",
     "range_source_error",
     "read_range",
@@ -104,10 +113,30 @@ def range_sharding(info: ParamInfo, layout: FlatParamLayout, group_ranks: Sequen
     return RangeSharding(stored_shape(info.shape), info.local_start, info.local_numel, rank, tuple(rank_ranges))
 
 
+LEGACY_SCALAR_SHAPE = torch.Size([1])
+
+
 def stored_shape(shape: Sequence[int]) -> torch.Size:
-    """The shape a parameter has in sharded state dicts: its own, except
-    ``(1,)`` for a 0-dim one. See [Note: sharded state dict representation]."""
-    return torch.Size(shape) if len(shape) else torch.Size([1])
+    """The shape a parameter has in sharded state dicts: its own (``(1,)``
+    for a 0-dim one only under the ShardedTensor fallback). See [Note:
+    sharded state dict representation]."""
+    if len(shape) == 0 and not HAS_DCP_TENSOR_PROTOCOL:
+        return LEGACY_SCALAR_SHAPE
+    return torch.Size(shape)
+
+
+def is_legacy_scalar(shape: Sequence[int], saved: Sequence[int]) -> bool:
+    """Whether a value saved with shape ``saved`` is a 0-dim parameter of
+    ``shape`` stored as ``(1,)`` (earlier versions, the fallback)."""
+    return len(shape) == 0 and tuple(saved) == tuple(LEGACY_SCALAR_SHAPE)
+
+
+def with_shape(sharding: RangeSharding, shape: Sequence[int]) -> RangeSharding:
+    """``sharding`` with another stored shape of the same elements (a 0-dim
+    parameter read from a ``(1,)`` checkpoint)."""
+    if math.prod(shape) != sharding.numel:
+        raise ValueError(f"with_shape: {tuple(shape)} does not hold the {sharding.numel} elements of {tuple(sharding.shape)}")
+    return dataclasses.replace(sharding, shape=torch.Size(shape))
 
 
 def range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
@@ -243,7 +272,7 @@ def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) ->
     found = global_shape(value)
     if found is None:
         return f"expected a tensor, got {type(value).__name__}"
-    if found != shape and not (len(shape) == 0 and found == stored_shape(shape)):
+    if found != shape and not is_legacy_scalar(shape, found):
         return f"shape {tuple(found)} does not match the model's {tuple(shape)}"
     if not is_sharded_tensor(value) or numel == 0:
         return None
