@@ -104,6 +104,15 @@ class FlatParamHandle:
             shard_rank=groups.shard_rank,
             shard_world_size=groups.shard_world_size,
         )
+        if groups.is_sharded:
+            # The most one rank writes for this handle's collectives (a
+            # reduce-scatter writes every chunk but its own): the shared
+            # memory of the group is checked and reserved for it (see
+            # [Note: one transport per group] in comm/transport.py).
+            itemsize = max(dtype.itemsize for dtype in (first.dtype, param_dtype or first.dtype, reduce_dtype or first.dtype))
+            comm.expect_collective_bytes(
+                groups.shard_group, self.layout.shard_numel * itemsize * max(1, groups.shard_world_size - 1)
+            )
         # The user's parameter objects, in layout order; identity is kept.
         self.orig_params: tuple[nn.Parameter, ...] = tuple(src.param for src in sources)
         # Device forward and backward run on (where the unsharded buffer lives).

@@ -577,9 +577,9 @@ def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, 
             # counts the pages this rank touched through its mappings, its
             # peers' included: those are replaced by this rank's own slots,
             # so every page is counted once, for the rank that owns it.
-            from composable_shard.comm.shared_memory import HostSharedMemory
+            from composable_shard.comm import transport
 
-            shared = HostSharedMemory.process_shared_bytes() - HostSharedMemory.process_mapped_bytes()
+            shared = transport.process_shared_bytes() - transport.process_mapped_bytes()
             result["peak_increase_mb"] += shared / 2**20
     Path(out_dir, f"memory_{mode}_{repeat}_rank{rank}.json").write_text(json.dumps(result))
     barrier(args, device)

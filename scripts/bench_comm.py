@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
-from composable_shard.comm.shared_memory import HostSharedMemory
+from composable_shard.comm import transport
 from composable_shard.flat_layout import ParamOwner
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 
@@ -114,7 +114,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         "reduce-scatter raw": raw_reduce_scatter,
         "all-reduce+chunk raw": raw_all_reduce_keep_chunk,
     }
-    shared = HostSharedMemory.for_group(None) if device.type == "cpu" else None
+    shared = transport.shared_memory_of(None) if device.type == "cpu" else None
     if shared is not None:
 
         def shared_all_gather() -> None:

@@ -6,7 +6,10 @@ them switched off."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from composable_shard import ShardingStrategy, comm
-from composable_shard.comm.shared_memory import ENV_SWITCH, SLOTS, HostSharedMemory
+from composable_shard.comm import transport
+from composable_shard.comm.shared_memory import SLOTS
+from composable_shard.comm.transport import ENV_SWITCH
 
 from .harness import run_distributed
 from .models import TinyGPT
@@ -29,8 +34,8 @@ def _inputs(rank: int, world_size: int, numel: int, dtype: torch.dtype, salt: in
 
 
 def _all_gather_is_gloos_all_gather(rank: int, world_size: int) -> None:
-    transport = HostSharedMemory.for_group(None)
-    assert transport is not None, "ranks of one host share memory"
+    shared = transport.shared_memory_of(None)
+    assert shared is not None, "ranks of one host share memory"
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
         for numel in (0, 1, 7, 4099):
             shards = _inputs(rank, world_size, numel, dtype, salt=1)
@@ -47,9 +52,9 @@ def _all_gather_is_gloos_all_gather(rank: int, world_size: int) -> None:
                 assert torch.equal(output, torch.cat(shards)), (dtype, numel, async_op)
     # Mismatched sizes or dtypes are refused before anything is issued.
     with pytest.raises(ValueError, match=r"all-gather: output has 3 torch.float32 elements, expected"):
-        transport.all_gather(torch.empty(3), torch.zeros(2), async_op=False)
+        shared.all_gather(torch.empty(3), torch.zeros(2), async_op=False)
     with pytest.raises(ValueError, match=r"reduce-scatter: input has .* torch.bfloat16"):
-        transport.reduce_scatter(torch.empty(2), torch.zeros(2 * world_size, dtype=torch.bfloat16), async_op=False)
+        shared.reduce_scatter(torch.empty(2), torch.zeros(2 * world_size, dtype=torch.bfloat16), async_op=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -135,14 +140,14 @@ def _group_agrees_to_fall_back(rank: int, world_size: int) -> None:
     gloo; the files are gone from /dev/shm once the group decided."""
     before = {name for name in os.listdir("/dev/shm") if name.startswith("composable_shard_")}
     everyone = dist.new_group(list(range(world_size)))
-    assert HostSharedMemory.for_group(everyone) is not None
-    dist.barrier(everyone)  # every rank has left for_group, so removed its own file
+    assert transport.shared_memory_of(everyone) is not None
+    dist.barrier(everyone)  # every rank has left the setup, which removed the files' names
     assert not {name for name in os.listdir("/dev/shm") if name.startswith("composable_shard_")} - before
     if rank == world_size - 1:
         os.environ[ENV_SWITCH] = "0"
     try:
         refused = dist.new_group(list(range(world_size)))
-        assert HostSharedMemory.for_group(refused) is None
+        assert transport.shared_memory_of(refused) is None
     finally:
         os.environ.pop(ENV_SWITCH, None)
     shards = _inputs(rank, world_size, 9, torch.float32, salt=3)
@@ -165,8 +170,12 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
     for switch in ("1", "0"):
         os.environ[ENV_SWITCH] = switch
         try:
+            # A group decides its transport once (with the switch as it is then).
+            group = dist.new_group(list(range(world_size)))
             for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-                run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy, forward_prefetch=True), steps=3))
+                shard = _shard_manually(strategy, forward_prefetch=True, process_group=group)
+                run_parity(Parity(build=TinyGPT, shard=shard, steps=3))
+            assert transport.uses_shared_memory(group, "cpu") == (switch == "1")
         finally:
             os.environ.pop(ENV_SWITCH, None)
 
@@ -180,7 +189,7 @@ def _mismatched_collectives_raise(rank: int, world_size: int) -> None:
     """Ranks that issue different collectives at the same point get an error
     naming both, instead of reading each other's bytes as their own."""
     group = dist.new_group(list(range(world_size)))  # its own transport: this one is left broken
-    assert HostSharedMemory.for_group(group) is not None
+    assert transport.shared_memory_of(group) is not None
     numel = 5 + 2 * (rank == 0)
     output = torch.empty(numel * world_size)
     work = comm.all_gather_into(output, torch.zeros(numel), group, async_op=True)
@@ -198,9 +207,9 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
     import gc
 
     group = dist.new_group(list(range(world_size)))
-    transport = HostSharedMemory.for_group(group)
-    assert transport is not None
-    fds = list(transport._fds)
+    shared = transport.shared_memory_of(group)
+    assert shared is not None
+    fds = list(shared._fds) + list(shared._pidfds.values())
     inodes = {str(os.fstat(fd).st_ino) for fd in fds}
 
     def mapped_files() -> list[str]:
@@ -214,9 +223,9 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
     comm.reduce_scatter(reduced, torch.ones(2 * world_size), group, async_op=False)
     # Every rank's slots of both operations are mapped here.
     assert len(mapped_files()) == 2 * world_size
-    assert transport.mapped_bytes > 0 and transport.shared_bytes > 0
+    assert shared.mapped_bytes > 0 and shared.shared_bytes > 0
     dist.destroy_process_group(group)
-    del group, transport
+    del group, shared
     gc.collect()
     for fd in fds:
         with pytest.raises(OSError):
@@ -227,3 +236,146 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_shared_memory_files_close_and_unmap_when_their_group_is_destroyed(world_size: int) -> None:
     run_distributed(_files_close_with_their_group, world_size)
+
+
+def _fall_back_when_dev_shm_is_small(rank: int, world_size: int) -> None:
+    """/dev/shm too small on one rank (its statvfs says so), or a
+    reservation refused there (posix_fallocate fails): the whole group uses
+    gloo, each rank says so in one warning, and training is in parity."""
+    import warnings
+
+    real_statvfs, real_fallocate = os.statvfs, os.posix_fallocate
+
+    def small_statvfs(path: str) -> os.statvfs_result:
+        values = list(real_statvfs(path))
+        values[4] = 100  # f_bavail: 100 blocks free
+        return os.statvfs_result(values)
+
+    def full_fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    for fault, (name, replacement) in {
+        "small": ("statvfs", small_statvfs),
+        "full": ("posix_fallocate", full_fallocate),
+    }.items():
+        group = dist.new_group(list(range(world_size)))
+        if rank == world_size - 1:
+            setattr(os, name, replacement)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                shard = _shard_manually(ShardingStrategy.FULL_SHARD, process_group=group)
+                run_parity(Parity(build=TinyGPT, shard=shard, steps=2))
+        finally:
+            os.statvfs, os.posix_fallocate = real_statvfs, real_fallocate
+        messages = [str(w.message) for w in caught if "not shared memory" in str(w.message)]
+        assert len(messages) == 1, (fault, messages)
+        expected = f"has .* MiB free on ranks \\[{world_size - 1}\\]" if fault == "small" else "No space left on device"
+        assert re.search(expected, messages[0]), messages[0]
+        assert not transport.uses_shared_memory(group, "cpu"), fault
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith("composable_shard_") and name in messages[0]]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_group_falls_back_to_gloo_with_one_warning_when_dev_shm_lacks_space(world_size: int) -> None:
+    run_distributed(_fall_back_when_dev_shm_is_small, world_size)
+
+
+def _waits_honour_their_timeouts(rank: int, world_size: int) -> None:
+    """``wait(timeout)`` and the group's timeout end a wait for a peer that
+    is late, with an error naming the collective; the wait can be retried
+    and completes once the peer comes."""
+    group = dist.new_group(list(range(world_size)))
+    comm.all_gather_into(torch.empty(world_size), torch.zeros(1), group, async_op=False)  # the group set up
+    group.set_timeout(datetime.timedelta(seconds=1))
+    for timeout, late_s, error in (
+        ((datetime.timedelta(seconds=0.3),), 1.5, r"within 0.3 s \(the timeout given to wait\(\)\)"),
+        ((), 2.5, r"within 1 s \(the group's timeout\)"),
+    ):
+        output = torch.empty(3 * world_size)
+        if rank == 0:
+            work = comm.all_gather_into(output, torch.full((3,), 1.0), group, async_op=True)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"communication timeout in a shared-memory all-gather .*" + error):
+                work.wait(*timeout)
+            waited = time.monotonic() - start
+            limit = timeout[0].total_seconds() if timeout else 1.0
+            assert limit <= waited < late_s, waited
+            work.wait(datetime.timedelta(seconds=30))  # the peer came meanwhile
+        else:
+            time.sleep(late_s)
+            work = comm.all_gather_into(output, torch.full((3,), 2.0), group, async_op=True)
+            work.wait()
+        assert torch.equal(output, torch.tensor([1.0] * 3 + [2.0] * 3))
+        dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_wait_timeout_and_group_timeout_end_a_wait_for_a_late_peer(world_size: int) -> None:
+    run_distributed(_waits_honour_their_timeouts, world_size)
+
+
+def _second_thread_refused(rank: int, world_size: int) -> None:
+    """A collective issued while another thread is inside one of the same
+    group is refused with an error; the group goes on working."""
+    import threading
+
+    group = dist.new_group(list(range(world_size)))
+    comm.all_gather_into(torch.empty(world_size), torch.zeros(1), group, async_op=False)  # the group set up
+    output = torch.empty(2 * world_size)
+    if rank == 0:
+        work = comm.all_gather_into(output, torch.zeros(2), group, async_op=True)
+        waiter = threading.Thread(target=work.wait)
+        waiter.start()  # waits for rank 1, which comes in a second
+        time.sleep(0.3)
+        with pytest.raises(RuntimeError, match="while another thread was inside a collective of the same process group"):
+            comm.all_gather_into(torch.empty(2 * world_size), torch.zeros(2), group, async_op=False)
+        waiter.join()
+    else:
+        time.sleep(1.0)
+        comm.all_gather_into(output, torch.ones(2), group, async_op=False)
+    assert torch.equal(output, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    # From another thread, one at a time, the group still works.
+    result = []
+    helper = threading.Thread(target=lambda: result.append(comm.all_gather_into(output, torch.full((2,), float(rank)), group, async_op=False)))
+    helper.start()
+    helper.join()
+    assert result == [None] and torch.equal(output, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_collective_from_a_second_thread_at_the_same_time_is_refused(world_size: int) -> None:
+    run_distributed(_second_thread_refused, world_size)
+
+
+def _one_transport_whether_compiled_or_not(rank: int, world_size: int) -> None:
+    """A group keeps the transport it chose: a rank running its collectives
+    under torch.compile and one running them eagerly meet on the same one
+    (before, the compiled rank took gloo and the other shared memory, and
+    both waited forever), and a switch changed later changes nothing."""
+    group = dist.new_group(list(range(world_size)))
+
+    def gather(shard: torch.Tensor) -> torch.Tensor:
+        output = torch.empty(shard.numel() * world_size)
+        work = comm.all_gather_into(output, shard, group, async_op=True)
+        work.wait()
+        return output * 1
+
+    run = torch.compile(gather, backend="eager") if rank == 0 else gather
+    for step in range(3):
+        result = run(torch.full((4,), float(rank + step)))
+        assert torch.equal(result, torch.tensor([float(step)] * 4 + [float(step + 1)] * 4)), step
+    assert transport.uses_shared_memory(group, "cpu")
+    os.environ[ENV_SWITCH] = "0" if rank == 0 else "1"
+    try:
+        work = comm.all_gather_into(torch.empty(2 * world_size), torch.zeros(2), group, async_op=True)
+        assert not comm.inputs_in_use(work), "still shared memory"
+        work.wait()
+    finally:
+        os.environ.pop(ENV_SWITCH, None)
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_compiled_and_eager_ranks_use_the_groups_one_transport(world_size: int) -> None:
+    run_distributed(_one_transport_whether_compiled_or_not, world_size, timeout=120)

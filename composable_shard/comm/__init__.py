@@ -20,8 +20,8 @@ wrap this module to count or order them (a spy that calls through).
 Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``all_reduce``, ``all_reduce_max``, ``broadcast``, ``Work``,
-``PendingCollective``, ``inputs_in_use``; for state dicts and checkpoints,
-``broadcast_object`` and ``all_gather_object``.
+``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; for
+state dicts and checkpoints, ``broadcast_object`` and ``all_gather_object``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from torch.distributed import ProcessGroup
 from . import process_group, transport
 from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
-from .shared_memory import SharedMemoryWork
+from .shared_memory import SharedMemoryWork, eagerly, outside_graph
+from .transport import expect_collective_bytes
 
 __all__ = [
     "ShardGroups",
@@ -51,6 +52,7 @@ __all__ = [
     "all_gather_object",
     "PendingCollective",
     "inputs_in_use",
+    "expect_collective_bytes",
 ]
 
 # Work handle returned by asynchronous collectives (``None`` when synchronous).
@@ -75,7 +77,18 @@ def all_gather_into(
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank order).
     CPU tensors of a group on one host go through shared memory (see
     [Note: shared-memory collectives] in comm/shared_memory.py)."""
-    shared = transport.host_transport(shard, group)
+    # Compiled code takes the group's one transport too, run eagerly (see
+    # [Note: one transport per group] in comm/transport.py).
+    if shard.device.type == "cpu" and torch.compiler.is_compiling():
+        return eagerly(_all_gather_into)(output, shard, group, async_op=async_op)
+    return _all_gather_into(output, shard, group, async_op=async_op)
+
+
+@outside_graph
+def _all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
+) -> Work | SharedMemoryWork | None:
+    shared = transport.host_transport(shard, group, shard.numel() * shard.element_size())
     if shared is not None:
         return shared.all_gather(output, shard, async_op=async_op)
     return process_group.all_gather_into(output, shard, group=group, async_op=async_op)
@@ -97,15 +110,24 @@ def reduce_scatter(
     ``"shared_memory"``) overrides the per-backend choice of
     ``reduce_scatter_method``.
     """
+    if input.device.type == "cpu" and torch.compiler.is_compiling():
+        return eagerly(_reduce_scatter)(output, input, group, async_op=async_op, method=method)
+    return _reduce_scatter(output, input, group, async_op=async_op, method=method)
+
+
+@outside_graph
+def _reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool, method: str | None
+) -> Work | ChunkOfAllReduce | SharedMemoryWork | None:
     if method in (None, "shared_memory"):
-        # The transport is looked up once per call: this runs every step.
-        shared = transport.host_transport(input, group)
+        # The group's transport, decided at its first collective.
+        shared = transport.host_transport(input, group, (input.numel() - output.numel()) * input.element_size())
         if shared is not None:
             return shared.reduce_scatter(output, input, async_op=async_op)
         if method == "shared_memory":
             raise ValueError(
                 "comm.reduce_scatter: method 'shared_memory' needs CPU tensors and a gloo group whose ranks share "
-                f"a host, with {transport.shared_memory.ENV_SWITCH} not set to 0"
+                f"a host, with {transport.ENV_SWITCH} not set to 0 on any rank"
             )
         method = process_group.message_method(input, group)
     return process_group.reduce_scatter(output, input, group, async_op=async_op, method=method)

@@ -1,43 +1,147 @@
 """Owns: which transport carries a collective: shared memory (CPU tensors of
 a gloo group whose ranks share a host) or messages through the process
-group's backend, and which method reduces a gradient.
+group's backend, decided once per group, collectively; and which method
+reduces a gradient.
 
 Knows nothing of: how either transport moves bytes (``shared_memory``,
 ``process_group``), modules, flat parameters, streams.
 
-Public names: ``host_transport``, ``uses_shared_memory``,
-``reduce_scatter_method``, ``inputs_in_use``.
+Public names: ``ENV_SWITCH``, ``host_transport``, ``shared_memory_of``,
+``expect_collective_bytes``, ``uses_shared_memory``, ``reduce_scatter_method``,
+``inputs_in_use``, ``process_shared_bytes``, ``process_mapped_bytes``.
+
+[Note: one transport per group]
+A group's transport is decided at its first collective on CPU tensors, by
+every rank of the group together (``HostSharedMemory.connect``: one
+exchange over the backend), and never again: not per call, so nothing that
+differs between ranks at a call (``torch.compile`` tracing on one rank and
+not on another, an environment variable changed later) can send ranks down
+different transports, where they would wait for each other forever. The
+decision takes shared memory when every rank has ``ENV_SWITCH`` unset or
+not ``0``, all of them share one host's ``/dev/shm`` and process ids, and
+``/dev/shm`` has room on every rank for every rank's slots at the largest
+collective the group announced (``expect_collective_bytes``, which every
+flat-parameter handle calls when it is built, before any collective); else
+the whole group uses the backend, with one warning on each rank where the
+ranks share a host but the files could not be made (no room, not
+writable). Under ``torch.compile`` a shared-memory collective runs outside
+the graph (``shared_memory.eagerly``: one graph break, where a gloo
+collective with ``async_op=True`` makes one too).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import process_group, shared_memory
-from .shared_memory import HostSharedMemory, SharedMemoryWork
+from . import process_group
+from .shared_memory import (
+    PLATFORM_SUPPORTED,
+    HostSharedMemory,
+    SharedMemoryUnavailable,
+    SharedMemoryWork,
+    prepare_for_compile,
+)
 
-__all__ = ["host_transport", "uses_shared_memory", "reduce_scatter_method", "inputs_in_use"]
+__all__ = [
+    "ENV_SWITCH",
+    "host_transport",
+    "shared_memory_of",
+    "process_shared_bytes",
+    "process_mapped_bytes",
+    "expect_collective_bytes",
+    "uses_shared_memory",
+    "reduce_scatter_method",
+    "inputs_in_use",
+]
+
+ENV_SWITCH = "COMPOSABLE_SHARD_SHARED_MEMORY"
+
+# Group -> its shared-memory transport, or None where it uses its backend;
+# decided once (see the Note). Weak: a destroyed group's files close.
+_decisions: "weakref.WeakKeyDictionary[ProcessGroup, HostSharedMemory | None]" = weakref.WeakKeyDictionary()
+# Group -> the largest bytes one rank writes for one of its collectives, as
+# announced before its first collective (what its slots reserve).
+_announced: "weakref.WeakKeyDictionary[ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
-def host_transport(tensor: torch.Tensor, group: ProcessGroup | None) -> HostSharedMemory | None:
+def switched_on() -> bool:
+    """Whether this process offers shared memory to its groups (read when a
+    group decides; every rank's answer counts)."""
+    return PLATFORM_SUPPORTED and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def host_transport(tensor: torch.Tensor, group: ProcessGroup | None, nbytes: int = 0) -> HostSharedMemory | None:
     """The shared-memory transport that carries ``tensor``'s collectives over
-    ``group``, or None where they go through the backend."""
-    # Under torch.compile, gloo's collectives, which dynamo traces: the
-    # shared-memory path's file I/O would break the graph at every call.
-    if tensor.device.type != "cpu" or torch.compiler.is_compiling() or not shared_memory.enabled():
+    ``group`` (None: the default group), or None where they go through the
+    backend. The first call for a group decides (collective: every rank of
+    the group makes its first collective call then); ``nbytes``: what this
+    collective writes per rank, reserved at least."""
+    if tensor.device.type != "cpu":
         return None
-    return HostSharedMemory.for_group(group)
+    return shared_memory_of(group, nbytes)
+
+
+def shared_memory_of(group: ProcessGroup | None, nbytes: int = 0) -> HostSharedMemory | None:
+    """``group``'s shared-memory transport (None: the default group), or
+    None where it uses its backend; decided at the first call (collective)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return _decisions[group]
+    except KeyError:
+        return _decide(group, nbytes)
+
+
+def _decide(group: ProcessGroup, nbytes: int) -> HostSharedMemory | None:
+    transport = None
+    if PLATFORM_SUPPORTED and dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group)):
+        try:
+            transport = HostSharedMemory.connect(group, max(nbytes, _announced.get(group, 0)), wanted=switched_on())
+        except SharedMemoryUnavailable as unavailable:
+            if unavailable.warn:
+                warnings.warn(
+                    f"composable_shard: collectives of the process group of global ranks "
+                    f"{dist.get_process_group_ranks(group)} go through gloo, not shared memory: {unavailable}. "
+                    f"Set {ENV_SWITCH}=0 to choose gloo without this warning.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    _decisions[group] = transport
+    return transport
+
+
+def expect_collective_bytes(group: ProcessGroup | None, nbytes: int) -> None:
+    """Announce that ``group`` (None: the default group) will carry
+    collectives writing up to ``nbytes`` per rank, so that its shared memory
+    is checked and reserved for them when it is set up (not collective)."""
+    prepare_for_compile()  # handles are built before a model is compiled
+    if not dist.is_initialized():
+        return
+    group = group if group is not None else dist.group.WORLD
+    if nbytes > _announced.get(group, 0):
+        _announced[group] = nbytes
 
 
 def uses_shared_memory(group: ProcessGroup | None, device_type: str) -> bool:
-    """Whether collectives of ``group`` on ``device_type`` go through shared
-    memory, without a collective (for memory plans); see
-    ``shared_memory.expected``."""
-    return shared_memory.expected(group, device_type)
+    """Whether collectives of ``group`` (None: the default group) on
+    ``device_type`` go through shared memory, without a collective (for
+    memory plans): the group's decision once made; before that, a gloo group
+    of two or more ranks is assumed to share a host, and with no process
+    group at all (a plan before the run), one host with gloo."""
+    if device_type != "cpu" or not switched_on():
+        return False
+    if not dist.is_initialized():
+        return True
+    group = group if group is not None else dist.group.WORLD
+    if group in _decisions:
+        return _decisions[group] is not None
+    return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group))
 
 
 def inputs_in_use(work: Any) -> bool:
@@ -45,6 +149,22 @@ def inputs_in_use(work: Any) -> bool:
     work is waited on (False for shared-memory work, which copied them out
     when it was issued, so their memory can be freed at once)."""
     return not isinstance(work, SharedMemoryWork)
+
+
+def process_shared_bytes() -> int:
+    """Shared memory held by this process's files, over all its groups."""
+    return sum(transport.shared_bytes for transport in _live())
+
+
+def process_mapped_bytes() -> int:
+    """Shared memory of any rank's files in this process's RSS, over all its
+    groups. ``RSS - process_mapped_bytes() + process_shared_bytes()`` counts
+    every page of shared memory once, in the process that owns it."""
+    return sum(transport.mapped_bytes for transport in _live())
+
+
+def _live() -> list[HostSharedMemory]:
+    return [transport for transport in _decisions.values() if transport is not None]
 
 
 def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> str:
