@@ -128,6 +128,10 @@ class FlatParamHandle:
         # Each original parameter's requires_grad as the last write-back read
         # it (see [Note: changes to original parameters]).
         self.param_requires_grad: tuple[bool, ...] = (first.requires_grad,) * len(sources)
+        # Whether any parameter ever required grad since sharding: only then
+        # can they hold gradients (the same on every rank, so collectives on
+        # gradients may depend on it).
+        self.ever_required_grad: bool = first.requires_grad
         self.keep_low_precision_grads = keep_low_precision_grads
         # Shard (and sharded gradient) live on CPU between uses.
         self.offload_params = offload_params
@@ -408,6 +412,7 @@ class FlatParamHandle:
                 "accumulation. Change requires_grad after a backward outside no_sync (or set it back)."
             )
         self.param_requires_grad = requires_grad
+        self.ever_required_grad = self.ever_required_grad or self.requires_grad
         self.unsharded_flat_param.requires_grad_(self.requires_grad)
 
     def _change_dtype(self, dtype: torch.dtype) -> None:

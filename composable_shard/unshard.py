@@ -112,7 +112,9 @@ def unshard_params(
     try:
         for handle in handles:
             full_flat = handle.gather_full_flat_param()
-            full_grad = handle.gather_full_flat_grad() if with_grads and handle.requires_grad else None
+            # Also a flat parameter frozen after training: it may hold the
+            # gradients the user left.
+            full_grad = handle.gather_full_flat_grad() if with_grads and handle.ever_required_grad else None
             if rank0_only and not is_rank0:
                 continue
             if offload_to_cpu:

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from composable_shard import (
     MixedPrecision,
+    describe,
     ShardingStrategy,
     fully_shard,
     get_optimizer_state_dict,
@@ -96,9 +97,10 @@ def _fp32_loss_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
 
 
 def _flat_params_with_grads(model: nn.Module, reference: nn.Module) -> int:
-    """Flat parameters holding a parameter the reference gave a gradient:
-    the reductions one backward should cost (a frozen flat parameter none)."""
-    has_grad = {name for name, param in reference.named_parameters() if param.grad is not None}
+    """Flat parameters holding a trainable parameter the reference gave a
+    gradient: the reductions one backward should cost (a frozen flat
+    parameter none)."""
+    has_grad = {name for name, param in reference.named_parameters() if param.requires_grad and param.grad is not None}
     count = 0
     for unit_name, state in unit_states_under(model):
         prefix = f"{unit_name}." if unit_name else ""
@@ -162,6 +164,7 @@ def _requires_grad_changes_match_reference(
     rank: int,
     world_size: int,
     use_reentrant: bool | None = None,
+    set_to_none: bool = True,
 ) -> None:
     torch.manual_seed(0)
     model = _build(use_reentrant)
@@ -190,12 +193,14 @@ def _requires_grad_changes_match_reference(
         _check_grads(model, reference.model, reference.tolerance, when)
         optimizer.step()
         reference_optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
         for name, before in frozen_before.items():
-            assert torch.equal(dict(model.named_parameters())[name], before), f"{when}: frozen {name} changed"
+            # Zeroed (not None) gradients of frozen parameters stay, and
+            # AdamW decays those parameters, in the reference too.
+            assert not set_to_none or torch.equal(dict(model.named_parameters())[name], before), f"{when}: frozen {name} changed"
         _check_params(model, reference.model, reference.tolerance, f"{when} after optimizer step")
-    if use_reentrant is None:
+    if use_reentrant is None and set_to_none:
         _state_dict_round_trip(model, optimizer, reference, reference_optimizer, strategy, mixed_precision, rank, world_size)
 
 
@@ -252,6 +257,14 @@ def _requires_grad_changes(rank: int, world_size: int) -> None:
     )
     if world_size != 2:
         return
+    run_subtests(  # gradients zeroed in place: frozen parameters keep theirs
+        {"set_to_none": (False,)},
+        _requires_grad_changes_match_reference,
+        strategy=ShardingStrategy.FULL_SHARD,
+        mixed_precision=None,
+        rank=rank,
+        world_size=world_size,
+    )
     run_subtests(  # activation checkpointing re-runs forward with the frozen views
         {"use_reentrant": (False, True)},
         _requires_grad_changes_match_reference,
@@ -311,6 +324,27 @@ def _frozen_parameter_runs_no_grad_hook(rank: int, world_size: int) -> None:
 
 def test_frozen_parameter_runs_no_post_accumulate_grad_hook() -> None:
     run_distributed(_frozen_parameter_runs_no_grad_hook, 2)
+
+
+def _describe_follows_requires_grad(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    _shard(ShardingStrategy.FULL_SHARD, None)(model)
+    inputs, targets = batch(0)
+    trained = describe(model).rank_bytes
+    model.blocks[1].requires_grad_(False)
+    plain_step(model, inputs, targets)  # the forward takes the change
+    frozen = describe(model).rank_bytes
+    block = get_state(model.blocks[1]).handles[0]  # type: ignore[union-attr]
+    shard_bytes = block.layout.shard_numel * block.sharded_flat_param.element_size()
+    assert trained["grads"] - frozen["grads"] == shard_bytes, (trained, frozen, shard_bytes)
+    model.blocks[1].requires_grad_(True)
+    plain_step(model, inputs, targets)
+    assert describe(model).rank_bytes == trained
+
+
+def test_describe_counts_gradients_of_parameters_trainable_now() -> None:
+    run_distributed(_describe_follows_requires_grad, 2)
 
 
 # ------------------------------------------------------------- dtype casts

@@ -202,7 +202,11 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
     for unit_name, state in named:
         flat_params = [
             _flat_param_plan(
-                h.layout, h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
+                # requires_grad as the flat parameter has it now, not as
+                # fully_shard grouped it ([Note: changes to original
+                # parameters] in flat_param.py).
+                dataclasses.replace(h.layout, requires_grad=h.requires_grad),
+                h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
                 transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
             )
             for h in state.handles
