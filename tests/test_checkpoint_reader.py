@@ -34,6 +34,7 @@ try:  # torch releases with stream transforms (compression, encryption) of DCP i
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 except ImportError:  # older torch writes no transformed items: nothing to fall back for
     ExtensionRegistry = StreamTransformExtension = None  # type: ignore[assignment,misc]
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from composable_shard import get_model_state_dict, get_optimizer_state_dict
@@ -359,3 +360,30 @@ def test_zip64_extra_field_gives_the_values_its_entry_masks() -> None:
     assert _zip64_values(other + both, mask, mask, 1234) == (5 << 32, 5 << 32, 1234)
     offset_only = struct.pack("<HHQ", 0x0001, 8, 7 << 32)
     assert _zip64_values(offset_only, 10, 10, mask) == (10, 10, 7 << 32)
+
+
+def _truncated_zip64_extra(tensor: torch.Tensor) -> bytes:
+    """``torch.save`` of ``tensor`` whose last zip directory entry claims
+    zip64 sizes in an extra field that holds 4 of its 16 bytes (same length)."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    data = bytearray(buffer.getvalue())
+    last = data.rfind(b"PK\x01\x02")  # the last central directory entry
+    name_length = int.from_bytes(data[last + 28 : last + 30], "little")
+    data[last + 20 : last + 28] = b"\xff" * 8  # compressed and uncompressed sizes: "see the zip64 extra field"
+    data[last + 28 : last + 30] = (name_length - 4).to_bytes(2, "little")
+    data[last + 30 : last + 32] = (4).to_bytes(2, "little")
+    data[last + 46 + name_length - 4 : last + 46 + name_length] = b"\x01\x00\x10\x00"  # zip64 extra: id 1, 16 bytes
+    return bytes(data)
+
+
+def test_malformed_item_is_a_checkpoint_error_naming_the_file_and_item(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_state(torch.Generator().manual_seed(0)), checkpoint_id=tmp_path, no_dist=True)
+        _rewrite_items(tmp_path, _truncated_zip64_extra)
+        with pytest.raises(CheckpointException) as raised:
+            dcp.load(_empty_state(), storage_reader=DirectFileSystemReader(tmp_path), no_dist=True)
+    message = str(raised.value)
+    assert "CheckpointError" in message and "__0_0.distcp" in message and "is malformed (error:" in message, message
+    assert "the item 'w'" in message or "the item 'b'" in message, message
