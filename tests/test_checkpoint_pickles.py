@@ -330,6 +330,9 @@ def _plain_objects_round_trip(rank: int, world_size: int, root: str) -> None:
         assert load_checkpoint(f"{root}/typed", fresh, fresh_optimizer) == {"schedule": Schedule(10, 0.1)}
     with pytest.raises(TypeError, match="trusted"):
         load_checkpoint(f"{root}/typed", fresh, fresh_optimizer, trusted="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="safe_globals takes classes and functions"):
+        load_checkpoint(f"{root}/typed", fresh, fresh_optimizer, safe_globals=["tests.Schedule"])
+    train_steps(fresh, fresh_optimizer, range(3, 4))  # still trains after the refusals
 
 
 def test_plain_extra_state_round_trips_and_user_types_load_once_admitted(tmp_path: Path) -> None:

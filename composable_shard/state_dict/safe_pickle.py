@@ -139,7 +139,14 @@ class PickleTrust:
     def of(cls, trusted: bool, safe_globals: Sequence[Any] | None) -> "PickleTrust":
         if not isinstance(trusted, bool):
             raise TypeError(f"composable_shard checkpoint loading: trusted must be True or False, got {trusted!r}.")
-        return cls(trusted, tuple(safe_globals or ()))
+        admitted = tuple(safe_globals or ())
+        bad = [entry for entry in admitted if _name_of(entry) is None]
+        if bad:
+            raise TypeError(
+                f"composable_shard checkpoint loading: safe_globals takes classes and functions (or (object, "
+                f"'module.name') pairs, as torch.serialization.add_safe_globals does), got {bad!r}. Pass the type itself."
+            )
+        return cls(trusted, admitted)
 
 
 def _name_of(admitted: Any) -> tuple[str, str] | None:
@@ -148,6 +155,8 @@ def _name_of(admitted: Any) -> tuple[str, str] | None:
     if isinstance(admitted, tuple) and len(admitted) == 2 and isinstance(admitted[1], str):
         module, _, name = admitted[1].rpartition(".")
         return (module, name) if module else None
+    if not callable(admitted):
+        return None
     module, name = getattr(admitted, "__module__", None), getattr(admitted, "__qualname__", None)
     return (module, name) if isinstance(module, str) and isinstance(name, str) else None
 
