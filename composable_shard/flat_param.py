@@ -370,7 +370,8 @@ class FlatParamHandle:
             if param.numel() == info.local_numel and info.local_numel > 0:
                 edits.append((info, param, param.detach().reshape(-1)))
             elif param.shape == info.shape and param.numel() > 0:
-                edits.append((info, param, param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]))
+                local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+                edits.append((info, param, local))
             elif param.numel() == 0 and info.local_numel == 0:
                 edits.append((info, param, None))
             else:
@@ -403,9 +404,8 @@ class FlatParamHandle:
 
     def _set_requires_grad(self, requires_grad: tuple[bool, ...], name_prefix: str) -> None:
         if self.unsharded_flat_param.grad is not None:
-            changed = next(
-                info.fqn for info, old, new in zip(self.layout.params, self.param_requires_grad, requires_grad) if old != new
-            )
+            flips = zip(self.layout.params, self.param_requires_grad, requires_grad)
+            changed = next(info.fqn for info, old, new in flips if old != new)
             raise RuntimeError(
                 f"fully_shard: parameter '{name_prefix}{changed}' changed requires_grad while gradients accumulated "
                 "under no_sync wait for their reduction, which would use the new setting for the whole "
