@@ -37,6 +37,29 @@ reads a gradient or a shard before compute finished writing it. On CPU the
 lane's copies run synchronously in the calling thread and only gloo work is
 asynchronous; waiting on its handle orders the rest.
 
+What a lane waits for. A launch must wait for exactly two things: the
+producer of its input (the backward that wrote the gradient a reduction
+reads; whatever last wrote the shard an all-gather reads) and the last use
+of the memory it reuses (any block freed into its stream's pool: the
+allocator may hand the launch any of them). Today both are covered by one
+``wait_stream(compute)`` at issue, and at the moment of issue nothing later
+than that is on compute: a reduction is issued from the hook right after
+the backward that wrote its gradient, and an all-gather of unit i+1
+without forward prefetch right after unit i's post-forward freed unit i's
+buffer. So the wait is already "nothing later than the reshard of the
+memory it may reuse" — but that reshard IS the end of unit i's forward,
+and so the all-gather cannot overlap unit i's compute (issue 23, finding
+1). Replacing ``wait_stream`` by an event recorded at each reshard would
+not change that. The change that would: defer the free of unit i's buffer
+until unit i+1's buffer is allocated (one more unit buffer at peak, as
+FSDP2's all-gather buffers freed after the next copy-out), record an event
+on compute at each reshard, and have the lane wait on the event of the
+free of the blocks in its pool (unit i-1's) plus an event marking the last
+write to the shards (the root's pre-forward for optimizer and user writes,
+and every ``unshard``/state-dict/optimizer-in-backward write in between).
+Not done: it cannot be run on a GPU here. tests/test_scheduler_cuda_lanes.py
+checks the present rule against a fake of CUDA's stream semantics.
+
 The host is a third party: CPU offload has the device read pinned host
 memory (shard uploads) and write it (gradient downloads) without blocking
 the host. ``synchronize_host`` blocks the calling thread until the compute
