@@ -327,7 +327,8 @@ def _contract_violations(recorder: _Recorder) -> list[str]:
             if lane == recorder.all_gather_stream and phase == "forward" and name == f"{following}#0"
         ]
         ends = recorder.forward_ends[previous]
-        if not any(lane == recorder.all_gather_stream and name == f"{following}#0" for lane, name, *_ in recorder.issues):
+        issued = [name for lane, name, *_ in recorder.issues if lane == recorder.all_gather_stream]
+        if f"{following}#0" not in issued:
             continue  # nothing to gather (one rank, no cast)
         if len(gathers) != len(ends):
             problems.append(f"{len(gathers)} forward all-gathers of {following} for {len(ends)} forwards")
