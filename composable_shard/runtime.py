@@ -626,7 +626,30 @@ def register_hooks(state: UnitState) -> None:
     )
     state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
     for handle in state.handles:  # also frozen ones: they may be unfrozen later
-        hook: Callable[[torch.Tensor], None] = functools.partial(_post_backward, state, handle)
+        # Weak: see [Note: hooks on tensors hold the unit weakly].
+        hook: Callable[[torch.Tensor], None] = functools.partial(
+            _post_backward_of, weakref.ref(state), weakref.ref(handle)
+        )
         registered = handle.register_post_accumulate_grad_hook(hook)
         if registered is not None:
             state.module_hooks.append(registered)
+
+
+# [Note: hooks on tensors hold the unit weakly]
+# A hook registered on a tensor lives in autograd's C++ structures, which the
+# garbage collector cannot see into. The post-accumulate-grad hook sits on the
+# handle's own unsharded flat parameter, so a hook holding the state and the
+# handle closes a cycle (state -> handle -> tensor -> hook -> state) that no
+# collection ever frees: the model, its memory and its process groups lived
+# until the interpreter exited, past ``dist.destroy_process_group`` (whose
+# gloo and TCPStore threads then still ran at exit). The hook holds both
+# weakly; the module's own forward hooks and ``module.__dict__`` (see
+# [Note: the module owns its state]) keep them alive while the model is.
+def _post_backward_of(
+    state_ref: weakref.ReferenceType[UnitState],
+    handle_ref: weakref.ReferenceType[FlatParamHandle],
+    flat_param: torch.Tensor,
+) -> None:
+    state, handle = state_ref(), handle_ref()
+    if state is not None and handle is not None:
+        _post_backward(state, handle, flat_param)

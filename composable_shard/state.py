@@ -1,5 +1,5 @@
 """Owns: the per-unit state, the context shared by one root's tree of units,
-and the module -> state registry.
+and where a module keeps its state (see [Note: the module owns its state]).
 
 Knows nothing of: collectives, streams, flattening details.
 
@@ -200,21 +200,30 @@ def raise_internal(unit: UnitState, message: str) -> None:
     raise AssertionError(text)
 
 
-# Module -> state; weak so a deleted model frees its state.
-_REGISTRY: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
+# [Note: the module owns its state]
+# A unit's state lives in its module's ``__dict__`` (not an ``nn.Module``
+# attribute: no child, no state-dict entry). A module-keyed
+# ``WeakKeyDictionary`` cannot hold it: its values are strong references, and
+# every state refers back to its module (``state.module``, the handles'
+# parameter owners), so no sharded model was ever freed, and its process
+# groups outlived ``dist.destroy_process_group``: their gloo threads and the
+# TCPStore's thread were still running when the interpreter exited, where
+# they aborted the process now and then. Module <-> state is an ordinary
+# reference cycle that the garbage collector frees with the model.
+_STATE_ATTRIBUTE = "_composable_shard_state"
 
 
 def get_state(module: nn.Module) -> UnitState | None:
-    return _REGISTRY.get(module)
+    return module.__dict__.get(_STATE_ATTRIBUTE)
 
 
 def register_state(module: nn.Module, state: UnitState) -> None:
-    _REGISTRY[module] = state
+    module.__dict__[_STATE_ATTRIBUTE] = state
 
 
 def unit_states_under(module: nn.Module) -> Iterator[tuple[str, UnitState]]:
     """Every unit state in ``module``'s tree with its name, pre-order."""
     for name, submodule in module.named_modules(remove_duplicate=True):
-        state = _REGISTRY.get(submodule)
+        state = get_state(submodule)
         if state is not None:
             yield name, state

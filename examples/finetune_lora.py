@@ -41,6 +41,7 @@ through the checkpoint's tokenizer when it has one.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -265,8 +266,17 @@ def train(args: argparse.Namespace) -> None:
     logger.info("val loss after %.8f", val_loss(model, corpus, args, device))
     save_adapters(model, args.out / "adapter")
     logger.info("saved adapters to %s%s", args.out / "adapter", f" (base model in {base_dir})" if base_dir else "")
+
+
+def main() -> None:
+    train(parse_args())
+    # The model is gone with train's frame, but its units are reference cycles
+    # that hold the process group: collect them first, so that
+    # destroy_process_group really ends it (gloo's and the store's threads;
+    # a process that exits with them still running can abort at exit).
+    gc.collect()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    main()

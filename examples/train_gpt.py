@@ -30,6 +30,7 @@ What it shows:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -294,8 +295,17 @@ def train(args: argparse.Namespace) -> None:
     if args.save_dir is not None and (args.save_every <= 0 or args.steps % args.save_every != 0):
         if args.steps > start_step:
             save_checkpoint(model, optimizer, args.steps, args.save_dir)
+
+
+def main() -> None:
+    train(parse_args())
+    # The model is gone with train's frame, but its units are reference cycles
+    # that hold the process group: collect them first, so that
+    # destroy_process_group really ends it (gloo's and the store's threads;
+    # a process that exits with them still running can abort at exit).
+    gc.collect()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    main()
