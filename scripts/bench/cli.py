@@ -1,0 +1,121 @@
+"""Owns: the command line (its checks, the configuration's sizes filled in)
+and the order of the passes: timing, then memory per mode, then the table.
+
+Knows nothing of: what the passes do inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import __doc__ as package_doc
+from .configs import CONFIGS, SIZE_ARGS
+from .memory import memory_worker
+from .peers import MODES, SIMULATED_MODES
+from .processes import fixed_malloc_thresholds, spawn
+from .report import collect, report
+from .timing import timing_worker
+
+logger = logging.getLogger("bench")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=package_doc.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="gpt")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--simulate-world-size", type=int, default=0, metavar="W",
+                   help="one process in a fake process group of W ranks (no real communication)")
+    p.add_argument("--modes", default=None, help=f"comma list from {','.join(MODES)} (default: all that apply)")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds; each round's medians are shown")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
+    p.add_argument("--round-steps", type=int, default=2, help="steps per mode per turn inside a round")
+    p.add_argument("--memory-steps", type=int, default=3, help="steps in each mode's memory pass; 0 skips it")
+    p.add_argument("--memory-repeats", type=int, default=1,
+                   help="memory passes per mode (fresh processes each, modes alternating); the median is shown")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default="bf16", help="with --mixed-precision bf16")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--cpu-offload", action="store_true", help="CUDA only: sharded parameters live on CPU")
+    p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, split over ranks")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--n-embd", type=int, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data-bytes", type=int, default=2_000_000)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / processes)")
+    p.add_argument(
+        "--no-fixed-malloc",
+        dest="fixed_malloc",
+        action="store_false",
+        help="timing pass with glibc's moving mmap threshold (see the docstring: modes then affect each other)",
+    )
+    p.add_argument("--profile", default=None, metavar="MODE",
+                   help="profile one timed step of MODE on rank 0 and print its table (times include the profiler)")
+    args = p.parse_args(argv)
+    batch_given = args.batch_size is not None
+    preset = CONFIGS[args.config].sizes_for(args.mixed_precision, args.device)
+    for name in SIZE_ARGS:
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    args.simulated = args.simulate_world_size > 0
+    if args.simulated:
+        args.world_size = args.simulate_world_size
+    if not batch_given and args.batch_size % args.world_size != 0:
+        # A preset's global batch is for a few ranks: on more, at least one sequence per rank.
+        args.batch_size = -(-args.batch_size // args.world_size) * args.world_size
+    args.nprocs = 1 if args.simulated else args.world_size
+    available = SIMULATED_MODES if args.simulated else MODES
+    args.modes = [m.strip() for m in (args.modes or ",".join(available)).split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - set(available))
+    if unknown or not args.modes:
+        p.error(f"--modes: {unknown} not available here; choose from {','.join(available)}")
+    if args.profile is not None and args.profile not in args.modes:
+        p.error(f"--profile {args.profile}: not among --modes {','.join(args.modes)}")
+    if args.batch_size % args.world_size != 0:
+        p.error(f"--batch-size {args.batch_size} is not divisible by the world size {args.world_size}")
+    if args.cpu_offload and args.device != "cuda":
+        p.error("--cpu-offload needs --device cuda (on CPU the parameters already live on the CPU)")
+    if args.device == "cuda":
+        needed = args.nprocs
+        if torch.cuda.device_count() < needed:
+            p.error(f"--device cuda with {needed} process(es) needs that many GPUs; found {torch.cuda.device_count()}")
+    if min(args.rounds, args.steps, args.round_steps, args.memory_repeats) < 1:
+        p.error("--rounds, --steps, --round-steps and --memory-repeats must be at least 1")
+    if args.threads <= 0:
+        args.threads = max(1, (os.cpu_count() or 1) // args.nprocs)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if "composable_shard" in args.modes:
+        try:
+            import composable_shard  # noqa: F401
+        except ImportError as exc:
+            sys.exit(f"bench: cannot import composable_shard ({exc}). Run without it: --modes fsdp1,fsdp2,ddp,single")
+    with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
+        logger.info("timing pass: %s interleaved on %d process(es)", ",".join(args.modes), args.nprocs)
+        with fixed_malloc_thresholds(args.fixed_malloc):
+            spawn(timing_worker, args, out_dir)
+        for repeat in range(args.memory_repeats if args.memory_steps > 0 else 0):
+            for mode in args.modes if repeat % 2 == 0 else list(reversed(args.modes)):
+                logger.info("memory pass %d: %s in fresh processes", repeat + 1, mode)
+                spawn(memory_worker, args, out_dir, mode, repeat)
+        agree = report(args, collect(args, out_dir))
+        profile = Path(out_dir, "profile.txt")
+        if profile.exists():
+            print(f"\nprofile of one {args.profile} step on rank 0:\n{profile.read_text()}")
+    return 0 if agree else 1

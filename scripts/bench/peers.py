@@ -1,0 +1,136 @@
+"""Owns: the modes (``--modes``): how each one wraps the model every mode
+starts from, under ``--mixed-precision`` and ``--cpu-offload``, and where
+each one runs.
+
+Knows nothing of: processes, timing, memory, the table (they read ``PEERS``).
+
+Adding a peer is one builder function and one ``PEERS`` entry; the table
+shows the modes in ``PEERS``' order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from gpt import Block
+
+from .models import base_model, make_optimizer
+
+Builder = Callable[[argparse.Namespace, torch.device], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def bf16_enabled(args: argparse.Namespace) -> bool:
+    return args.mixed_precision == "bf16"
+
+
+def reduce_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
+
+
+def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from composable_shard import CPUOffload, MixedPrecision, fully_shard
+
+    kwargs: dict = {"device_id": device if device.type == "cuda" else None}
+    if bf16_enabled(args):
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype(args))
+    if args.cpu_offload:
+        kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    model = base_model(args, device)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, make_optimizer(model, args)
+
+
+def build_fsdp1(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    mp_config = (
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype(args)) if bf16_enabled(args) else None
+    )
+    model = FullyShardedDataParallel(
+        base_model(args, device),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=True,
+        mixed_precision=mp_config,
+        cpu_offload=CPUOffload(offload_params=True) if args.cpu_offload else None,
+        device_id=device,  # explicit on CPU too: FSDP1 otherwise insists on an accelerator
+    )
+    return model, make_optimizer(model, args)
+
+
+def build_fsdp2(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict = {"mesh": mesh}
+    if bf16_enabled(args):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype(args))
+    if args.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    model = base_model(args, device)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, make_optimizer(model, args)
+
+
+def build_ddp(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(base_model(args, device), device_ids=[device] if device.type == "cuda" else None)
+    return model, make_optimizer(model, args)
+
+
+def build_unwrapped(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = base_model(args, device)
+    return model, make_optimizer(model, args)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One mode. ``build``: its model and optimizer in one rank (every rank
+    calls it, in the same order: builders may use collectives);
+    ``simulated``: offered under ``--simulate-world-size``; ``autocast``: it
+    has no mixed-precision setting of its own, so bf16 runs its forward under
+    ``torch.autocast``; ``rank0_only``: only rank 0 trains it (on the global batch);
+    ``loss_compared``: its loss must match the reference's."""
+
+    build: Builder
+    simulated: bool = True
+    autocast: bool = False
+    rank0_only: bool = False
+    loss_compared: bool = True
+
+
+PEERS: dict[str, Peer] = {
+    "composable_shard": Peer(build_composable_shard),
+    "fsdp1": Peer(build_fsdp1),
+    "fsdp2": Peer(build_fsdp2),
+    "ddp": Peer(build_ddp, simulated=False, autocast=True),
+    "local": Peer(build_unwrapped, simulated=False, autocast=True, loss_compared=False),
+    "single": Peer(build_unwrapped, autocast=True, rank0_only=True),
+}
+MODES = tuple(PEERS)
+SIMULATED_MODES = tuple(mode for mode, peer in PEERS.items() if peer.simulated)
+
+
+def autocast_for(mode: str, args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 for the modes without a mixed-precision setting of their own."""
+    if bf16_enabled(args) and PEERS[mode].autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def runs_on(mode: str, rank: int) -> bool:
+    return not PEERS[mode].rank0_only or rank == 0

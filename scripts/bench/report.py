@@ -1,0 +1,153 @@
+"""Owns: what the ranks' records say together — each mode's global-batch loss
+per step, its timed steps (slowest rank's), its memory (largest over ranks,
+median over repeats) — and the printed table with its notes.
+
+Knows nothing of: how anything was measured (it reads the JSON files the
+timing and memory passes wrote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .peers import PEERS, bf16_enabled
+
+LOSS_RTOL = 1e-4  # fp32 agreement required between modes (relative)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    losses: list[float]  # global-batch loss per step (mean over ranks)
+    round_ms: list[list[float]]  # per round, per timed step, slowest rank
+    after_build_mb: float | None  # largest over ranks, median over repeats; None if not measured
+    peak_mb: float | None  # largest over ranks, median over repeats; None if not measured
+    peak_repeats_mb: list[float] = field(default_factory=list)  # each repeat's peak
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [ms for round_ms in self.round_ms for ms in round_ms]
+
+
+def _largest(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _median_present(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
+    per_rank = [json.loads(Path(out_dir, f"timing_rank{r}.json").read_text()) for r in range(args.nprocs)]
+    results = {}
+    for mode in args.modes:
+        records = [record[mode] for record in per_rank if mode in record]
+        losses = [statistics.fmean(step) for step in zip(*(rec["losses"] for rec in records))]
+        round_ms = [
+            [1000 * max(step) for step in zip(*(rec["step_times_s"][r] for rec in records))]
+            for r in range(args.rounds)
+        ]
+        builds: list[float | None] = []
+        peaks: list[float | None] = []
+        for repeat in range(args.memory_repeats if args.memory_steps > 0 else 0):
+            memory = [
+                json.loads(Path(out_dir, f"memory_{mode}_{repeat}_rank{r}.json").read_text())
+                for r in range(args.nprocs)
+            ]
+            builds.append(_largest([m["after_build_mb"] for m in memory]))
+            peaks.append(_largest([m["peak_increase_mb"] for m in memory]))
+        results[mode] = ModeResult(
+            mode,
+            losses,
+            round_ms,
+            _median_present(builds),
+            _median_present(peaks),
+            [p for p in peaks if p is not None],
+        )
+    return results
+
+
+def _loss_compared(mode: str, args: argparse.Namespace) -> bool:
+    return not args.simulated and PEERS[mode].loss_compared
+
+
+def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
+    """Prints the tables; returns whether the losses agree (always true in
+    bf16 or simulated)."""
+    reference = "single" if "single" in results else args.modes[0]
+    ref = results[reference]
+    cs_ms = statistics.median(results["composable_shard"].step_ms) if "composable_shard" in results else None
+    per_rank_batch = args.batch_size // args.world_size
+    world = f"fake world size {args.world_size} (1 process)" if args.simulated else f"world size {args.world_size}"
+    memory_unit = "allocated MB" if args.device == "cuda" else "RSS MB"
+    print(
+        f"\n{args.config}: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} "
+        f"block={args.block_size} global batch={args.batch_size} | {args.device} {world}, "
+        f"{args.threads} thread(s)/process | {args.mixed_precision}"
+        f"{' (reduce ' + args.reduce_dtype + ')' if bf16_enabled(args) else ''} | activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}{' | cpu offload' if args.cpu_offload else ''} "
+        f"| {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps/mode | torch {torch.__version__}"
+    )
+    rounds_header = " ".join(f"{'r' + str(r + 1):>7}" for r in range(args.rounds))
+    print(
+        f"{'mode':<17} {rounds_header} {'median ms':>9} {'tok/s':>8} {'cs/peer':>7} "
+        f"{'build ' + memory_unit:>15} {'peak ' + memory_unit:>14} {'final loss':>10} "
+        f"{'max|Δloss| vs ' + reference:>24} {'rel':>8}"
+    )
+    agree = True
+    for mode in args.modes:
+        res = results[mode]
+        median_ms = statistics.median(res.step_ms)
+        rounds = " ".join(f"{statistics.median(ms):>7.1f}" for ms in res.round_ms)
+        # Simulated: one rank's tokens; else the global batch, all ranks together.
+        tokens = (per_rank_batch if args.simulated else args.batch_size) * args.block_size
+        diff_txt, rel_txt, flagged = "-", "-", False
+        if _loss_compared(mode, args) and _loss_compared(reference, args):
+            diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
+            rel = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses))
+            diff_txt, rel_txt = f"{diff:.2e}", f"{rel:.1e}"
+            flagged = args.mixed_precision == "none" and rel > LOSS_RTOL
+        agree = agree and not flagged
+        ratio = f"{cs_ms / median_ms:.2f}" if cs_ms is not None else "-"
+        build = f"{res.after_build_mb:.1f}" if res.after_build_mb is not None else "-"
+        peak = f"{res.peak_mb:.1f}" if res.peak_mb is not None else "-"
+        print(
+            f"{mode:<17} {rounds} {median_ms:>9.1f} {tokens / median_ms * 1000:>8.0f} {ratio:>7} "
+            f"{build:>15} {peak:>14} {res.losses[-1]:>10.5f} {diff_txt:>24} {rel_txt:>8}"
+            f"{'  MISMATCH' if flagged else ''}"
+        )
+    notes = [
+        "r1..rN: median step per round; median ms: over all rounds; cs/peer: composable_shard's median "
+        "divided by the mode's (<1: composable_shard faster).",
+        "memory: increase over the level before the mode was built, largest over ranks; build = after "
+        "building model and optimizer (sharded), peak = during the memory pass's steps "
+        "(composable_shard's on CPU counts its own /dev/shm slots, not its peers' that it maps).",
+    ]
+    if args.memory_repeats > 1 and args.memory_steps > 0:
+        notes.append("peak per memory pass: " + "; ".join(
+            f"{mode} " + " ".join(f"{p:.1f}" for p in results[mode].peak_repeats_mb) for mode in args.modes
+        ))
+    if args.simulated:
+        notes.append("simulated: collectives do nothing (parameters never really gathered); tok/s is one "
+                     "rank's; losses are not compared.")
+    else:
+        notes.append("tok/s: global batch tokens per step / median step.")
+    if "single" in results and not args.simulated:
+        notes.append("single: one process on the global batch with one rank's threads; its time is not a peer's.")
+    if "local" in results:
+        notes.append("local: every rank on its slice, no communication (compute floor); its loss is not compared.")
+    if bf16_enabled(args):
+        notes.append("bf16: loss differences are informational (ddp/local/single use autocast, see docstring).")
+    elif not args.simulated:
+        notes.append(f"fp32: relative loss difference above {LOSS_RTOL:g} is flagged MISMATCH.")
+    for note in notes:
+        print(note)
+    return agree

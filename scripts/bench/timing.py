@@ -1,0 +1,76 @@
+"""Owns: the timing pass — every mode in one set of processes, warm-up, the
+interleaved timed steps (slowest rank's time per step), every step's loss,
+and ``--profile``'s table of one step.
+
+Knows nothing of: how the modes wrap the model, memory, the printed table
+(it writes ``timing_rank{r}.json`` for ``report.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from data import ByteCorpus
+
+from .peers import runs_on
+from .processes import init_worker
+from .training import ModeRun, barrier, build_run, next_batch, synchronize, timed_schedule, train_step
+
+
+def profile_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, device: torch.device) -> str:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        train_step(run, x, y, args, device)
+        synchronize(device)
+    sort_by = "self_cpu_time_total"
+    if device.type == "cuda":  # renamed in newer torch; the old name may go away
+        averages = prof.key_averages()
+        sort_by = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=30)
+    hooks = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    return f"{table}\n\nby total time (hooks are labelled composable_shard::...):\n{hooks}"
+
+
+def timing_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    device = init_worker(rank, args, port)
+    corpus = ByteCorpus.from_stdlib(args.data_bytes)
+    runs: dict[str, ModeRun] = {}
+    for mode in args.modes:  # the same order on every rank: builders may use collectives
+        if runs_on(mode, rank):
+            runs[mode] = build_run(mode, args, device)
+            runs[mode].step_times_s = [[] for _ in range(args.rounds)]
+    for mode in args.modes:
+        for _ in range(args.warmup):
+            barrier(args, device)
+            if mode in runs:
+                train_step(runs[mode], *next_batch(runs[mode], corpus, args, device), args, device)
+    for round_index, mode in timed_schedule(args.modes, args):
+        barrier(args, device)
+        if mode not in runs:
+            continue
+        x, y = next_batch(runs[mode], corpus, args, device)  # not timed
+        synchronize(device)
+        start = time.perf_counter()
+        train_step(runs[mode], x, y, args, device)
+        synchronize(device)
+        runs[mode].step_times_s[round_index].append(time.perf_counter() - start)
+    if args.profile is not None:
+        barrier(args, device)
+        if args.profile in runs:
+            run = runs[args.profile]
+            table = profile_step(run, *next_batch(run, corpus, args, device), args, device)
+            if rank == 0:
+                Path(out_dir, "profile.txt").write_text(table)
+    record = {
+        mode: {"losses": torch.stack(run.losses).float().tolist(), "step_times_s": run.step_times_s}
+        for mode, run in runs.items()
+    }
+    Path(out_dir, f"timing_rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
