@@ -83,6 +83,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .. import comm
 from .convert import dcp_to_torch_save, torch_save_to_dcp
@@ -112,7 +113,8 @@ from .files import (
     verify_checkpoint,
     write_manifest,
 )
-from .model import StateDictOptions, get_model_state_dict, model_entries, prepare_units, set_model_state_dict
+from .entries import model_entries, prepare_units
+from .model import get_model_state_dict, set_model_state_dict
 from .optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from .range_tensor import HAS_DCP_TENSOR_PROTOCOL
 from .reader import DirectFileSystemReader

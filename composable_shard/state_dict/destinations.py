@@ -31,16 +31,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .model import (
-    ModelEntries,
-    ShardedParamEntry,
-    StateDictError,
-    empty_model_state_dict,
-    key_mismatch_message,
-    model_state_dict_views,
-    sharding_of,
-    value_mismatch_message,
-)
+from .checks import StateDictError, key_mismatch_message, value_mismatch_message
+from .entries import ModelEntries, ShardedParamEntry, sharding_of
+from .model import empty_model_state_dict, model_state_dict_views
 from .optim import is_param_shaped, optimizer_params
 from .range_tensor import RangeShardedTensor
 from .shards import LEGACY_SCALAR_SHAPE, is_legacy_scalar, sharded_tensor_of_range, stored_shape, with_shape

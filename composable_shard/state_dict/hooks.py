@@ -44,7 +44,7 @@ from ..flat_layout import ParamInfo
 from ..flat_param import FlatParamHandle
 from ..runtime import in_backward, reshard_held_units
 from ..state import TrainingState, UnitState
-from .model import is_shown_unsharded
+from .entries import is_shown_unsharded
 from .shards import global_shape
 
 __all__ = ["register_state_dict_hooks"]

@@ -4,7 +4,7 @@
 name, ``"param_groups"`` listing names under ``"params"``), full or sharded.
 
 Knows nothing of: files, the training step's hooks, how a model's names are
-found (``model.model_entries``).
+found (``entries.model_entries``).
 
 Public names: ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
 ``check_optimizer_state_dict``, ``OptimParam``, ``optimizer_params``, ``init_optimizer_state``,
@@ -28,23 +28,13 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .. import comm
 from ..flat_param import FlatParamHandle
 from ..state import UnitState
-from .model import (
-    ModelEntries,
-    ShardedParamEntry,
-    StateDictError,
-    StateDictOptions,
-    checked_options,
-    is_rank0,
-    key_mismatch_message,
-    model_entries,
-    prepare_units,
-    sharding_of,
-    value_mismatch_message,
-)
+from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
+from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of
 from .shards import global_shape, is_sharded_tensor, range_source_error, read_range, sharded_tensor_of_range
 
 __all__ = [

@@ -1,0 +1,170 @@
+"""Owns: what a sharded model's state dict is made of, before any value —
+the keys every parameter, persistent buffer and extra state goes by
+(``ModelEntries``, ``ShardedParamEntry``, ``model_entries``; tied aliases and
+shared-module paths included), each sharded parameter's ranges on every rank
+(``sharding_of``), and the units made ready to be read or written
+(``prepare_units``: idle, resharded, user edits written back).
+
+Knows nothing of: state-dict values and their checks (``model``, ``optim``,
+``checks``), optimizers, files.
+
+Public names: ``ModelEntries``, ``ShardedParamEntry``, ``model_entries``,
+``prepare_units``, ``is_shown_unsharded``, ``sharding_of``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..flat_layout import ParamInfo
+from ..flat_param import FlatParamHandle
+from ..runtime import in_backward, reshard_held_units
+from ..state import BETWEEN_STEPS, UnitState, unit_states_under
+from ..unshard import is_inside_unshard_params
+from .shards import RangeSharding, range_sharding
+
+__all__ = [
+    "ModelEntries",
+    "ShardedParamEntry",
+    "model_entries",
+    "prepare_units",
+    "is_shown_unsharded",
+    "sharding_of",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedParamEntry:
+    """One parameter a unit owns, and every key it goes by."""
+
+    handle: FlatParamHandle
+    info: ParamInfo
+    param: nn.Parameter
+    # Every key naming it, in state-dict order; keys[0] is its canonical name
+    # (the one ``named_parameters()`` yields).
+    keys: tuple[str, ...]
+
+
+@dataclass
+class ModelEntries:
+    """What a model's state dict holds, by key, in ``nn.Module.state_dict``
+    order."""
+
+    # Sharded parameters in unit, handle and layout order (collective order).
+    sharded: list[ShardedParamEntry] = field(default_factory=list)
+    # Parameters no unit owns (ignored states): whole on every rank.
+    plain_params: dict[str, nn.Parameter] = field(default_factory=dict)
+    # Persistent buffers (never sharded).
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Modules with their own get_extra_state, by their "_extra_state" key.
+    extra_states: dict[str, nn.Module] = field(default_factory=dict)
+    # Every key, in nn.Module.state_dict order.
+    key_order: list[str] = field(default_factory=list)
+    # Key -> sharded entry (every alias).
+    sharded_by_key: dict[str, ShardedParamEntry] = field(default_factory=dict)
+    # Buffers cast to a mixed-precision buffer_dtype -> their original dtype
+    # (state dicts hold the original dtype).
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def is_frozen(self, key: str) -> bool:
+        entry = self.sharded_by_key.get(key)
+        param = entry.param if entry is not None else self.plain_params.get(key)
+        return param is not None and not param.requires_grad
+
+
+def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
+    """Name everything ``module``'s state dict holds. Parameters owned by the
+    ``units`` are sharded entries; the rest are plain."""
+    owned: dict[int, tuple[FlatParamHandle, ParamInfo, nn.Parameter]] = {}
+    for unit in units:
+        for handle in unit.handles:
+            for info, param in zip(handle.layout.params, handle.orig_params):
+                owned[id(param)] = (handle, info, param)
+    entries = ModelEntries()
+    keys_of: dict[int, list[str]] = {}
+    prefixes_of: dict[int, list[str]] = {}
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        prefixes_of.setdefault(id(submodule), []).append(prefix)
+        for attr, param in submodule._parameters.items():
+            if param is None:
+                continue
+            key = prefix + attr
+            entries.key_order.append(key)
+            if id(param) in owned:
+                keys_of.setdefault(id(param), []).append(key)
+            else:
+                entries.plain_params[key] = param
+        for attr, buffer in submodule._buffers.items():
+            if buffer is not None and attr not in submodule._non_persistent_buffers_set:
+                entries.key_order.append(prefix + attr)
+                entries.buffers[prefix + attr] = buffer
+        if type(submodule).get_extra_state is not nn.Module.get_extra_state:
+            entries.key_order.append(prefix + "_extra_state")
+            entries.extra_states[prefix + "_extra_state"] = submodule
+    for unit in units:
+        for prefix in prefixes_of.get(id(unit.module), []):
+            for name, dtype in unit.orig_buffer_dtypes.items():
+                if prefix + name in entries.buffers:
+                    entries.buffer_dtypes[prefix + name] = dtype
+        for handle in unit.handles:
+            for info, param in zip(handle.layout.params, handle.orig_params):
+                keys = keys_of.get(id(param))
+                if keys:  # a parameter registered outside ``module`` is not its to name
+                    entry = ShardedParamEntry(handle, info, param, tuple(keys))
+                    entries.sharded.append(entry)
+                    entries.sharded_by_key.update((key, entry) for key in keys)
+    return entries
+
+
+def is_shown_unsharded(handle: FlatParamHandle) -> bool:
+    """Whether the parameters show full tensors now (forward views, or inside
+    ``unshard_params``, whose registry of shown handles lives in unshard.py)."""
+    return handle.shows_unsharded_views or is_inside_unshard_params(handle)
+
+
+def prepare_units(module: nn.Module, what: str) -> list[UnitState]:
+    """The units under ``module``, checked idle, no longer held for a
+    backward (see [Note: held for backward] in runtime.py), and with user
+    edits of ``.data`` written back into the shards (so the shards are the
+    truth)."""
+    units = [state for _, state in unit_states_under(module)]
+    name = type(module).__name__
+    busy = [unit.fqn for unit in units if unit.training_state not in BETWEEN_STEPS]
+    if busy or (units and in_backward()):
+        raise RuntimeError(
+            f"{what}({name}): called inside forward or backward (unit '{busy[0] if busy else units[0].fqn}'). "
+            "Call it between training steps."
+        )
+    reshard_held_units(units)
+    shown = [unit.fqn for unit in units for handle in unit.handles if is_shown_unsharded(handle)]
+    if shown:
+        raise RuntimeError(
+            f"{what}({name}): called inside unshard_params (unit '{shown[0]}' shows full parameters). "
+            "Call it outside the unshard_params context."
+        )
+    for unit in units:
+        for handle in unit.handles:
+            handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    return units
+
+
+_GROUP_RANKS: dict[int, list[int]] = {}
+
+
+def sharding_of(entry: ShardedParamEntry) -> RangeSharding:
+    """Every rank's range of one sharded parameter, from the layout alone."""
+    groups = entry.handle.groups
+    rank = dist.get_rank()
+    if groups.shard_group is None:
+        ranks = [rank]
+    else:
+        key = id(groups.shard_group)
+        if key not in _GROUP_RANKS:
+            _GROUP_RANKS[key] = dist.get_process_group_ranks(groups.shard_group)
+        ranks = _GROUP_RANKS[key]
+    return range_sharding(entry.info, entry.handle.layout, ranks, rank)
