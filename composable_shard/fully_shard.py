@@ -170,17 +170,49 @@ def _compute_device(
         )
     if device_id is not None:
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        _check_cuda_device(name, device, f"device_id={device_id!r}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
     if real:
-        return next(iter(real))
+        device = next(iter(real))
+        _check_cuda_device(name, device, f"its parameters are on {device}")
+        return device
     if devices:  # everything on meta: materialise where the backend computes
         backend = dist.get_backend()
         if "nccl" in str(backend) and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     return torch.device("cpu")
+
+
+def _check_cuda_device(name: str, device: torch.device, why: str) -> None:
+    """A CUDA compute device must exist and be the current device.
+
+    [Note: the current CUDA device]
+    Some CUDA work takes no device argument and runs on the current device:
+    ``pin_memory()`` (CPU offload) creates a context there, and NCCL's object
+    collectives (``broadcast_object_list``, ``all_gather_object``, used by
+    state dicts and checkpoints) put their tensors there. With a compute
+    device other than the current one every rank would create a context on
+    the current device (usually GPU 0) and object collectives could run on
+    the wrong GPU or hang. So ``fully_shard`` asks for
+    ``torch.cuda.set_device`` first rather than switching devices behind
+    every call."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"fully_shard({name}): the compute device would be {device} ({why}), but CUDA is not available "
+            "(torch.cuda.is_available() is False). Pass device_id=None or a CPU device."
+        )
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(
+            f"fully_shard({name}): the compute device is {device} ({why}) but the current CUDA device is "
+            f"cuda:{current}; pinned memory and NCCL object collectives would use cuda:{current}. "
+            f"Call torch.cuda.set_device({device.index}) before fully_shard."
+        )
 
 
 # ------------------------------------------------------------ process groups

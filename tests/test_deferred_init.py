@@ -296,3 +296,45 @@ def _device_id_moves_cpu_model_to_gpu(rank: int, world_size: int) -> None:
 @requires_cuda
 def test_device_id_moves_a_cpu_model_to_the_gpu() -> None:
     run_distributed(_device_id_moves_cpu_model_to_gpu, 1, backend="nccl")
+
+
+# ------------------------------------------------- the current CUDA device
+# See [Note: the current CUDA device] in composable_shard/fully_shard.py. No
+# GPU is needed: both errors are raised before any CUDA call other than the
+# two queries patched here (the availability and the current device).
+_CUDA_DEVICE_ERRORS = [
+    (False, 0, 0, r"compute device would be cuda:0 \(device_id=0\).*CUDA is not available.*device_id=None"),
+    (
+        True,
+        0,
+        torch.device("cuda", 1),
+        r"compute device is cuda:1 \(device_id=device\(type='cuda', index=1\)\) but the current CUDA device "
+        r"is cuda:0.*torch.cuda.set_device\(1\) before fully_shard",
+    ),
+]
+
+
+def _cuda_device_errors_leave_the_model_usable(rank: int, world_size: int) -> None:
+    saved = torch.cuda.is_available, torch.cuda.current_device
+    for available, current, device_id, message in _CUDA_DEVICE_ERRORS:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        try:
+            torch.cuda.is_available = lambda: available  # type: ignore[assignment]
+            torch.cuda.current_device = lambda: current  # type: ignore[assignment]
+            with pytest.raises(ValueError, match=message):
+                fully_shard(model, policy={Block}, device_id=device_id)
+        finally:
+            torch.cuda.is_available, torch.cuda.current_device = saved
+        assert not any(is_fully_sharded(m) for m in model.modules())
+        for name, param in model.named_parameters():
+            assert param.device.type == "cpu" and torch.equal(param, before[name]), name
+        # Still usable: sharded on CPU, it trains a step.
+        fully_shard(model, policy={Block})
+        model(batch(0)[0]).float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_cuda_device_id_without_cuda_or_not_current_is_a_clear_error() -> None:
+    run_distributed(_cuda_device_errors_leave_the_model_usable, 1)
