@@ -105,6 +105,8 @@ def fully_shard(
     sources = plan_ownership(module, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, module, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
+    for unit_groups in groups:
+        _check_groups_reach_device(name, unit_groups, compute_device)
     check_materializable(module, param_init_fn, skip)
 
     # Validated: from here on the module is changed.
@@ -213,6 +215,26 @@ def _check_cuda_device(name: str, device: torch.device, why: str) -> None:
             f"cuda:{current}; pinned memory and NCCL object collectives would use cuda:{current}. "
             f"Call torch.cuda.set_device({device.index}) before fully_shard."
         )
+
+
+def _check_groups_reach_device(name: str, groups: ShardGroups, device: torch.device) -> None:
+    """Every group of a unit must have a backend for the compute device's
+    tensors: a module left on CPU (no ``device_id``) under an NCCL group
+    would otherwise fail or hang in its first collective
+    (``sync_module_states``, an all-gather, a reduction)."""
+    for group in (groups.shard_group, groups.replicate_group):
+        # ``_device_types``: the device types the group has backends for
+        # (gloo: CPU and CUDA; NCCL: CUDA). Older releases lack it: no check.
+        device_types = getattr(group, "_device_types", None)
+        if group is None or device_types is None:
+            continue
+        if not any(torch.device(kind).type == device.type for kind in device_types):
+            raise ValueError(
+                f"fully_shard({name}): the compute device is {device} but the process group's backend "
+                f"({dist.get_backend(group)}) has no {device.type.upper()} support, so every collective would fail. "
+                "Pass device_id=torch.cuda.current_device() (or move the module to its GPU) first, "
+                "or use a group whose backend handles CPU tensors (gloo)."
+            )
 
 
 # ------------------------------------------------------------ process groups

@@ -338,3 +338,28 @@ def _cuda_device_errors_leave_the_model_usable(rank: int, world_size: int) -> No
 
 def test_cuda_device_id_without_cuda_or_not_current_is_a_clear_error() -> None:
     run_distributed(_cuda_device_errors_leave_the_model_usable, 1)
+
+
+def _make_cuda_only_backend(store: object, rank: int, size: int, timeout: object) -> object:
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _cpu_module_under_a_cuda_only_group_is_a_clear_error(rank: int, world_size: int) -> None:
+    # A real process group whose backend declares CUDA only, as NCCL does
+    # (gloo under a name registered for CUDA devices): no GPU needed.
+    if "cuda_only_gloo" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("cuda_only_gloo", _make_cuda_only_backend, devices=["cuda"])
+    group = dist.new_group(backend="cuda_only_gloo")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"compute device is cpu but the process group's backend \(cuda_only_gloo\) "
+                       r"has no CPU support.*device_id=torch.cuda.current_device\(\)"):
+        fully_shard(model, policy={Block}, process_group=group, sync_module_states=True)
+    assert not any(is_fully_sharded(m) for m in model.modules())
+    fully_shard(model, policy={Block})  # a gloo group: fine
+    model(batch(0)[0]).float().sum().backward()
+    dist.destroy_process_group(group)
+
+
+def test_cpu_module_under_a_group_without_cpu_backend_is_a_clear_error() -> None:
+    run_distributed(_cpu_module_under_a_cuda_only_group_is_a_clear_error, 2)
