@@ -83,6 +83,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .. import comm
@@ -251,17 +252,10 @@ def load_checkpoint(
     directory = Path(path)
     what = f"load_checkpoint({directory})"
     trust = PickleTrust.of(trusted, safe_globals)
-    in_place = verify_checkpoint(directory)  # only files checked against the manifest are read in place
-    try:
-        metadata = _reader(directory, trust).read_metadata()
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{what}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a damaged metadata file; say so clearly
-        raise CheckpointError(
-            f"{what}: cannot read the checkpoint's metadata ({type(exc).__name__}: {exc}). The checkpoint is "
-            "damaged or incomplete; load another one. Nothing was loaded."
-        ) from exc
-    saved = saved_paths(metadata)
+    # 1. Verify the files: only files checked against the manifest are read in place.
+    in_place = verify_checkpoint(directory)
+    # 2. Build the destinations from the metadata, checked against the model and optimizer.
+    saved = saved_paths(_read_metadata(directory, what, trust))
     entries = model_entries(model, prepare_units(model, "load_checkpoint"))
     destination: dict[str, Any] = {MODEL: model_destination(entries, saved, strict, what, in_place=in_place)}
     options = StateDictOptions(strict=strict)
@@ -272,12 +266,28 @@ def load_checkpoint(
     extra = template(saved, EXTRA)
     if extra is not None:
         destination[EXTRA] = extra
+    # 3. Read the tensors into the destinations.
     _read(directory, destination, what, trust, in_place=in_place)
+    # 4. Finish: the setters' copies are skipped where the destination is the model's own memory.
     set_model_state_dict(model, destination[MODEL], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, destination[OPTIM], options=options)
     logger.info("%s: loaded%s", what, " in place" if in_place else " through new buffers (no manifest)")
     return dict(destination.get(EXTRA) or {})
+
+
+def _read_metadata(directory: Path, what: str, trust: PickleTrust) -> Metadata:
+    """The checkpoint's DCP metadata, read as data (see [Note: checkpoints
+    are data]); a damaged file is a ``CheckpointError``."""
+    try:
+        return _reader(directory, trust).read_metadata()
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{what}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged metadata file; say so clearly
+        raise CheckpointError(
+            f"{what}: cannot read the checkpoint's metadata ({type(exc).__name__}: {exc}). The checkpoint is "
+            "damaged or incomplete; load another one. Nothing was loaded."
+        ) from exc
 
 
 def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, what: str, trust: PickleTrust) -> dict[str, Any]:
