@@ -14,6 +14,7 @@ not), printing one JSON line per (world size, rank, case).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -146,15 +147,23 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     buffers = unique_storage_bytes(model.buffers())
     optimizer.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = params + optim + buffers + torch.cuda.max_memory_allocated() - start
-    else:
-        peak = params + optim + buffers + cpu_peak_above_start(step)
+    # Earlier cases' models are garbage cycles (module <-> unit state) until
+    # the collector runs: were it to free one during the measured step, those
+    # frees would lower the measured peak. Collect now, and not during the step.
+    gc.collect()
+    gc.disable()
+    try:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = params + optim + buffers + torch.cuda.max_memory_allocated() - start
+        else:
+            peak = params + optim + buffers + cpu_peak_above_start(step)
+    finally:
+        gc.enable()
     return {
         "case": name,
         "rank": rank,
