@@ -407,6 +407,30 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+@dataclasses.dataclass
+class _RefusedMetadata(Metadata):
+    """Stands for a ``.metadata`` this reader refused, so that ``dcp.load``
+    raises the refusal. See [Note: a refused .metadata reaches dcp.load's
+    caller]."""
+
+    refusal: CheckpointError | None = None
+
+
+# [Note: a refused .metadata reaches dcp.load's caller]
+# ``dcp.load`` (torch 2.11 and later) catches any exception from
+# ``read_metadata()`` and, as our ``read_metadata`` takes keyword arguments,
+# falls back to the rank-local ``read_metadata(rank=r)``; torch 2.11 then
+# drops both exceptions and fails with its own "metadata is None", which
+# hides that the checkpoint was refused as unsafe. So once ``.metadata`` is
+# refused, ``read_metadata(rank=r)`` answers an empty ``_RefusedMetadata``
+# carrying the refusal (a refused checkpoint is refused whatever rank-local
+# files it has), and ``set_up_storage_reader``, which ``dcp.load`` calls
+# next on every rank, raises that refusal: DCP's ``CheckpointException``
+# then carries our ``UnsafeCheckpointError`` from every rank, as on torch
+# versions that let the first exception through. A successful read of
+# ``.metadata`` forgets the refusal.
+
+
 class DirectFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that reads tensor items straight into their
     destinations, with the same results, and reads the checkpoint's pickles
@@ -431,19 +455,35 @@ class DirectFileSystemReader(FileSystemReader):
         super().__init__(path, *args, **kwargs)
         self.trust = PickleTrust.of(trusted, safe_globals)
         self.counts: dict[str, int] = {"direct": 0, "temporary": 0, "stock": 0}
+        self._refused: CheckpointError | None = None  # the last refusal of ``.metadata``
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.trust.trusted:
             return super().read_metadata(*args, **kwargs)
         rank = kwargs.get("rank")
+        if rank is not None and self._refused is not None:
+            # See [Note: a refused .metadata reaches dcp.load's caller].
+            return _RefusedMetadata(state_dict_metadata={}, refusal=self._refused)
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = load_metadata(os.fspath(self.fs.concat_path(self.path, name)), self.trust)
+        try:
+            metadata = load_metadata(os.fspath(self.fs.concat_path(self.path, name)), self.trust)
+        except CheckpointError as refused:
+            if rank is None:
+                self._refused = refused
+            raise
+        if rank is None:
+            self._refused = None
         load_id = getattr(self, "load_id", None)
         if load_id is not None and hasattr(metadata, "storage_meta"):  # as the stock reader does
             if metadata.storage_meta is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if isinstance(metadata, _RefusedMetadata) and metadata.refusal is not None:
+            raise metadata.refusal
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Everything that can refuse the checkpoint runs before anything is
