@@ -320,7 +320,7 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
         )
         if grad_enabled and not _register_pre_backward_hooks(state, output):
             # [Note: outputs without a hookable tensor]
-            keeps_unsharded = bool(state.trainable_handles)
+            keeps_unsharded = len(state.trainable_handles) > 0
         if keeps_unsharded:  # [Note: held for backward]
             state.transition(TrainingState.HELD_FOR_BACKWARD, TrainingState.FORWARD)
             for handle in state.handles:
@@ -355,7 +355,7 @@ def _backward_starts_with(state: UnitState) -> bool:
     [Note: held for backward]).
     """
     order = _context(state).previous_forward_order
-    return bool(order) and order[-1] is state and not state.is_root
+    return len(order) > 0 and order[-1] is state and not state.is_root
 
 
 # ---------------------------------------------------------------- backward
@@ -399,7 +399,9 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
             "under torch.no_grad() when no backward follows.",
             stacklevel=2,
         )
-    return bool(scan.tensors)
+    # len, not bool(list): dynamo in torch 2.11 cannot trace the builtin bool
+    # of a list, a graph break in every compiled block's post-forward hook.
+    return len(scan.tensors) > 0
 
 
 def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:

@@ -34,7 +34,16 @@ from .parity import Parity, run_parity
 # on its Work, autograd's graph-task id (and, compiling the root, the storage
 # pointer check). Lower a value when a change removes breaks; a test failing
 # here means a change added one.
-RECORDED_GRAPH_BREAKS = {"TinyGPT per block": 3, "TinyGPT whole model": 6, "HF Llama per block": 3}
+RECORDED_GRAPH_BREAKS = {"TinyGPT per block": 3, "TinyGPT whole model": 5, "HF Llama per block": 3}
+if torch.__version__ < "2.13":
+    # Torch 2.11 (the oldest we support): compiling the root, the storage
+    # pointer check (``untyped_storage().data_ptr()`` in
+    # FlatParamHandle._user_edits, which no torch traces) breaks inside the
+    # root pre-forward's loop over units; dynamo 2.11 cannot resume after a
+    # graph break in a loop ("graph break in loop": it skips the frame and
+    # runs it eagerly), and counts that same data_ptr break 4 times where
+    # 2.13 counts it once: 5 + 3.
+    RECORDED_GRAPH_BREAKS["TinyGPT whole model"] = 8
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
