@@ -541,16 +541,7 @@ def _finalize_backward(context: RootContext) -> None:
     """End of backward: finish every reduction (which sets ``.grad``),
     reshard every unit, reset states for the next step."""
     with _hook_label(context.root, "finalize_backward"):
-        context.scheduler.wait_for_all()
-        for unit in context.units:
-            for handle in unit.handles:
-                if handle.is_unsharded or handle.shows_unsharded_views:  # else post-backward resharded it
-                    handle.reshard()
-            unit.training_state = TrainingState.IDLE
-            unit.reduced_handles.clear()
-            unit.pending_backward_uses = 0
-        context.post_backward_callback_queued = False
-        _synchronize_host_copies(context)
+        _return_tree_to_idle(context, discard_grads=False)
         deferred, context.handles_with_deferred_grad_hooks = context.handles_with_deferred_grad_hooks, []
         for handle in deferred:  # [Note: user post-accumulate-grad hooks]
             _run_user_grad_hooks(handle)
@@ -569,16 +560,28 @@ def _synchronize_host_copies(context: RootContext) -> None:
 
 def _reset_after_error(context: RootContext) -> None:
     """Bring every unit back to IDLE and sharded (after a misuse)."""
-    context.post_backward_callback_queued = False
-    context.scheduler.wait_for_all()
+    _return_tree_to_idle(context, discard_grads=True)
     context.handles_with_deferred_grad_hooks = []
+
+
+def _return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
+    """Finish every lane's work, reshard every unit, reset the per-step
+    counters, and (with CPU offload) wait for the host's copies: the end of
+    a backward, or, with ``discard_grads``, the reset after a misuse, which
+    also drops unreduced gradients and re-registers every handle's
+    parameters whatever it shows."""
+    context.scheduler.wait_for_all()
     for unit in context.units:
         for handle in unit.handles:
-            handle.clear_unsharded_grad()
-            handle.reshard()
+            if discard_grads:
+                handle.clear_unsharded_grad()
+                handle.reshard()
+            elif handle.is_unsharded or handle.shows_unsharded_views:  # else post-backward resharded it
+                handle.reshard()
         unit.training_state = TrainingState.IDLE
         unit.reduced_handles.clear()
         unit.pending_backward_uses = 0
+    context.post_backward_callback_queued = False
     _synchronize_host_copies(context)
 
 
