@@ -3,7 +3,9 @@ and reduce-scatter (reduce_grad), against raw torch.distributed calls on the
 same bytes and (CPU) the raw shared-memory collectives, in one run.
 
 Run: python scripts/bench_comm.py [--world-size 2] [--numel 4194304] [--iters 20]
-(gloo on CPU; --device cuda uses NCCL, one GPU per rank).
+[--slot-bytes N] (gloo on CPU; --device cuda uses NCCL, one GPU per rank).
+``--slot-bytes`` sets the shared-memory transport's slot size
+(``shared_memory.SLOT_BYTES``) for the run, to compare sizes.
 Prints, per operation, the median time, the median CPU time of rank 0's
 process (all its threads: gloo's included; what competes with compute on a
 busy CPU) and the bus bandwidth, and the ratios handle / raw (1.00 means no
@@ -25,7 +27,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
-from composable_shard.comm import transport
+from composable_shard.comm import shared_memory, transport
 from composable_shard.flat_layout import ParamOwner
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 
@@ -43,6 +45,8 @@ def _seconds(fn: Callable[[], None], device: torch.device) -> tuple[float, float
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if args.slot_bytes:
+        shared_memory.SLOT_BYTES = args.slot_bytes
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size)
     world = args.world_size
@@ -144,6 +148,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         nbytes = numel * 4
         bus = nbytes * (world - 1) / world
         print(f"world size {world}, {device.type}, {nbytes / 2**20:.1f} MiB unsharded per collective, median of {args.iters} interleaved calls each")
+        if shared is not None:
+            print(f"shared memory: {shared_memory.SLOTS} slots of {shared_memory.SLOT_BYTES / 2**20:g} MiB, "
+                  f"{shared.shared_bytes / 2**20:.2f} MiB per rank")
         print(f"{'operation':<24}{'ms':>10}{'CPU ms':>10}{'bus GB/s':>12}")
         for name, seconds in results.items():
             print(f"{name:<24}{seconds * 1e3:>10.2f}{cpu[name] * 1e3:>10.2f}{bus / seconds / 1e9:>12.2f}")
@@ -168,6 +175,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 22)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--slot-bytes", type=int, default=0, help="shared-memory slot size (0: the default)")
     args = parser.parse_args()
     import socket
 

@@ -11,7 +11,10 @@ transport: in the shared-memory setup, after creating its file, or at the
 group's first collective through gloo); ``forward`` (rank 1 dies instead of
 issuing the second all-gather of step 2's forward); ``backward`` (instead of
 issuing step 2's first gradient reduction); ``stop`` (rank 1 stops, alive,
-at the forward point: only the group's timeout can end the wait).
+at the forward point: only the group's timeout can end the wait);
+``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+in rounds; rank 1 dies in step 2 in the middle of the first collective of
+more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
 
 Prints ``FAULT_AT <unix time>`` (rank 1, just before the fault) and, where a
@@ -32,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from composable_shard import ShardingStrategy, comm
+from composable_shard.comm import shared_memory
+from composable_shard.comm.shared_memory import SLOTS, HostSharedMemory
 
 from .models import TinyGPT
 from .parity import Parity, plain_step, run_parity
@@ -63,6 +68,24 @@ def _arm(fault: str) -> None:
         comm.all_gather_into = at("all_gather_into", 2, 1, comm.all_gather_into)
     elif fault == "backward":
         comm.reduce_scatter = at("reduce_scatter", 1, 1, comm.reduce_scatter)
+    elif fault == "stream":
+        real_stream = HostSharedMemory._stream
+
+        def stream(self: HostSharedMemory, what: str, signature: int, rounds: list, write: Any, *args: Any, **kwargs: Any) -> Any:
+            if _STEP[0] != 1 or len(rounds) <= SLOTS + 1 or calls["all_gather_into"]:
+                return real_stream(self, what, signature, rounds, write, *args, **kwargs)
+            calls["all_gather_into"] = 1  # armed once
+            written = [0]
+
+            def write_then_die(*round_args: Any) -> None:
+                written[0] += 1
+                if written[0] == SLOTS + 2:
+                    _fault(fault)
+                write(*round_args)
+
+            return real_stream(self, what, signature, rounds, write_then_die, *args, **kwargs)
+
+        HostSharedMemory._stream = stream  # type: ignore[method-assign]
     elif fault == "setup":
         if os.environ.get("COMPOSABLE_SHARD_SHARED_MEMORY", "1") == "0":
             comm.all_gather_into = at("all_gather_into", 1, 0, comm.all_gather_into)
@@ -94,6 +117,8 @@ def run(rank: int, world_size: int, port: int, fault: str, timeout_s: float, swi
 
 def main(rank: int, world_size: int, port: int, fault: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
+    if fault == "stream":
+        shared_memory.SLOT_BYTES = 256  # on every rank: the group takes rank 0's
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -3,7 +3,8 @@ with ``COMPOSABLE_SHARD_SHARED_MEMORY=0``): real 2-rank jobs in fresh
 processes (``fault_job.py``, forked from a forkserver that imported torch
 once; a killed rank cannot be a warm harness worker)
 whose rank 1 is killed with SIGKILL while the group sets up, inside a
-forward all-gather and inside a backward reduction, or stopped with SIGSTOP
+forward all-gather and inside a backward reduction, in the middle of a
+collective streamed through slots smaller than it, or stopped with SIGSTOP
 (alive, stuck: only the group's timeout can end the wait). The survivor
 must exit with an error naming a communication failure, soon after a death
 and at the group's timeout after a stop, and leave no file in ``/dev/shm``.
@@ -104,6 +105,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
     """Every job of this module, run at once; rank 1 is killed once rank 0
     has exited (a stopped rank never exits by itself)."""
     plan = [(f"{transport}, {fault}", fault, switch) for transport, switch in _TRANSPORTS.items() for fault in _FAULTS]
+    plan += [("shared memory, stream", "stream", "1")]
     plan += [(f"clean job {index}", "none", "1") for index in (1, 2)]
     root = tmp_path_factory.mktemp("fault_jobs")
     # Forked from one process that imported torch and the job once (a fresh
@@ -154,7 +156,10 @@ def _time_to_error_table(jobs: dict[str, _Job]) -> str:
 def test_survivor_of_a_killed_peer_fails_fast_naming_a_communication_failure(
     jobs: dict[str, _Job], transport: str, fault: str
 ) -> None:
-    job = jobs[f"{transport}, {fault}"]
+    _check_survivor_of_a_kill(jobs[f"{transport}, {fault}"], transport)
+
+
+def _check_survivor_of_a_kill(job: _Job, transport: str) -> None:
     assert job.rank0_exit is not None, f"rank 0 still waits after {_JOB_DEADLINE_S} s: {job.describe()}"
     assert job.ranks[1].exitcode == -signal.SIGKILL, job.describe()
     assert job.ranks[0].exitcode not in (0, None), job.describe()
@@ -177,6 +182,14 @@ def test_survivor_of_a_stopped_peer_fails_at_the_groups_timeout(jobs: dict[str, 
     waited = error_at - fault_at
     assert _GROUP_TIMEOUT_S - 1.0 < waited < _GROUP_TIMEOUT_S + 5.0, f"{waited:.2f} s: {job.describe()}"
     assert job.files_left() == [], "the job's files stay in /dev/shm"
+
+
+def test_survivor_of_a_peer_killed_in_the_middle_of_a_streamed_collective_fails_fast(jobs: dict[str, _Job]) -> None:
+    """Rank 1 dies after publishing some rounds of a collective larger than
+    its slots: rank 0, streaming the same collective, notices at once."""
+    job = jobs["shared memory, stream"]
+    _check_survivor_of_a_kill(job, "shared memory")
+    assert "shared-memory" in job.error(), job.describe()
 
 
 def test_two_jobs_on_one_host_at_the_same_time_both_train_in_parity(jobs: dict[str, _Job]) -> None:

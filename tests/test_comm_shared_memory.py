@@ -6,11 +6,14 @@ them switched off."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import mmap
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from composable_shard import ShardingStrategy, comm
 from composable_shard.comm import transport
+from composable_shard.comm import shared_memory
 from composable_shard.comm.shared_memory import SLOTS
 from composable_shard.comm.transport import ENV_SWITCH
 
@@ -135,6 +139,88 @@ def test_more_operations_in_flight_than_slots_stay_correct(world_size: int) -> N
     run_distributed(_many_in_flight_waited_in_any_order, world_size)
 
 
+@contextlib.contextmanager
+def _slots_of(slot_bytes: int) -> Iterator[None]:
+    """Groups set up inside get slots of ``slot_bytes`` (the module's value
+    is restored after: the worker serves other tests)."""
+    saved = shared_memory.SLOT_BYTES
+    shared_memory.SLOT_BYTES = slot_bytes
+    try:
+        yield
+    finally:
+        shared_memory.SLOT_BYTES = saved
+
+
+def _streamed_collectives_equal_gloo(rank: int, world_size: int) -> None:
+    """Collectives many times larger than a slot stream through it in
+    rounds: sizes that are not multiples of the slot, every dtype, several
+    operations in flight of one round and of many, waited in any order or
+    dropped. All-gathers equal gloo's bit for bit; reduce-scatters equal
+    gloo's at two ranks and, at any world size, the same transport with
+    slots large enough for one round (own chunk, then peers in rank order)."""
+    slot_bytes = 1000  # not a multiple of any element or size below
+    with _slots_of(slot_bytes):
+        small = dist.new_group(list(range(world_size)))
+        shared = transport.shared_memory_of(small)
+    whole = dist.new_group(list(range(world_size)))  # default slots: every operation here in one round
+    assert shared is not None and transport.shared_memory_of(whole) is not None
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for numel in (1, 59, 250, 251, 1000, 4099):
+            shards = _inputs(rank, world_size, numel, dtype, salt=20)
+            output = torch.full((numel * world_size,), 3, dtype=dtype)
+            comm.all_gather_into(output, shards[rank], small, async_op=True).wait()
+            expected = torch.empty_like(output)
+            dist.all_gather_into_tensor(expected, shards[rank])
+            assert torch.equal(output, expected), (dtype, numel)
+            if not dtype.is_floating_point:
+                continue
+            inputs = _inputs(rank, world_size, numel * world_size, dtype, salt=21)
+            reduced, one_round = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            comm.reduce_scatter(reduced, inputs[rank].clone(), small, async_op=False)
+            comm.reduce_scatter(one_round, inputs[rank].clone(), whole, async_op=False)
+            assert torch.equal(reduced, one_round), (dtype, numel)
+            if world_size == 2:
+                gloo = torch.empty_like(reduced)
+                dist.reduce_scatter_tensor(gloo, inputs[rank].clone())
+                assert torch.equal(reduced, gloo), (dtype, numel)
+    # Several in flight: long and one-round operations interleaved, waited
+    # newest first, one long one dropped unwaited.
+    issued: list[Any] = []
+    for index in range(3 * SLOTS):
+        numel = (7, 2001, 3, 777)[index % 4] + index
+        shards = _inputs(rank, world_size, numel, torch.float32, salt=30 + index)
+        if index % 3 == 1:
+            inputs = _inputs(rank, world_size, numel * world_size, torch.float32, salt=40 + index)
+            reduced = torch.empty(numel)
+            work = comm.reduce_scatter(reduced, inputs[rank].clone(), small, async_op=True)
+            expected = torch.empty(numel)
+            comm.reduce_scatter(expected, inputs[rank].clone(), whole, async_op=False)
+            issued.append((work, reduced, expected))
+        else:
+            output = torch.empty(numel * world_size)
+            work = comm.all_gather_into(output, shards[rank], small, async_op=True)
+            issued.append((work, output, torch.cat(shards)))
+    issued[-3] = None  # 2001 elements, several rounds: dropped
+    for entry in reversed(issued):
+        if entry is not None:
+            work, output, expected = entry
+            work.wait()
+            assert torch.equal(output, expected)
+    del work, entry
+    issued.clear()
+    # The slots are free again on every rank, and their memory stayed bounded.
+    output = torch.empty(5000 * world_size)
+    comm.all_gather_into(output, torch.full((5000,), float(rank)), small, async_op=False)
+    assert torch.equal(output, torch.arange(world_size, dtype=torch.float32).repeat_interleave(5000))
+    assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 30, slot_bytes) == mmap.PAGESIZE + SLOTS * 65536
+    assert shared.mapped_bytes <= world_size * SLOTS * 65536
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_larger_than_a_slot_stream_through_it_and_equal_gloo(world_size: int) -> None:
+    run_distributed(_streamed_collectives_equal_gloo, world_size)
+
+
 def _group_agrees_to_fall_back(rank: int, world_size: int) -> None:
     """One rank that cannot use shared memory makes the whole group use
     gloo; the files are gone from /dev/shm once the group decided."""
@@ -178,6 +264,12 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
             assert transport.uses_shared_memory(group, "cpu") == (switch == "1")
         finally:
             os.environ.pop(ENV_SWITCH, None)
+    # Slots far smaller than a unit: every collective streams in rounds.
+    with _slots_of(512):
+        group = dist.new_group(list(range(world_size)))
+        assert transport.shared_memory_of(group) is not None
+    shard = _shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True, process_group=group)
+    run_parity(Parity(build=TinyGPT, shard=shard, steps=3))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

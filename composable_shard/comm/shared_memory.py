@@ -10,6 +10,7 @@ as picklable objects; ``comm``'s callers keep their buffers alive).
 
 Public names: ``HostSharedMemory``, ``SharedMemoryWork``,
 ``SharedMemoryUnavailable``, ``PLATFORM_SUPPORTED``, ``SLOTS``,
+``SLOT_BYTES``, ``slot_reservation``, ``bytes_per_rank``,
 ``outside_graph``, ``eagerly``, ``prepare_for_compile``.
 
 [Note: shared-memory collectives]
@@ -31,35 +32,69 @@ step moved within run-to-run noise); on a loaded one, where gloo's threads
 take cores from compute, it gains most.
 
 How: every rank of the group owns one file in ``/dev/shm``, unlinked as soon
-as every rank opened every file (nothing outlives the processes). Its header
-holds, per slot, the last operation whose bytes this rank finished writing
-(with its kind and size, which peers check: ranks that issue different
-collectives get an error naming both, not each other's bytes) and the last
-one it finished reading from its peers; slot ``s`` starts at
-``(s + 1) * SLOT_STRIDE`` (a sparse file: the stride costs nothing).
-Operations take slots round-robin and every rank numbers them alike
-(collectives are issued in the same order on every rank). Slots are mapped
-into every process (``mmap``, grown when an operation needs more), so bytes
+as every rank opened every file (nothing outlives the processes). It has
+``SLOTS`` slots of ``SLOT_BYTES`` each (rank 0's value, agreed at setup).
+An operation moves its bytes in rounds of at most one slot each (an
+all-gather: consecutive pieces of this rank's shard; a reduce-scatter: the
+same piece of every chunk but this rank's, side by side, so every round
+feeds every rank); an operation that fits one slot, the common case, is one
+round. The header holds, per slot, the last round whose bytes this rank
+finished writing (with its operation's kind and size, which peers check:
+ranks that issue different collectives get an error naming both, not each
+other's bytes) and the last one it finished reading from its peers; slot
+``s`` starts at ``(s + 1)`` times the slot size rounded up to 64 KiB.
+Rounds take slots round-robin and every rank numbers them alike
+(collectives are issued in the same order on every rank, and every rank
+splits one alike). Slots are mapped into every process (``mmap``), so bytes
 move with one ``copy_`` each way: through ``pwritev``/``preadv`` the same
 moves took about twice as long (1.6 MB from and to buffers not in cache:
 0.33 and 0.32 ms against 0.16 and 0.18 ms), and the reduce-scatter needed a
 scratch chunk to add from.
 
-- issue: until every peer has read the operation that last used this slot
-  (their "read" entries; normally true already), wait; copy this rank's
-  bytes into its slot; then publish the operation in the "written" entry.
-- wait: until every peer's "written" entry shows the operation, wait; copy
-  their bytes from their slots straight into the output (reduce-scatter:
-  this rank's own chunk was copied into it at issue, the peers' chunks are
-  added to it in rank order, read where they lie); publish the "read" entry.
+- issue, per round: until every peer has read the round that last used this
+  slot (their "read" entries; normally true already), wait; copy this
+  rank's bytes into its slot; then publish the round in the "written" entry.
+- wait, per round still unread: until every peer's "written" entry shows the
+  round, wait; copy their bytes from their slots straight into the output
+  (reduce-scatter: this rank's own chunk was copied into it at issue, the
+  peers' pieces are added to it in rank order, read where they lie, so each
+  element sums in the same order as in one round); publish the "read" entry.
+
+The slot size was chosen with both transports in the same processes, calls
+interleaved (world size 2, one thread per rank, 2 shared cores under heavy
+load, median of 30; all-gather / reduce-scatter ms): at 4 MiB unsharded,
+slots sized by the operation 0.93 / 0.85, 4 slots of 1, 2, 4 MiB
+1.02 / 0.96, 0.88 / 0.92, 0.90 / 0.92; at 80 MiB unsharded (a block of a
+GPT of width 1280) 14.7 / 14.8 against 15.6 / 15.2, 16.1 / 15.2,
+15.6 / 16.1 (10 to 20 rounds: within the run's noise, a few percent at
+most). 2 MiB keeps a 7.4M GPT's collectives (1.6 MB per rank) in one round
+and costs 8 MiB per rank (Docker's default 64 MiB ``/dev/shm`` holds 7 ranks).
+
+Streaming (an operation of more rounds than ``SLOTS``): its round ``k`` reuses
+the slot of its own round ``k - SLOTS``, which every peer must have read
+first, and peers read during their own calls only (no thread serves them).
+So the issue itself streams: before claiming a slot a rank reads its own
+older round there (the rule below: reading early is harmless), then waits
+for its peers to have read it, which they do when they reach the same round
+of the same operation. Every rank thus reads all but the last ``SLOTS``
+rounds during the issue, in step with its peers (a large operation's issue
+returns once every peer has issued it too); the wait reads the last
+``SLOTS``. An operation of at most ``SLOTS`` rounds issues as before,
+asynchronously: it waits for nobody but the readers of its slots' older
+rounds. Doing the whole stream at the wait instead would not make it more
+asynchronous: the next collective's issue would have to finish it first (it
+needs those slots), and what is copied costs the same CPU either way.
 
 Waiting polls the peers' headers with ``pread`` and sleeps with back-off
 (5 us, growing by half each time up to 0.2 ms, so a wait overshoots little
 and a long one costs a few microseconds of CPU per 0.2 ms): no thread spins
 and no gloo thread competes with compute. Reuse cannot deadlock: before
-waiting for its peers to read a slot, a rank finishes its own older
-operation on that slot (reading early is harmless), so no two ranks wait on
-each other; a dropped operation (its work freed unwaited) counts as read.
+waiting for its peers to read a slot, a rank finishes its own older round
+on that slot (reading early is harmless; its peers wrote it, since they
+issue in the same order), so no two ranks wait on each other: the ranks
+that wrote the fewest rounds read first and then wait only for ranks that
+wrote as many or more, which read that round before writing their next; a
+dropped operation (its work freed unwaited) counts as read.
 
 Ordering: header entries are written and read through system calls on the
 files, by one thread at a time (see "Threads"), after the
@@ -69,15 +104,19 @@ x86-64, where stores become visible to other cores in program order and
 loads are not reordered with older loads, so a peer that sees the entry sees
 the bytes.
 
-Memory: tmpfs pages, per rank ``SLOTS`` times the largest operation's bytes
-(an all-gather writes its shard; a reduce-scatter its input without this
-rank's chunk), reserved with ``posix_fallocate`` when the group sets up, for
-the largest collective announced then (see [Note: one transport per group]
-in comm/transport.py), and grown before a write that needs more (a full
-``/dev/shm`` is then an error naming the fix, not a SIGBUS); reported by
-``shared_bytes``. RSS counts the pages a process touched through its
-mappings, its peers' included (``mapped_bytes``); ``scripts/bench.py``
-counts each page once, for the rank that owns it.
+Memory: tmpfs pages, per rank one page of header and ``SLOTS`` slots of at
+most ``SLOT_BYTES`` whatever the model (``bytes_per_rank``: 8 MiB and a
+page at the defaults; before streaming, each slot held the largest
+operation whole, 4 x 40 MB per rank for a GPT of 16 blocks of width 1280).
+Each slot reserves (``posix_fallocate``, when the group sets up) the largest
+collective announced then, up to ``SLOT_BYTES`` (``slot_reservation``: a
+small model's slots stay smaller; see [Note: one transport per group] in
+comm/transport.py), and grows up to it before a write that needs more (a
+full ``/dev/shm`` is then an error naming the fix, not a SIGBUS); reported
+by ``shared_bytes``, and counted by ``composable_shard.plan``. RSS counts
+the pages a process touched through its mappings, its peers' included
+(``mapped_bytes``: up to the world size times ``shared_bytes``);
+``scripts/bench.py`` counts each page once, for the rank that owns it.
 
 Setup (``connect``, collective, once per group): the ranks exchange their
 facts over the backend (host, ``/dev/shm`` mount and pid namespace; pid;
@@ -103,7 +142,11 @@ size, and the peer's group rank, global rank and pid; every later call on
 the group raises the same error at once. A peer that is alive but does not
 come fails the wait at the group's timeout (read from its backend at every
 wait: what ``init_process_group``/``new_group`` received, or
-``set_timeout``), or at ``wait(timeout)``'s; a timed-out wait may be retried.
+``set_timeout``), or at ``wait(timeout)``'s; a timed-out wait may be retried
+(it resumes at the first round still unread). An issue that fails after it
+published a round (a dead peer, a timeout or a mismatch in the middle of a
+stream) leaves the peers' rounds out of step: every later call raises that
+error at once.
 
 Threads: one thread at a time may be inside a group's collective (issue or
 wait); another thread that calls in meanwhile gets an error at once, not a
@@ -137,6 +180,9 @@ __all__ = [
     "SharedMemoryUnavailable",
     "PLATFORM_SUPPORTED",
     "SLOTS",
+    "SLOT_BYTES",
+    "slot_reservation",
+    "bytes_per_rank",
     "outside_graph",
     "eagerly",
     "prepare_for_compile",
@@ -145,7 +191,10 @@ __all__ = [
 _DIRECTORY = "/dev/shm"
 _FILE_PREFIX = "composable_shard_"
 SLOTS = 4
-SLOT_STRIDE = 1 << 40  # 1 TiB apart in a sparse file: no operation is larger
+# The most bytes one rank writes into one slot: an operation that moves more
+# streams through its slots in rounds (see "Streaming" in the Note). Read
+# when a group sets up (rank 0's value holds for the group).
+SLOT_BYTES = 2 << 20
 # Per slot, the last operation this rank finished reading from its peers;
 # then per slot a pair: the signature (kind and size) of the last operation
 # this rank wrote, and its number, published together by one write.
@@ -192,6 +241,8 @@ class _RankFacts:
     free_bytes: int | None
     # Names this setup's files (rank 0's is used).
     token: str
+    # ``SLOT_BYTES`` on this rank (rank 0's is used).
+    slot_bytes: int
     # This rank's switch (``COMPOSABLE_SHARD_SHARED_MEMORY``): off on any
     # rank means off for the group.
     wanted: bool
@@ -278,7 +329,7 @@ def _own_facts(wanted: bool) -> _RankFacts:
     if os.access(_DIRECTORY, os.W_OK):
         stats = os.statvfs(_DIRECTORY)
         free = stats.f_bavail * stats.f_frsize
-    return _RankFacts(place, os.getpid(), dist.get_rank(), free, uuid.uuid4().hex, wanted)
+    return _RankFacts(place, os.getpid(), dist.get_rank(), free, uuid.uuid4().hex, SLOT_BYTES, wanted)
 
 
 def _unlink_quietly(paths: list[str]) -> None:
@@ -289,7 +340,7 @@ def _unlink_quietly(paths: list[str]) -> None:
             pass
 
 
-def _check_facts(facts: list[_RankFacts], slot_bytes: int) -> None:
+def _check_facts(facts: list[_RankFacts], largest_bytes: int) -> None:
     """Whether the group can share memory at all, decided alike on every
     rank from the facts every rank sent."""
     if any(not rank_facts.wanted for rank_facts in facts):
@@ -300,32 +351,32 @@ def _check_facts(facts: list[_RankFacts], slot_bytes: int) -> None:
     unwritable = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes is None]
     if unwritable:
         raise SharedMemoryUnavailable(f"{_DIRECTORY} is not writable on ranks {unwritable}", warn=True)
-    per_rank = _PAGE + SLOTS * _round_up(slot_bytes, _MAP_GRANULE)
-    needed = per_rank * len(facts)
+    per_slot = slot_reservation(largest_bytes, facts[0].slot_bytes)
+    needed = bytes_per_rank(largest_bytes, facts[0].slot_bytes) * len(facts)
     short = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes < needed]
     if short:
         free = min(facts[rank].free_bytes for rank in short)
         raise SharedMemoryUnavailable(
             f"{_DIRECTORY} has {free / 2**20:.1f} MiB free on ranks {short}; the group needs {needed / 2**20:.1f} MiB "
-            f"({len(facts)} ranks x {SLOTS} slots x {_round_up(slot_bytes, _MAP_GRANULE) / 2**20:.1f} MiB for its "
-            "largest collective). Free space there (Docker: --shm-size)",
+            f"({len(facts)} ranks x {SLOTS} slots x {per_slot / 2**20:.1f} MiB). Free space there (Docker: "
+            "--shm-size)",
             warn=True,
         )
 
 
-def _create_file(path: str, slot_bytes: int) -> int:
-    """This rank's file, its header zeroed and every slot's ``slot_bytes``
-    reserved (``posix_fallocate``: a full ``/dev/shm`` is an error here, not
-    a SIGBUS at a later write through a mapping)."""
+def _create_file(path: str, stride: int, reserved: int) -> int:
+    """This rank's file, its header zeroed and every slot's ``reserved``
+    bytes reserved (``posix_fallocate``: a full ``/dev/shm`` is an error
+    here, not a SIGBUS at a later write through a mapping)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.pwrite(fd, _HEADER.pack(*([0] * 3 * SLOTS)), 0)
         # Sized before any peer maps it (sparse: costs nothing), so no
         # mapping ever reaches past the end of the file.
-        os.ftruncate(fd, SLOT_STRIDE * (SLOTS + 1))
-        if slot_bytes:
+        os.ftruncate(fd, stride * (SLOTS + 1))
+        if reserved:
             for slot in range(SLOTS):
-                os.posix_fallocate(fd, SLOT_STRIDE * (slot + 1), _round_up(slot_bytes, _MAP_GRANULE))
+                os.posix_fallocate(fd, stride * (slot + 1), reserved)
     except OSError:
         os.close(fd)
         raise
@@ -360,8 +411,13 @@ class HostSharedMemory:
         self._liveness = select.poll()
         for pidfd in pidfds.values():
             self._liveness.register(pidfd, select.POLLIN)
+        # Bytes one slot holds (agreed: rank 0's ``SLOT_BYTES``) and where
+        # slot ``s`` starts in every file: ``(s + 1) * stride``.
+        self._capacity = facts[0].slot_bytes
+        self._stride = _stride(self._capacity)
         self._next_seq = 1  # header entries start at 0: "nothing read yet"
-        self._slot_works: list[weakref.ReferenceType[SharedMemoryWork] | None] = [None] * SLOTS
+        # Per slot, this rank's work that used it last and its round's number.
+        self._slot_rounds: list[tuple[weakref.ReferenceType[SharedMemoryWork], int] | None] = [None] * SLOTS
         # Bytes reserved in this rank's file per slot (``posix_fallocate``).
         self._reserved = [0] * SLOTS
         # (rank, slot) -> the mapping of that slot of that rank's file and a
@@ -379,17 +435,19 @@ class HostSharedMemory:
 
     # ------------------------------------------------------------- creation
     @classmethod
-    def connect(cls, group: ProcessGroup, slot_bytes: int, *, wanted: bool) -> "HostSharedMemory":
+    def connect(cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool) -> "HostSharedMemory":
         """Set up the transport of ``group`` (collective: every rank of the
-        group calls it, once), with ``slot_bytes`` reserved in each of this
-        rank's slots; ``wanted``: this rank's switch. Raises
+        group calls it, once), its slots reserved for collectives writing up
+        to ``largest_bytes`` per rank (``slot_reservation``); ``wanted``:
+        this rank's switch. Raises
         ``SharedMemoryUnavailable`` on every rank alike where the group
         cannot use shared memory, and the backend's error where a peer fails
         meanwhile; no file of the group is left in ``/dev/shm`` either way."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         facts: list[Any] = [None] * world_size
         dist.all_gather_object(facts, _own_facts(wanted), group=group)
-        _check_facts(facts, slot_bytes)
+        _check_facts(facts, largest_bytes)
+        reserved = slot_reservation(largest_bytes, facts[0].slot_bytes)
         # Every path is known to every rank before any file exists, so
         # whichever rank survives a failure can remove them all.
         paths = [
@@ -402,7 +460,7 @@ class HostSharedMemory:
         try:
             error = None
             try:
-                fds[rank] = _create_file(paths[rank], slot_bytes)
+                fds[rank] = _create_file(paths[rank], _stride(facts[0].slot_bytes), reserved)
             except OSError as failure:
                 error = failure.strerror
             _agree(group, error, "create and reserve")
@@ -422,7 +480,7 @@ class HostSharedMemory:
             if not done:
                 _close_all([fd for fd in fds if fd >= 0] + list(pidfds.values()))
         transport = cls(group, facts, fds, pidfds)
-        transport._reserved = [_round_up(slot_bytes, _MAP_GRANULE) if slot_bytes else 0] * SLOTS
+        transport._reserved = [reserved] * SLOTS
         return transport
 
     # ---------------------------------------------------------- collectives
@@ -433,21 +491,24 @@ class HostSharedMemory:
         self._check_sizes("all-gather: output", output, shard)
         self._enter("an all-gather")
         try:
-            slot, seq = self._claim_slot()
             shard_bytes = _bytes_of(shard)
             nbytes = shard_bytes.numel()
-            self._region(self.rank, slot, nbytes).copy_(shard_bytes)
             output.narrow(0, self.rank * chunk, chunk).copy_(shard)
 
-            def read() -> None:
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                region.copy_(shard_bytes[start : start + length])
+
+            def read(slot: int, start: int, length: int) -> None:
                 if not _has_storage(output):
                     return  # its owner freed it before waiting: nobody reads the result
                 output_bytes = _bytes_of(output)
                 for peer in range(self.world_size):
                     if peer != self.rank:
-                        output_bytes[peer * nbytes : (peer + 1) * nbytes].copy_(self._region(peer, slot, nbytes))
+                        at = peer * nbytes + start
+                        output_bytes[at : at + length].copy_(self._region(peer, slot, length))
 
-            work = self._start(slot, seq, read, _signature(_ALL_GATHER, nbytes))
+            rounds = _rounds(nbytes, self._gather_piece)
+            work = self._stream("an all-gather", _signature(_ALL_GATHER, nbytes), rounds, write, read)
         finally:
             self._busy.release()
         if async_op:
@@ -466,34 +527,90 @@ class HostSharedMemory:
         self._check_sizes("reduce-scatter: input", input, output)
         self._enter("a reduce-scatter")
         try:
-            slot, seq = self._claim_slot()
             flat = input.detach().reshape(-1)
             input_bytes = _bytes_of(flat)
             chunk_bytes = chunk * flat.element_size()
-            own_start = self.rank * chunk_bytes
-            # Peers read their own chunks only: the region holds every chunk but
-            # this rank's, in rank order (see _chunk_offset).
-            region = self._region(self.rank, slot, input_bytes.numel() - chunk_bytes)
-            region[:own_start].copy_(input_bytes[:own_start])
-            region[own_start:].copy_(input_bytes[own_start + chunk_bytes :])
+            peers = [peer for peer in range(self.world_size) if peer != self.rank]
             output.copy_(flat[self.rank * chunk : (self.rank + 1) * chunk])
 
-            def read() -> None:
+            # A round carries the same piece of every chunk but this rank's,
+            # in rank order (see _chunk_offset): each peer reads its own.
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                for index, peer in enumerate(peers):
+                    at = peer * chunk_bytes + start
+                    region[index * length : (index + 1) * length].copy_(input_bytes[at : at + length])
+
+            def read(slot: int, start: int, length: int) -> None:
                 if not _has_storage(output):
                     return  # its owner freed it before waiting: nobody reads the result
-                for peer in range(self.world_size):
-                    if peer != self.rank:
-                        start = _chunk_offset(self.rank, peer, chunk_bytes)
-                        peer_chunk = self._region(peer, slot, start + chunk_bytes)[start:]
-                        output.add_(peer_chunk.view(output.dtype))
+                target = _bytes_of(output)[start : start + length].view(output.dtype)
+                for peer in peers:
+                    at = _chunk_offset(self.rank, peer, length)
+                    target.add_(self._region(peer, slot, at + length)[at:].view(output.dtype))
 
-            work = self._start(slot, seq, read, _signature(_REDUCE_SCATTER, region.numel()))
+            rounds = _rounds(chunk_bytes, self._reduce_piece(flat.element_size()))
+            signature = _signature(_REDUCE_SCATTER, chunk_bytes * len(peers))
+            work = self._stream("a reduce-scatter", signature, rounds, write, read, per_round=len(peers))
         finally:
             self._busy.release()
         if async_op:
             return work
         work.wait()
         return None
+
+    def _stream(
+        self,
+        what: str,
+        signature: int,
+        rounds: list[tuple[int, int]],
+        write: Callable[[torch.Tensor, int, int], None],
+        read: Callable[[int, int, int], None],
+        per_round: int = 1,
+    ) -> "SharedMemoryWork":
+        """Issue one operation as ``rounds`` (byte ranges of what it moves
+        per peer), one slot each: claim the slot, ``write`` this rank's bytes
+        into it (``per_round`` ranges side by side), publish. A round older
+        than the last ``SLOTS`` is read (``read``) when its slot is claimed
+        again, here; the work waits for the rest (see "Streaming" in the
+        Note). A failure after a round was published leaves the group
+        unusable: every later call raises it."""
+        work = SharedMemoryWork(self, signature, read)
+        published = False
+        try:
+            for start, length in rounds:
+                slot, seq = self._claim_slot()
+                write(self._region(self.rank, slot, per_round * length), start, length)
+                # Published only after the bytes (system calls on one thread,
+                # in order); the signature comes first in the pair, so a peer
+                # that sees the number sees it too.
+                os.pwrite(self._fds[self.rank], _PUBLISHED.pack(signature, seq), (SLOTS + 2 * slot) * _ENTRY.size)
+                published = True
+                work._pending.append((slot, seq, start, length))
+                self._slot_rounds[slot] = (weakref.ref(work), seq)
+        except BaseException as error:
+            if published and self._failure is None:
+                self._failure = RuntimeError(
+                    f"composable_shard shared-memory collectives: {what} failed after part of it was sent "
+                    f"({error}); the process group cannot go on."
+                )
+                self._failure.__cause__ = error
+            raise
+        return work
+
+    @property
+    def _gather_piece(self) -> int:
+        """Bytes of its shard an all-gather moves per round."""
+        return _aligned(self._capacity, 1)
+
+    def _reduce_piece(self, element_size: int) -> int:
+        """Bytes of each peer's chunk a reduce-scatter moves per round."""
+        piece = _aligned(self._capacity // (self.world_size - 1), element_size)
+        if piece < element_size:
+            raise ValueError(
+                f"shared-memory reduce-scatter: slots of {self._capacity} bytes cannot hold one {element_size}-byte "
+                f"element for each of {self.world_size - 1} peers"
+            )
+        return piece
 
     def _enter(self, what: str) -> None:
         """Take the transport for one call, or refuse: a peer died (every
@@ -519,10 +636,10 @@ class HostSharedMemory:
         key = (rank, slot)
         mapped = self._mappings.get(key)
         if mapped is None or mapped[1].numel() < nbytes:
-            length = _round_up(nbytes, _MAP_GRANULE)
+            length = min(_round_up(nbytes, _MAP_GRANULE), self._stride)
             if rank == self.rank:
                 self._reserve(slot, length)
-            region = mmap.mmap(self._fds[rank], length, offset=SLOT_STRIDE * (slot + 1))
+            region = mmap.mmap(self._fds[rank], length, offset=self._stride * (slot + 1))
             # The replaced mapping is unmapped once no tensor views it.
             mapped = self._mappings[key] = (region, torch.frombuffer(region, dtype=torch.uint8))
         if self._touched.get(key, 0) < nbytes:
@@ -533,7 +650,7 @@ class HostSharedMemory:
         if self._reserved[slot] >= nbytes:
             return
         try:
-            os.posix_fallocate(self._fds[self.rank], SLOT_STRIDE * (slot + 1), nbytes)
+            os.posix_fallocate(self._fds[self.rank], self._stride * (slot + 1), nbytes)
         except OSError as error:
             raise RuntimeError(
                 f"composable_shard shared-memory collective: cannot reserve {nbytes} bytes in {_DIRECTORY} "
@@ -551,9 +668,10 @@ class HostSharedMemory:
 
     @property
     def shared_bytes(self) -> int:
-        """Bytes of shared memory this rank's file holds (its header and its
-        slots' reservations)."""
-        return _HEADER.size + sum(self._reserved)
+        """Bytes of shared memory this rank's file holds (its header's page
+        and its slots' reservations): at most ``bytes_per_rank`` of any
+        size, since no slot grows past ``SLOT_BYTES``."""
+        return _PAGE + sum(self._reserved)
 
     @property
     def mapped_bytes(self) -> int:
@@ -562,23 +680,14 @@ class HostSharedMemory:
         return sum(_round_up(nbytes, _PAGE) for nbytes in self._touched.values())
 
     # ----------------------------------------------------------------- slots
-    def _start(self, slot: int, seq: int, read: Any, signature: int) -> "SharedMemoryWork":
-        # Published only after the bytes (system calls on one thread, in
-        # order); the signature comes first in the pair, so a peer that sees
-        # the number sees it too.
-        os.pwrite(self._fds[self.rank], _PUBLISHED.pack(signature, seq), (SLOTS + 2 * slot) * _ENTRY.size)
-        work = SharedMemoryWork(self, slot, seq, read, signature)
-        self._slot_works[slot] = weakref.ref(work)
-        return work
-
     def _claim_slot(self) -> tuple[int, int]:
         seq = self._next_seq
         self._next_seq += 1
         slot = seq % SLOTS
-        previous = self._slot_works[slot]
-        earlier = previous() if previous is not None else None
+        previous = self._slot_rounds[slot]
+        earlier = previous[0]() if previous is not None else None
         if earlier is not None:
-            earlier._complete(None)  # read our own older operation first: see the Note
+            earlier._complete(previous[1], None)  # read our own older round first: see the Note
         if seq > SLOTS:
             self._await_peers(slot, seq - SLOTS, written=False, timeout_s=None)
         return slot, seq
@@ -601,7 +710,7 @@ class HostSharedMemory:
                     waiting.append(peer)
                 elif written and header[entry - 1] != signature:
                     raise RuntimeError(
-                        f"composable_shard shared-memory collective {seq}: rank {peer} of the group issued "
+                        f"composable_shard shared-memory collective (round {seq}): rank {peer} of the group issued "
                         f"{_describe(header[entry - 1])} where this rank (rank {self.rank}) issued "
                         f"{_describe(signature)}. Every rank must run the same collectives in the same order "
                         "(the same modules in forward and backward, the same no_sync and state-dict calls)."
@@ -658,12 +767,13 @@ class SharedMemoryWork:
     Its inputs were copied out when it was issued: unlike a gloo or NCCL
     work, nothing needs to keep them alive until the wait."""
 
-    def __init__(self, transport: HostSharedMemory, slot: int, seq: int, read: Any, signature: int) -> None:
+    def __init__(self, transport: HostSharedMemory, signature: int, read: Callable[[int, int, int], None]) -> None:
         self._transport: HostSharedMemory | None = transport
-        self._slot = slot
-        self._seq = seq
-        self._read = read
         self._signature = signature
+        self._read: Callable[[int, int, int], None] | None = read
+        # Rounds published and not yet read, oldest first: (slot, number,
+        # start, length) of the bytes it moved per peer.
+        self._pending: list[tuple[int, int, int, int]] = []
 
     def wait(self, *timeout: Any) -> bool:
         """As ``Work.wait``: blocks until the result is in the output, at most
@@ -682,33 +792,79 @@ class SharedMemoryWork:
             return True
         transport._enter("a wait")
         try:
-            self._complete(timeout_s)
+            self._complete(None, timeout_s)
         finally:
             transport._busy.release()
         return True
 
-    def _complete(self, timeout_s: float | None) -> None:
-        """The wait, its caller holding the transport."""
+    def _complete(self, through: int | None, timeout_s: float | None) -> None:
+        """Read the pending rounds up to number ``through`` (None: all), in
+        order, the caller holding the transport; each one's peers must have
+        written it. The work is complete once none is pending."""
         transport = self._transport
         if transport is None:
             return
-        transport._await_peers(self._slot, self._seq, written=True, timeout_s=timeout_s, signature=self._signature)
-        self._read()
-        self._transport, self._read = None, None
-        transport._mark_read(self._slot, self._seq)
+        while self._pending and (through is None or self._pending[0][1] <= through):
+            slot, seq, start, length = self._pending[0]
+            transport._await_peers(slot, seq, written=True, timeout_s=timeout_s, signature=self._signature)
+            self._read(slot, start, length)  # type: ignore[misc]
+            self._pending.pop(0)
+            transport._mark_read(slot, seq)
+        if through is None:
+            self._transport, self._read = None, None
 
     def is_completed(self) -> bool:
         return self._transport is None
 
     def __del__(self) -> None:
         # Dropped without a wait (an error reset): peers must still be free
-        # to reuse the slot, and nothing here will read it any more.
+        # to reuse its slots, and nothing here will read them any more.
         transport = self._transport
         if transport is not None:
             try:
-                transport._mark_read(self._slot, self._seq)
+                for slot, seq, _, _ in self._pending:
+                    transport._mark_read(slot, seq)
             except OSError:
                 pass
+
+
+def _stride(slot_bytes: int) -> int:
+    """How far apart slots lie in a file (sparse: the gaps cost nothing)."""
+    return _round_up(max(slot_bytes, 1), _MAP_GRANULE)
+
+
+def slot_reservation(largest_bytes: int, slot_bytes: int | None = None) -> int:
+    """Bytes reserved per slot at setup for collectives writing up to
+    ``largest_bytes`` per rank: all of them while they fit one slot of
+    ``slot_bytes`` (default ``SLOT_BYTES``), else the whole slot, through
+    which larger ones stream."""
+    slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
+    if largest_bytes <= 0:
+        return 0
+    return min(_round_up(largest_bytes, _MAP_GRANULE), _stride(slot_bytes))
+
+
+def bytes_per_rank(largest_bytes: int, slot_bytes: int | None = None) -> int:
+    """Shared memory one rank's file holds once set up for collectives
+    writing up to ``largest_bytes`` per rank: its header's page and its
+    slots' reservations; at most ``PAGE + SLOTS * SLOT_BYTES`` (rounded to
+    the mapping granule) whatever the size."""
+    return _PAGE + SLOTS * slot_reservation(largest_bytes, slot_bytes)
+
+
+def _aligned(nbytes: int, element_size: int) -> int:
+    """``nbytes`` rounded down to a multiple of 64 bytes (a cache line, so
+    that rounds start aligned), or of ``element_size`` where it is smaller."""
+    align = 64 if nbytes >= 64 else element_size
+    return nbytes // align * align
+
+
+def _rounds(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """``nbytes`` as (start, length) pieces of at most ``piece`` bytes; one
+    empty round for nothing (every rank still takes part)."""
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
 
 
 def _signature(kind: int, nbytes: int) -> int:
@@ -723,12 +879,12 @@ def _describe(signature: int) -> str:
 
 
 def _operation(seq: int, signature: int, written: bool) -> str:
-    """The collective a wait is for, in words (a wait for a slot's readers
-    names the operation that will reuse it)."""
+    """The collective a wait is for, in words, with its round's number (a
+    wait for a slot's readers names the round that will reuse it)."""
     if not written:
-        return f"collective (operation {seq + SLOTS}, waiting for its slot to be read)"
+        return f"collective (round {seq + SLOTS}, waiting for its slot to be read)"
     kind = {_ALL_GATHER: "all-gather", _REDUCE_SCATTER: "reduce-scatter"}.get(signature % 4, "collective")
-    return f"{kind} (operation {seq}, {signature // 4} bytes per rank)"
+    return f"{kind} (round {seq}, {signature // 4} bytes per rank)"
 
 
 def _chunk_offset(chunk_rank: int, writer: int, chunk_bytes: int) -> int:

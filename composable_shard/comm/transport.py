@@ -19,9 +19,11 @@ not on another, an environment variable changed later) can send ranks down
 different transports, where they would wait for each other forever. The
 decision takes shared memory when every rank has ``ENV_SWITCH`` unset or
 not ``0``, all of them share one host's ``/dev/shm`` and process ids, and
-``/dev/shm`` has room on every rank for every rank's slots at the largest
-collective the group announced (``expect_collective_bytes``, which every
-flat-parameter handle calls when it is built, before any collective); else
+``/dev/shm`` has room on every rank for every rank's slots, each reserving
+the largest collective the group announced up to the slot's fixed size
+(``expect_collective_bytes``, which every flat-parameter handle calls when
+it is built, before any collective; larger ones stream through the slots,
+see [Note: shared-memory collectives]); else
 the whole group uses the backend, with one warning on each rank where the
 ranks share a host but the files could not be made (no room, not
 writable). Under ``torch.compile`` a shared-memory collective runs outside
