@@ -563,21 +563,27 @@ class FlatParamHandle:
         the pinned shard as it is with ``non_blocking=True`` (an asynchronous
         DMA on the lane's stream) and cast on the device afterwards; a cast
         on the host would first write a pageable temporary, whose upload
-        blocks the host. Downloads go the other way on the compute stream: the
-        gradient is cast on the device, then copied with ``non_blocking=True``
-        into pinned host memory (a new block from the pinned caching
-        allocator, which reuses a block only after the copies recorded on it
-        finished). To accumulate, the host gradient is uploaded, summed on the
-        device and downloaded into the same host memory, so the ``.grad``
-        views stay valid; both copies are on one stream, hence ordered.
+        blocks the host. Downloads go the other way, on the reduction lane
+        after the reduction (the runtime asks the scheduler to finish
+        offloaded reductions there, so the copies never hold up backward
+        kernels on compute; see "The host is a third party" in
+        [Note: lane fences], scheduler.py): the gradient is cast on the
+        device, then copied with ``non_blocking=True`` into pinned host
+        memory (a new block from the pinned caching allocator, which reuses a
+        block only after the copies recorded on it — on the stream current
+        at the copy — finished). To accumulate, the host gradient (pinned:
+        see ``_collect_user_grads``) is uploaded, summed on the device and
+        downloaded into the same host memory, so the ``.grad`` views stay
+        valid; all three are on one stream, hence ordered.
 
         Nothing on the host reads or writes that memory while the device may
         still use it: the gradients' values are undefined until the end of
-        backward, where the runtime makes the host wait once for the compute
-        stream (``Scheduler.synchronize_host``), after every fence and
-        download was enqueued on it; the optimizer (on CPU, on the offloaded
-        shards) and ``clip_grad_norm_`` run after that. Host writes to the
-        shard (optimizer step, state-dict loads, write-back) happen after a
+        backward, where compute waits on the post-reduce fence and the
+        runtime makes the host wait once for the compute stream
+        (``Scheduler.synchronize_host``), after every fence and download was
+        enqueued; the optimizer (on CPU, on the offloaded shards) and
+        ``clip_grad_norm_`` run after that. Host writes to the shard
+        (optimizer step, state-dict loads, write-back) happen after a
         backward, or after a forward that no backward follows, at whose end
         the runtime waits the same way.
         """

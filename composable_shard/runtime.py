@@ -422,7 +422,9 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
         _queue_finalize_once(context)
         if not state.skip_grad_sync:
             context.scheduler.reduce(
-                functools.partial(_launch_reduce, handle), functools.partial(_finish_reduction, context, handle)
+                functools.partial(_launch_reduce, handle),
+                functools.partial(_finish_reduction, context, handle),
+                finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
             )
         if not handle.has_frozen_params:  # else see [Note: resharding frozen flat parameters]
             context.scheduler.wait_for_unshard(handle)
@@ -550,10 +552,11 @@ def _finalize_backward(context: RootContext) -> None:
 def _synchronize_host_copies(context: RootContext) -> None:
     """With CPU offload, the host's one wait per step: gradient downloads into
     pinned memory are complete (the optimizer may read them) and no upload
-    still reads the shards (the optimizer may write them). Autograd runs this
-    callback on the stream that was current around ``backward()``, which
-    waited on the streams the post-backward hooks enqueued downloads on. See
-    [Note: CPU offload copies] in flat_param.py."""
+    still reads the shards (the optimizer may write them). Called after the
+    scheduler's ``wait_for_all``, which made the compute stream wait on the
+    post-reduce fence of the downloads on the reduction lane. See
+    [Note: CPU offload copies] in flat_param.py and "The host is a third
+    party" in [Note: lane fences] (scheduler.py)."""
     if context.offloads_params:
         context.scheduler.synchronize_host()
 

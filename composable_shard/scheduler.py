@@ -62,10 +62,25 @@ checks the present rule against a fake of CUDA's stream semantics.
 
 The host is a third party: CPU offload has the device read pinned host
 memory (shard uploads) and write it (gradient downloads) without blocking
-the host. ``synchronize_host`` blocks the calling thread until the compute
-stream — which waited on every lane's fences and enqueued the downloads —
-is done; the runtime calls it once at the end of backward, before the
-optimizer may read the gradients or write the shards.
+the host. The downloads — and everything else that finishes an offloaded
+reduction: the hybrid all-reduce, the post-divide, the cast, and, when
+accumulating, the upload and add — run on the reduction lane, after the
+reduction in stream order (``Scheduler.reduce`` with ``finish_on_lane``),
+so they never hold up the backward kernels compute runs meanwhile (issue
+23, finding 2). Each such finish is fenced by one event recorded on the
+lane after it, the post-reduce fence. Compute waits on it in two places:
+before the next finish on the lane (one finish in flight: it may read a
+block compute allocated — the gradient itself under ``NO_SHARD`` without a
+cast — which the scheduler keeps referenced until then), and at the end of
+backward (``wait_for_reductions``), so every later kernel is ordered after
+every download. ``synchronize_host`` then blocks the calling thread until
+the compute stream is done: a stream's synchronisation includes the event
+waits enqueued on it, so this one wait covers the compute stream, every
+fence compute waited on (uploads on the all-gather lane, reductions) and the
+downloads on the reduction lane. The runtime calls it once at the end of
+backward, before the optimizer may read the gradients or write the shards.
+Finishes whose result stays on the device run on compute as before: the
+user's post-accumulate-grad hooks read them on compute right away.
 
 [Note: buffer lifetimes across lanes]
 Buffers are never tied to a stream through the caching allocator. The
@@ -79,7 +94,10 @@ true in both directions:
   cast from, a shard copied from): ``launch`` puts every such tensor in the
   ``PendingCollective`` it returns, which the ``InFlight`` keeps referenced
   until compute waited on the fence; only then may compute's stream reuse
-  the block, and all its later work is ordered after the fence.
+  the block, and all its later work is ordered after the fence. A finish
+  run on the reduction lane (``finish_on_lane``) may read such a block too
+  (the gradient under ``NO_SHARD``): its reduction stays referenced by the
+  post-reduce ``InFlight`` until compute waited on that fence.
 - Blocks allocated on a lane (unsharded buffers refilled in ``unshard``,
   all-gather sources, reduce-scatter outputs that become the sharded
   gradient) and freed by the host after compute used them (``reshard``,
@@ -87,7 +105,8 @@ true in both directions:
   ``wait_stream`` on compute, so every use compute had enqueued before the
   free is ordered before the lane reuses the block. Temporaries a lane both
   allocates and frees (the fp32 upload before the cast) are only used on
-  that lane, in stream order.
+  that lane, in stream order; so are those of a finish on the lane (casts,
+  the upload of the host gradient to accumulate into).
 
 On CPU the "event" is the gloo work handle; waiting on it blocks the calling
 thread only.
@@ -135,6 +154,12 @@ class Lane(Protocol):
         """Make compute wait until everything ``in_flight`` fences finished."""
         ...
 
+    def follow(self, work: Callable[[], None]) -> torch.cuda.Event | None:
+        """Run ``work`` (host code enqueueing device work) on this lane, after
+        everything issued on it so far; returns the fence of what it enqueued
+        (None where ``work`` ran synchronously)."""
+        ...
+
 
 class CpuLane:
     """Collectives as asynchronous gloo work run by the backend's threads;
@@ -148,6 +173,10 @@ class CpuLane:
     def wait(self, in_flight: InFlight) -> None:
         if in_flight.pending is not None and in_flight.pending.work is not None:
             in_flight.pending.work.wait()
+
+    def follow(self, work: Callable[[], None]) -> torch.cuda.Event | None:
+        work()  # copies run synchronously in this thread: nothing to fence
+        return None
 
 
 class CudaStreamLane:
@@ -179,6 +208,16 @@ class CudaStreamLane:
             # No host sync: the compute stream waits on the device.
             torch.cuda.current_stream(self.device).wait_event(in_flight.event)
 
+    def follow(self, work: Callable[[], None]) -> torch.cuda.Event | None:
+        # No wait on compute: ``work`` reads what the lane produced (in stream
+        # order after it) and host memory; see "The host is a third party"
+        # in [Note: lane fences].
+        with torch.cuda.stream(self.stream):
+            work()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
 
 class Scheduler:
     """The lanes of one root's tree of units and what is in flight on them."""
@@ -204,7 +243,11 @@ class Scheduler:
         # and its source alive until wait_for_unshard.
         self._all_gathers: OrderedDict[Hashable, InFlight] = OrderedDict()
         # Issued reductions with what to do once each is done, in issue order.
-        self._reductions: list[tuple[InFlight, Callable[[PendingCollective], None]]] = []
+        self._reductions: list[_Reduction] = []
+        # The fence of the latest finish run on the reduction lane, with the
+        # reduction it read (kept referenced until compute waited on the
+        # fence: see "The host is a third party" in [Note: lane fences]).
+        self._post_reduce: InFlight | None = None
 
     @property
     def async_op(self) -> bool:
@@ -235,27 +278,51 @@ class Scheduler:
         self,
         launch: Callable[[bool], PendingCollective | None],
         on_done: Callable[[PendingCollective], None],
+        *,
+        finish_on_lane: bool = False,
     ) -> None:
-        """Issue a gradient reduction; ``on_done`` runs on the compute side
-        once it finished (when a later reduction pushes it out, or in
-        ``wait_for_reductions``), and not at all if ``launch`` returned None."""
+        """Issue a gradient reduction; ``on_done`` runs once it finished
+        (when a later reduction pushes it out, or in ``wait_for_reductions``),
+        and not at all if ``launch`` returned None: on the compute side, or,
+        with ``finish_on_lane``, on the reduction lane after it (for work only
+        the host reads, after ``synchronize_host``: the offloaded gradient
+        downloads; see [Note: lane fences])."""
         while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
-            self._finish_reduction(*self._reductions.pop(0))
+            self._finish_reduction(self._reductions.pop(0))
         in_flight = self.reduce_scatter_lane.issue(lambda: launch(self.reduce_scatter_lane.async_op))
-        self._reductions.append((in_flight, on_done))
+        self._reductions.append(_Reduction(in_flight, on_done, finish_on_lane))
 
     def wait_for_reductions(self) -> None:
-        """Wait for every issued reduction, oldest first, and finish each."""
+        """Wait for every issued reduction, oldest first, and finish each;
+        compute is then ordered after all of the reduction lane's work."""
         reductions, self._reductions = self._reductions, []
-        for in_flight, on_done in reductions:
-            self._finish_reduction(in_flight, on_done)
+        for reduction in reductions:
+            self._finish_reduction(reduction)
+        self._wait_for_post_reduce()
 
-    def _finish_reduction(self, in_flight: InFlight, on_done: Callable[[PendingCollective], None]) -> None:
+    def _finish_reduction(self, reduction: _Reduction) -> None:
         # The fence first, also when nothing was returned: the launch may
-        # still have enqueued work (see [Note: lane fences]).
+        # still have enqueued work (see [Note: lane fences]). Compute waits
+        # for the collective only, so the blocks of its inputs that compute
+        # allocated may be reused once the InFlight is dropped.
+        in_flight = reduction.in_flight
         self.reduce_scatter_lane.wait(in_flight)
-        if in_flight.pending is not None:
-            on_done(in_flight.pending)
+        pending = in_flight.pending
+        if pending is None:
+            return
+        if not reduction.finish_on_lane:
+            reduction.on_done(pending)
+            return
+        self._wait_for_post_reduce()  # one finish in flight on the lane
+        event = self.reduce_scatter_lane.follow(lambda: reduction.on_done(pending))
+        self._post_reduce = InFlight(pending, event)
+
+    def _wait_for_post_reduce(self) -> None:
+        """Make compute wait for the last finish run on the reduction lane,
+        then release what it read."""
+        post_reduce, self._post_reduce = self._post_reduce, None
+        if post_reduce is not None and post_reduce.event is not None:
+            self.reduce_scatter_lane.wait(InFlight(None, post_reduce.event))
 
     def wait_for_all(self) -> None:
         """Drain both lanes (end of backward, or before a state change)."""
@@ -266,8 +333,22 @@ class Scheduler:
     # ------------------------------------------------------------------ host
     def synchronize_host(self) -> None:
         """Block the calling thread until the compute stream finished all
-        work enqueued so far (no-op on CPU). The host's single wait for
-        device copies from and to pinned host memory: see
-        [Note: lane fences]."""
+        work enqueued so far (no-op on CPU): call after ``wait_for_all``,
+        after which compute has waited on every lane's fences, the
+        post-reduce fence of the gradient downloads included. The host's
+        single wait for device copies from and to pinned host memory: see
+        "The host is a third party" in [Note: lane fences]."""
         if self.device.type == "cuda":
+            # Host-device sync: the optimizer reads the downloaded gradients
+            # and writes the shards uploads read, on the host, next.
             torch.cuda.current_stream(self.device).synchronize()
+
+
+class _Reduction(NamedTuple):
+    """An issued reduction and how to finish it."""
+
+    in_flight: InFlight
+    # Run once the reduction is done (see ``Scheduler.reduce``).
+    on_done: Callable[[PendingCollective], None]
+    # Whether ``on_done`` runs on the reduction lane (downloads for the host).
+    finish_on_lane: bool

@@ -227,9 +227,9 @@ def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
     )
     reduce = scheduler.reduce
 
-    def recorded_reduce(launch: Callable, on_done: Callable) -> None:
+    def recorded_reduce(launch: Callable, on_done: Callable, **kwargs: bool) -> None:
         recorder.gradient_written(launch.args[0])  # functools.partial(_launch_reduce, handle)
-        reduce(launch, on_done)
+        reduce(launch, on_done, **kwargs)
 
     scheduler.reduce = recorded_reduce  # type: ignore[method-assign]
     for fqn, state in unit_states_under(model):
