@@ -7,7 +7,8 @@ Knows nothing of: modules' training state, hooks, streams (collectives are
 issued through ``comm`` and returned as ``PendingCollective`` for the
 scheduler to wait on).
 
-Public names: ``FlatParamHandle``, ``FlatParamSource``.
+Public names: ``FlatParamHandle``, ``FlatParamSource``,
+``set_grad_of_other_dtype``.
 
 [Note: flat parameter storage]
 ``sharded_flat_param`` (1-D, ``shard_numel``) holds this rank's shard in the
@@ -68,7 +69,26 @@ from . import comm
 from .comm import PendingCollective, ShardGroups
 from .flat_layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
 
-__all__ = ["FlatParamHandle", "FlatParamSource"]
+__all__ = ["FlatParamHandle", "FlatParamSource", "set_grad_of_other_dtype"]
+
+
+def set_grad_of_other_dtype(
+    param: nn.Parameter, grad: torch.Tensor, placeholder: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Make ``grad``, of another dtype than ``param`` (a low-precision
+    gradient: ``keep_low_precision_grads``), the parameter's ``.grad``.
+
+    Autograd only accepts a ``.grad`` of the parameter's dtype, device and
+    shape, so a stand-in that has them is assigned and ``grad`` swapped in
+    through ``.data``. The stand-in is a stride-0 view of ``placeholder``
+    (0-dim, the parameter's dtype and device; a new one when not given or
+    not matching): no parameter-sized allocation per parameter per step,
+    and none at all for a caller that keeps the returned placeholder."""
+    if placeholder is None or placeholder.dtype != param.dtype or placeholder.device != param.device:
+        placeholder = torch.empty((), dtype=param.dtype, device=param.device)
+    param.grad = placeholder.expand(param.shape)
+    param.grad.data = grad
+    return placeholder
 
 
 class FlatParamSource(NamedTuple):
@@ -153,6 +173,10 @@ class FlatParamHandle:
         # (resharding runs every step for every unit).
         self._shard_views: tuple[torch.Tensor, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
+        # 0-dim, the parameters' dtype, on the shard's device: the storage
+        # every low-precision ``.grad`` is first assigned as a view of
+        # (``set_grad_of_other_dtype``); None until the first one.
+        self._grad_placeholder: torch.Tensor | None = None
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ init
@@ -613,10 +637,20 @@ class FlatParamHandle:
         if recovered is not None:
             return recovered
         dtype = present[0][1].dtype
-        flat_grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.sharded_flat_param.device)
+        device = self.sharded_flat_param.device
+        # Offloaded: pinned, as the downloads are, since it becomes the
+        # ``.grad`` storage the device copies into without blocking the host
+        # ([Note: CPU offload copies]); pageable memory would make every
+        # later upload and download of it a blocking copy.
+        pin = device.type == "cpu" and self.compute_device.type == "cuda"
+        flat_grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
         with torch.no_grad():
             for info, grad in present:
                 if info.local_numel:
+                    # Host to host, or within the device: no transfer. A
+                    # gradient the user left on another device stays a
+                    # blocking copy: its memory is freed as soon as ``.grad``
+                    # is replaced, so the copy must be complete by then.
                     flat_grad[info.shard_offset : info.shard_offset + info.local_numel].copy_(grad.reshape(-1))
         return flat_grad
 
@@ -670,10 +704,7 @@ class FlatParamHandle:
             if local.dtype == param.dtype:
                 param.grad = local
             else:
-                # keep_low_precision_grads: autograd only accepts a .grad of
-                # the parameter's dtype, so swap the data in after assigning.
-                param.grad = torch.empty_like(param)
-                param.grad.data = local
+                self._grad_placeholder = set_grad_of_other_dtype(param, local, self._grad_placeholder)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle | None:
         """Run ``hook`` once the flat parameter's gradient is accumulated,

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from . import comm
-from .flat_param import FlatParamHandle
+from .flat_param import FlatParamHandle, set_grad_of_other_dtype
 from .runtime import in_backward, reshard_held_units
 from .state import BETWEEN_STEPS, UnitState, get_state, unit_states_under
 
@@ -169,8 +169,7 @@ def _restore_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
     if grad is None or grad.dtype == param.dtype:
         param.grad = grad
     else:
-        param.grad = torch.empty_like(param)
-        param.grad.data = grad
+        set_grad_of_other_dtype(param, grad)
 
 
 @contextlib.contextmanager
@@ -254,6 +253,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
     for grad_device, grads in by_device.items():
+        # Offloaded gradients: a host-device sync (the host scales them, so
+        # it needs the coefficient), one per call.
         torch._foreach_mul_(grads, clip_coef.to(grad_device))
     return total_norm
 
@@ -263,10 +264,26 @@ def _local_grads(handle: FlatParamHandle) -> list[torch.Tensor]:
 
 
 def _norm_contribution(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks)."""
+    """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks).
+
+    Reduced where the gradients live, then one scalar per device moved to
+    ``device``: offloaded gradients (host) cost one upload, not one per
+    gradient, and it does not block the host (a pinned scalar, copied with
+    ``non_blocking=True`` on the current stream, ahead of every kernel that
+    reads it; the pinned allocator keeps the block until the copy ran)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in grads])
-    if math.isinf(norm_type):
-        return norms.max()
-    return (norms**norm_type).sum()
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    contributions = []
+    for grad_device, device_grads in by_device.items():
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in device_grads])
+        local = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
+        if grad_device != device:
+            if grad_device.type == "cpu" and device.type == "cuda":
+                local = local.pin_memory()
+            local = local.to(device, non_blocking=True)
+        contributions.append(local)
+    stacked = torch.stack(contributions)
+    return stacked.max() if math.isinf(norm_type) else stacked.sum()

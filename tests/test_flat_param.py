@@ -269,3 +269,23 @@ FlatParamLayout(dtype=torch.float32, requires_grad=True, padded_unsharded_numel=
   bias: shape=(3,) offset=16 numel=3 local=[0:0] shard_offset=6
   scale: shape=() offset=20 numel=1 local=[0:0] shard_offset=6""",
     )
+
+
+def test_low_precision_grads_are_shown_without_parameter_sized_allocations() -> None:
+    # keep_low_precision_grads: autograd accepts only a .grad of the
+    # parameter's dtype, so each is assigned as a stride-0 view of one 0-dim
+    # placeholder the handle keeps, then swapped to its bf16 slice; nothing
+    # of the parameter's size is allocated per parameter per step.
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    (handle,) = _build(module, ShardGroups(None, None), reduce_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    placeholders = []
+    for step in range(2):
+        flat_grad = torch.arange(handle.layout.shard_numel, dtype=torch.bfloat16) + step
+        handle.use_sharded_grad_views(flat_grad)
+        placeholders.append(handle._grad_placeholder)
+        for info, param in zip(handle.layout.params, handle.orig_params):
+            assert param.grad.dtype == torch.bfloat16 and param.grad.shape == param.shape
+            assert param.grad.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr()
+            expected = flat_grad[info.shard_offset : info.shard_offset + info.local_numel].view(param.shape)
+            assert torch.equal(param.grad, expected)
+    assert placeholders[0] is placeholders[1] and placeholders[0].numel() == 1
