@@ -7,6 +7,7 @@ process group, in a process of its own)."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -37,9 +38,12 @@ def _check_record(record: dict) -> None:
         assert described[key] == allocated[key], f"{where}: described {key} {described[key]} != allocated {allocated[key]}"
     assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
     if record["peak_comparable"]:
-        error = abs(planned["total"] - allocated["peak"]) / allocated["peak"]
+        # The allocator sees tensors only; the transport's shared memory is
+        # checked against the transport itself (test_plan_counts_...).
+        tensors = planned["total"] - planned["transport"]
+        error = abs(tensors - allocated["peak"]) / allocated["peak"]
         assert error <= PEAK_TOLERANCE, (
-            f"{where}: planned peak {planned['total']} vs measured {allocated['peak']} ({100 * error:.1f}% off, "
+            f"{where}: planned peak {tensors} (+ transport) vs measured {allocated['peak']} ({100 * error:.1f}% off, "
             f"worst moment {record['peak_moment']})"
         )
 
@@ -91,6 +95,44 @@ def test_plan_peak_matches_cuda_allocator_with_fake_process_group() -> None:
         _check_record(record)
 
 
+def _transport_is_planned(rank: int, world_size: int) -> None:
+    """The plan's transport bytes are what the group's shared memory holds
+    after training (a fresh group each: its slots reserve for this model
+    only), for a model whose collectives fit one slot and one whose units
+    stream through slots far smaller than them; both within the bound."""
+    import torch.distributed as dist
+
+    from composable_shard.comm import shared_memory, transport
+
+    saved = shared_memory.SLOT_BYTES
+    for slot_bytes in (saved, 65536):  # a block's shard: about 400 KiB
+        shared_memory.SLOT_BYTES = slot_bytes
+        try:
+            group = dist.new_group(list(range(world_size)))
+            torch.manual_seed(0)
+            model = TinyGPT(dim=128)
+            planned = cs.plan(model, world_size=world_size, rank=rank, policy={Block}, device="cpu")
+            cs.fully_shard(model, policy={Block}, process_group=group)
+            described = cs.describe(model)
+            shared = transport.shared_memory_of(group)  # decided here, before any collective, with these slots
+            loss = model(torch.randint(0, 32, (2, 6))).sum()
+            loss.backward()
+        finally:
+            shared_memory.SLOT_BYTES = saved
+        assert shared is not None
+        assert planned.rank_bytes["transport"] == described.rank_bytes["transport"] == shared.shared_bytes, slot_bytes
+        assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 40, slot_bytes)
+        if slot_bytes < saved:  # streamed: the whole slots, a quarter of one block's reduce-scatter
+            assert shared.shared_bytes == mmap.PAGESIZE + shared_memory.SLOTS * slot_bytes
+        assert "shared-memory transport" in str(planned)
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_plan_counts_the_shared_memory_transport_exactly(world_size: int) -> None:
+    run_distributed(_transport_is_planned, world_size)
+
+
 def test_plan_table_of_a_small_model() -> None:
     with torch.device("meta"):
         model = LoRAGPT(n_blocks=2)
@@ -113,6 +155,7 @@ per rank (rank 0):
   optimizer state (adamw)        1.67 KiB  exp_avg 832 B, exp_avg_sq 832 B, step 48 B
   model state                    3.83 KiB  after optimizer.step()
   module buffers                      0 B  not sharded
+  shared-memory transport             0 B  none: collectives through the backend
   worst moment: backward of '<root>'
     sharded gradients                96 B  reduced so far
     unsharded parameters         2.50 KiB  gathered units
@@ -120,7 +163,7 @@ per rank (rank 0):
     communication buffers           480 B  reduction in flight, all-gather sources
     optimizer step temporaries        0 B
     activations: not measured (pass input_shape= or example_inputs= to plan)
-  peak total                    12.58 KiB  parameters + optimizer state + buffers + the above""",
+  peak total                    12.58 KiB  parameters + optimizer state + buffers + transport + the above""",
     )
 
 

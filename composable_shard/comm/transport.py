@@ -8,7 +8,8 @@ Knows nothing of: how either transport moves bytes (``shared_memory``,
 
 Public names: ``ENV_SWITCH``, ``host_transport``, ``shared_memory_of``,
 ``expect_collective_bytes``, ``uses_shared_memory``, ``reduce_scatter_method``,
-``inputs_in_use``, ``process_shared_bytes``, ``process_mapped_bytes``.
+``inputs_in_use``, ``process_shared_bytes``, ``process_mapped_bytes``,
+``shared_bytes_per_rank``.
 
 [Note: one transport per group]
 A group's transport is decided at its first collective on CPU tensors, by
@@ -46,6 +47,7 @@ from . import process_group
 from .shared_memory import (
     PLATFORM_SUPPORTED,
     HostSharedMemory,
+    bytes_per_rank,
     SharedMemoryUnavailable,
     SharedMemoryWork,
     prepare_for_compile,
@@ -57,6 +59,7 @@ __all__ = [
     "shared_memory_of",
     "process_shared_bytes",
     "process_mapped_bytes",
+    "shared_bytes_per_rank",
     "expect_collective_bytes",
     "uses_shared_memory",
     "reduce_scatter_method",
@@ -163,6 +166,14 @@ def process_mapped_bytes() -> int:
     groups. ``RSS - process_mapped_bytes() + process_shared_bytes()`` counts
     every page of shared memory once, in the process that owns it."""
     return sum(transport.mapped_bytes for transport in _live())
+
+
+def shared_bytes_per_rank(largest_bytes: int) -> int:
+    """Shared memory one rank of a group holds once its collectives wrote up
+    to ``largest_bytes`` per rank (its slots and header; bounded whatever
+    the size: larger collectives stream through the slots). For memory
+    plans, which know the sizes but no group."""
+    return bytes_per_rank(largest_bytes)
 
 
 def _live() -> list[HostSharedMemory]:

@@ -81,8 +81,11 @@ class ShardingPlan:
       when ``grads_at_peak`` of the sharded gradients exist;
     - ``activations``: measured under fake tensors, alive at that moment;
       ``activations_peak`` their own peak over the step (0 without an input);
-    - ``total``: the peak — params + optimizer + buffers + grads_at_peak +
-      the moment's transients and activations;
+    - ``transport``: the shared memory this rank's collectives keep in
+      ``/dev/shm`` for the whole run (0 where they go through the backend;
+      see ``_transport_bytes``);
+    - ``total``: the peak — params + optimizer + buffers + transport +
+      grads_at_peak + the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
     """
 
@@ -179,7 +182,10 @@ def plan(
     kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     buffers = _buffer_bytes(module, buffer_dtype)
-    result = _assemble(units, world_size, rank, kind, device_type, activations, shared, buffers, source="plan")
+    shared_memory = transport.uses_shared_memory(None, device_type)
+    result = _assemble(
+        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan"
+    )
     result.optimizer = optimizer
     if more.get("warn", False):
         for message in result.warnings:
@@ -198,8 +204,13 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
         raise ValueError(f"describe({name}): no fully_shard unit in this module. Call fully_shard first, or use plan().")
     units = []
     device_type = "cpu"
+    shared_memory = False
     order = _module_order(module)
     for unit_name, state in named:
+        shared_memory |= any(
+            h.groups.is_sharded and transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type)
+            for h in state.handles
+        )
         flat_params = [
             _flat_param_plan(
                 # requires_grad as the flat parameter has it now, not as
@@ -219,7 +230,9 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
     shared = _shared_params_from_states(module, {id(state.module) for _, state in named}, named)
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
-    result = _assemble(units, world, rank, kind, device_type, None, shared, buffers, source="fully_shard")
+    result = _assemble(
+        units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard"
+    )
     result.optimizer = optimizer
     return result
 
@@ -487,6 +500,7 @@ def _assemble(
     activations: ActivationProfile | None,
     shared: list[tuple[str, list[str]]],
     buffers: int,
+    shared_memory: bool,
     *,
     source: str,
 ) -> ShardingPlan:
@@ -503,6 +517,7 @@ def _assemble(
     )
     offloaded = [fp for fp in flat_params if fp.offload]
     cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
+    moved = _transport_bytes(flat_params) if shared_memory else 0
     rank_bytes = {
         "params": params,
         "grads": grads,
@@ -516,7 +531,8 @@ def _assemble(
         "activations": peak.activations,
         "activations_peak": activations.peak if activations is not None else 0,
         "buffers": buffers,
-        "total": params + optim + buffers + peak.transient,
+        "transport": moved,
+        "total": params + optim + buffers + moved + peak.transient,
         "cpu": cpu,
     }
     return ShardingPlan(
@@ -530,6 +546,25 @@ def _assemble(
         warnings=_warnings(units, shared),
         source=source,
     )
+
+
+def _transport_bytes(flat_params: Sequence[FlatParamPlan]) -> int:
+    """Shared memory one rank's collectives hold for the whole run (CPU, a
+    gloo group on one host): its slots, each reserving the largest
+    collective of any flat parameter up to the slot's fixed size, plus a
+    header page (``shared_memory.bytes_per_rank``). The largest collective is
+    what ``FlatParamHandle`` announces: the shard in the widest of its
+    dtypes, times the peers a reduce-scatter writes for. Counted once, for
+    this rank: RSS also shows the pages of the peers' slots this rank read
+    (``scripts/bench.py`` counts each page for its owner only)."""
+    largest = 0
+    for fp in flat_params:
+        if not fp.is_sharded or not fp.shard_numel:
+            continue
+        world = fp.padded_numel // fp.shard_numel
+        itemsize = max(torch.empty((), dtype=d, device="meta").element_size() for d in (fp.dtype, fp.param_dtype, fp.reduce_dtype))
+        largest = max(largest, fp.shard_numel * itemsize * max(1, world - 1))
+    return transport.shared_bytes_per_rank(largest) if largest else 0
 
 
 def _warnings(units: list[UnitPlan], shared: list[tuple[str, list[str]]]) -> list[str]:

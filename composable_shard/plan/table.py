@@ -106,6 +106,13 @@ def format_plan(plan: PlanFields) -> str:
         (f"optimizer state ({plan.optimizer})", rb["optimizer"], kinds),
         ("model state", rb["model_state"], "after optimizer.step()"),
         ("module buffers", rb["buffers"], "not sharded"),
+        (
+            "shared-memory transport",
+            rb["transport"],
+            "collective slots in /dev/shm, fixed size (RSS also maps the peers' slots)"
+            if rb["transport"]
+            else "none: collectives through the backend",
+        ),
     ]
     peak_items = [
         ("sharded gradients", rb["grads_at_peak"], "reduced so far"),
@@ -128,7 +135,7 @@ def format_plan(plan: PlanFields) -> str:
         lines.append(item("activations", rb["activations"], "measured under FakeTensorMode", indent=4))
     else:
         lines.append("    activations: not measured (pass input_shape= or example_inputs= to plan)")
-    lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + the above"))
+    lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + transport + the above"))
     if rb["cpu"]:
         lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
     if plan.warnings:
