@@ -10,6 +10,7 @@ Run::
     python scripts/bench.py --rounds 5 --steps 6             # 5 rounds of 6 timed steps per mode
     python scripts/bench.py --device cuda --world-size 8 --mixed-precision bf16
     python scripts/bench.py --device cuda --simulate-world-size 64 --cpu-offload --mixed-precision bf16
+    python scripts/bench.py --device cuda --simulate-world-size 8 --overlap-report   # lanes vs compute, per step
 
 The script spawns its own processes (``torch.multiprocessing``); do not start
 it with torchrun. What it measures and how: ``scripts/bench/__init__.py``;

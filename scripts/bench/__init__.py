@@ -17,7 +17,10 @@ above it::
     training.py   one mode's run in one rank: batches, steps, the schedule
     processes.py  the worker processes: CPU (gloo), CUDA (NCCL) or
                   simulated (PyTorch's fake process group); the malloc switch
-    timing.py     the timing pass (all modes interleaved) and --profile
+    timing.py     the timing pass (all modes interleaved), --profile and
+                  --overlap-report
+    overlap.py    --overlap-report: the lanes' device time overlapped by
+                  compute, per profiled step (interval arithmetic + profiler)
     memory.py     the memory pass (each mode in fresh processes)
     report.py     collecting the ranks' records, the printed table
     cli.py        the command line and the order of the passes

@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="profile one timed step of MODE on rank 0 and print its table (times include the profiler)")
+    p.add_argument("--overlap-report", action="store_true",
+                   help="CUDA only: after the timing pass, profile --overlap-steps steps of every mode on rank 0's "
+                        "device and print, per step, how much of the lanes' (non-compute streams') device time "
+                        "overlaps compute (see bench/overlap.py)")
+    p.add_argument("--overlap-steps", type=int, default=3, help="profiled steps per mode for --overlap-report")
     args = p.parse_args(argv)
     batch_given = args.batch_size is not None
     preset = CONFIGS[args.config].sizes_for(args.mixed_precision, args.device)
@@ -85,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--profile {args.profile}: not among --modes {','.join(args.modes)}")
     if args.batch_size % args.world_size != 0:
         p.error(f"--batch-size {args.batch_size} is not divisible by the world size {args.world_size}")
+    if args.overlap_report and args.device != "cuda":
+        p.error("--overlap-report needs --device cuda (it measures CUDA streams)")
+    if args.overlap_report and args.overlap_steps < 1:
+        p.error("--overlap-steps must be at least 1")
     if args.cpu_offload and args.device != "cuda":
         p.error("--cpu-offload needs --device cuda (on CPU the parameters already live on the CPU)")
     if args.device == "cuda":
@@ -118,4 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = Path(out_dir, "profile.txt")
         if profile.exists():
             print(f"\nprofile of one {args.profile} step on rank 0:\n{profile.read_text()}")
+        overlap = Path(out_dir, "overlap.txt")
+        if overlap.exists():
+            print(f"\noverlap of the lanes with compute on rank 0 (profiled steps; times include the profiler):\n{overlap.read_text()}")
     return 0 if agree else 1

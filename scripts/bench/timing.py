@@ -1,6 +1,7 @@
 """Owns: the timing pass — every mode in one set of processes, warm-up, the
 interleaved timed steps (slowest rank's time per step), every step's loss,
-and ``--profile``'s table of one step.
+``--profile``'s table of one step and ``--overlap-report``'s profiled steps
+(after the timed ones: they do not count in the times).
 
 Knows nothing of: how the modes wrap the model, memory, the printed table
 (it writes ``timing_rank{r}.json`` for ``report.py``).
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from data import ByteCorpus
 
+from .overlap import format_overlap, profile_overlap
 from .peers import runs_on
 from .processes import init_worker
 from .training import ModeRun, barrier, build_run, next_batch, synchronize, timed_schedule, train_step
@@ -68,6 +70,14 @@ def timing_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) 
             table = profile_step(run, *next_batch(run, corpus, args, device), args, device)
             if rank == 0:
                 Path(out_dir, "profile.txt").write_text(table)
+    if args.overlap_report:
+        reports = []
+        for mode in args.modes:
+            barrier(args, device)
+            if mode in runs:
+                reports.append(format_overlap(mode, profile_overlap(runs[mode], corpus, args, device, args.overlap_steps)))
+        if rank == 0:
+            Path(out_dir, "overlap.txt").write_text("\n".join(reports) + "\n")
     record = {
         mode: {"losses": torch.stack(run.losses).float().tolist(), "step_times_s": run.step_times_s}
         for mode, run in runs.items()
