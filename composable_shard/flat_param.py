@@ -313,8 +313,11 @@ class FlatParamHandle:
         device, after the upload)."""
         return self._shard_on_compute_device().to(self.param_dtype)
 
-    def reshard(self) -> None:
-        """Free the unsharded buffer's storage and show the shard again.
+    def reshard(self, *, free_storage: bool = True) -> None:
+        """Show the shard again and free the unsharded buffer's storage; with
+        ``free_storage=False`` the storage stays allocated until
+        ``free_unsharded_storage`` (the scheduler decides when its block may
+        be reused: [Note: what a lane waits for] in scheduler.py).
 
         The parameters' ``.data`` already is the shard's views (forward
         showed the owners other tensors, not other data); only
@@ -323,11 +326,19 @@ class FlatParamHandle:
         it back. So only the owners' registrations are restored here."""
         self._register_orig_params()
         if self.needs_unshard_storage and self.is_unsharded:
-            self.unsharded_flat_param.untyped_storage().resize_(0)
             self.is_unsharded = False
+            if free_storage:
+                self.free_unsharded_storage()
+
+    def free_unsharded_storage(self) -> None:
+        """Free the storage ``reshard(free_storage=False)`` left allocated (a
+        no-op once freed, or if the handle was unsharded again)."""
+        if self.needs_unshard_storage and not self.is_unsharded:
+            self.unsharded_flat_param.untyped_storage().resize_(0)
 
     def unsharded_storage_bytes(self) -> int:
-        """Bytes the unsharded buffer holds now (0 when resharded and separate)."""
+        """Bytes the unsharded buffer holds now (0 when resharded and separate,
+        once its storage was freed)."""
         if not self.needs_unshard_storage:
             return 0
         return self.unsharded_flat_param.untyped_storage().nbytes()

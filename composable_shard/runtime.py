@@ -170,12 +170,22 @@ def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> Any:
     return handle.unshard(async_op=async_op)
 
 
-def reshard_unit(state: UnitState) -> None:
-    """Free every unsharded buffer of the unit and show the shards again."""
+def reshard_unit(state: UnitState, *, hold: bool = False) -> None:
+    """Free every unsharded buffer of the unit and show the shards again
+    (``hold``: as ``Scheduler.free_unsharded``)."""
     scheduler = _scheduler(state)
     for handle in state.handles:
-        scheduler.wait_for_unshard(handle)
-        handle.reshard()
+        _reshard_handle(scheduler, handle, hold=hold)
+
+
+def _reshard_handle(scheduler: Scheduler, handle: FlatParamHandle, *, hold: bool = False) -> None:
+    """Show the shard again; the scheduler frees the unsharded buffer, after
+    marking compute's last use of it (see [Note: what a lane waits for] in
+    scheduler.py): every free of a buffer a lane allocated goes through here."""
+    scheduler.wait_for_unshard(handle)
+    handle.reshard(free_storage=False)
+    if handle.unsharded_storage_bytes():
+        scheduler.free_unsharded(handle, handle.free_unsharded_storage, hold=hold)
 
 
 def reshard_held_units(units: Iterable[UnitState]) -> None:
@@ -191,7 +201,7 @@ def reshard_held_units(units: Iterable[UnitState]) -> None:
             context.scheduler.wait_for_all()
             for unit in context.units:
                 for handle in unit.handles:
-                    handle.reshard()  # also what forward prefetch left gathered
+                    _reshard_handle(context.scheduler, handle)  # also what forward prefetch left gathered
             for unit in held:
                 unit.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
             _synchronize_host_copies(context)
@@ -228,6 +238,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         if in_backward():  # [Note: activation-checkpoint re-runs]
             if state.training_state in BETWEEN_STEPS:
                 state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS)
+                _scheduler(state).mark_shards_written()  # [Note: what a lane waits for]
             unshard_unit(state, wait=True)
             return args, kwargs
         context = _context(state)
@@ -235,6 +246,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
             args, kwargs = _root_pre_forward(state, args, kwargs)
         elif context.root.training_state is not TrainingState.FORWARD:
             reshard_held_units(context.units)  # called on its own: [Note: held for backward]
+            context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
         # From HELD_FOR_BACKWARD: the unit already ran in this forward.
         state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)
         if state not in context.forward_order:
@@ -267,6 +279,9 @@ def _root_pre_forward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tupl
     for unit in context.units:
         for handle in unit.handles:
             handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    # The optimizer, the user and this write-back wrote shards on compute:
+    # the step's first all-gather comes after ([Note: what a lane waits for]).
+    context.scheduler.mark_shards_written()
     _check_input_devices(state, args, kwargs)
     if context.forward_order:
         context.previous_forward_order = context.forward_order
@@ -327,7 +342,9 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
                 handle.hide_unsharded_views()
         else:
             state.transition(TrainingState.IDLE, TrainingState.FORWARD)
-            reshard_unit(state)
+            # Inside the root's forward the next unit's all-gather follows:
+            # its buffer must not reuse this one ([Note: what a lane waits for]).
+            reshard_unit(state, hold=_context(state).root.training_state is TrainingState.FORWARD)
         if not grad_enabled and state.is_root:
             # No backward will come: free what forward prefetch left behind.
             context = _context(state)
@@ -427,8 +444,7 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
                 finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
             )
         if not handle.has_frozen_params:  # else see [Note: resharding frozen flat parameters]
-            context.scheduler.wait_for_unshard(handle)
-            handle.reshard()
+            _reshard_handle(context.scheduler, handle)
         state.reduced_handles.add(id(handle))
         if len(state.reduced_handles) == len(state.trainable_handles):
             state.training_state = TrainingState.POST_BACKWARD
@@ -488,8 +504,7 @@ def _maybe_reshard_frozen(state: UnitState) -> None:
     if state.pending_backward_uses == 0 and len(state.reduced_handles) == len(state.trainable_handles):
         scheduler = _scheduler(state)
         for handle in state.frozen_handles_to_reshard:
-            scheduler.wait_for_unshard(handle)
-            handle.reshard()
+            _reshard_handle(scheduler, handle)
 
 
 def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> Any:
@@ -522,6 +537,7 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: An
             context.handles_with_deferred_grad_hooks.append(handle)
         else:
             _run_user_grad_hooks(handle)
+            context.scheduler.mark_shards_written()  # an optimizer in backward: [Note: what a lane waits for]
 
 
 def _run_user_grad_hooks(handle: FlatParamHandle) -> None:
@@ -537,6 +553,9 @@ def _queue_finalize_once(context: RootContext) -> None:
     if not context.post_backward_callback_queued:
         context.post_backward_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
+        # A backward starts: shards may have changed since the forward
+        # ([Note: what a lane waits for] in scheduler.py).
+        context.scheduler.mark_shards_written()
 
 
 def _finalize_backward(context: RootContext) -> None:
@@ -578,9 +597,9 @@ def _return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
         for handle in unit.handles:
             if discard_grads:
                 handle.clear_unsharded_grad()
-                handle.reshard()
+                _reshard_handle(context.scheduler, handle)
             elif handle.is_unsharded or handle.shows_unsharded_views:  # else post-backward resharded it
-                handle.reshard()
+                _reshard_handle(context.scheduler, handle)
         unit.training_state = TrainingState.IDLE
         unit.reduced_handles.clear()
         unit.pending_backward_uses = 0

@@ -31,34 +31,80 @@ and backward reading the unsharded buffer, finishing a reduction — runs after
 all of the lane's work for that key. Before the fix an issue that returned no
 collective recorded no event, and compute read a buffer the lane was still
 filling (wrong results, NaN, at world size 1 and under ``NO_SHARD`` with
-mixed precision or CPU offload). In the other direction, ``issue`` first makes
-the lane wait for the compute stream (``wait_stream``), so the lane never
-reads a gradient or a shard before compute finished writing it. On CPU the
-lane's copies run synchronously in the calling thread and only gloo work is
-asynchronous; waiting on its handle orders the rest.
+mixed precision or CPU offload). In the other direction, ``issue`` first
+makes the lane wait on the compute events it is given, so the lane never
+reads a gradient or a shard before compute finished writing it, nor reuses
+a block compute still reads: which events, see [Note: what a lane waits
+for]. On CPU the lane's copies run synchronously in the calling thread and
+only gloo work is asynchronous; waiting on its handle orders the rest.
 
-What a lane waits for. A launch must wait for exactly two things: the
-producer of its input (the backward that wrote the gradient a reduction
-reads; whatever last wrote the shard an all-gather reads) and the last use
-of the memory it reuses (any block freed into its stream's pool: the
-allocator may hand the launch any of them). Today both are covered by one
-``wait_stream(compute)`` at issue, and at the moment of issue nothing later
-than that is on compute: a reduction is issued from the hook right after
-the backward that wrote its gradient, and an all-gather of unit i+1
-without forward prefetch right after unit i's post-forward freed unit i's
-buffer. So the wait is already "nothing later than the reshard of the
-memory it may reuse" — but that reshard IS the end of unit i's forward,
-and so the all-gather cannot overlap unit i's compute (issue 23, finding
-1). Replacing ``wait_stream`` by an event recorded at each reshard would
-not change that. The change that would: defer the free of unit i's buffer
-until unit i+1's buffer is allocated (one more unit buffer at peak, as
-FSDP2's all-gather buffers freed after the next copy-out), record an event
-on compute at each reshard, and have the lane wait on the event of the
-free of the blocks in its pool (unit i-1's) plus an event marking the last
-write to the shards (the root's pre-forward for optimizer and user writes,
-and every ``unshard``/state-dict/optimizer-in-backward write in between).
-Not done: it cannot be run on a GPU here. tests/test_scheduler_cuda_lanes.py
-checks the present rule against a fake of CUDA's stream semantics.
+[Note: what a lane waits for]
+A launch waits for exactly two things, never for everything compute has
+queued: the producer of its input, and the last use of the memory it may
+reuse. Each is an event recorded on compute (``Lane.mark_compute``, on the
+stream current in the hook) and waited by the lane before the launch
+(``issue(after=...)``):
+
+- A reduction reads the gradient backward has just written: it is issued
+  from the post-accumulate-grad hook right after that write, so its mark is
+  recorded then. Its pool holds reduce-scatter outputs and casts the host
+  freed after compute used them (the sharded gradient, freed by
+  ``zero_grad``), all enqueued before that mark.
+- An all-gather reads the shard. Compute (or, with CPU offload, the host)
+  writes shards between steps only — the optimizer, the user, state-dict
+  loads, the root's write-back — and, inside backward, in the user's
+  post-accumulate-grad hooks (an optimizer in backward). The runtime calls
+  ``mark_shards_written`` where a forward or a backward starts and after
+  such hooks; the next all-gather waits on that mark, and every later one
+  is behind it on the lane's stream. (Host writes end before the host
+  enqueues the upload that reads them.)
+- An all-gather allocates the unsharded buffer on its lane, and the caching
+  allocator may hand it any block freed into the lane's pool ([Note: buffer
+  lifetimes across lanes]); the last users of those blocks are compute
+  kernels. Every free of an unsharded buffer goes through
+  ``free_unsharded``, which records an event on compute after the host
+  enqueued the buffer's last use, then frees the block; the next all-gather
+  waits on the events of every block freed since the previous all-gather
+  (blocks freed earlier were waited on by an earlier all-gather, so they are
+  behind the lane's stream order). The lane's own temporaries (the upload,
+  the cast source) are used on the lane only, in stream order.
+
+Why that is enough, from the stream semantics: an event completes once
+everything its stream had queued before the record completed; a stream
+that waited on it runs nothing enqueued afterwards before that. So the
+all-gather's reads of the shard and its writes into a reused block come
+after the last compute write of the shard and after every compute kernel
+that used the block. Nothing else on compute matters to it: the kernels of
+the unit running now read their own buffer, which this launch cannot be
+handed (it is still allocated).
+
+Why events alone would not overlap anything: without prefetch, unit i+1's
+all-gather is issued right after unit i's post-forward freed unit i's
+buffer, so the newest block in the pool is unit i's, and its event IS the
+end of unit i's forward: the all-gather could start only once unit i's
+forward finished, and compute then waits for it (issue 23, finding 1). So
+the post-forward of a unit inside the root's forward frees with ``hold``:
+the scheduler keeps the block allocated (its event recorded) until the next
+all-gather has allocated its own buffer, and frees it right after. Unit
+i+1's all-gather then finds unit i-1's block in the pool, waits for the end
+of unit i-1's forward, and runs during unit i's forward, as FSDP2 frees its
+all-gather output only after the next unit's copy-in. The cost is one more
+unit buffer allocated at the moment of that allocation (the plan's replay
+counts it on CUDA: ``holds_freed_buffer`` in plan/memory.py). Nothing is
+held when an all-gather is already in flight (a prefetch issued before the
+unit's forward overlaps it already), in backward (the default
+``BACKWARD_PRE`` prefetch is issued before the current unit's backward
+kernels), for a unit run on its own, or past ``wait_for_all`` (end of
+backward, ``reshard_held_units``): between steps nothing is held. A held
+buffer is freed before its own unit is gathered again, since its storage is
+refilled in place.
+
+On CPU compute runs in the host's order: a block the host frees has no
+pending reader and a shard the host wrote is written. ``mark_compute``
+returns None, frees are immediate and nothing is held; gloo reads the shard
+and writes the buffer from the backend's threads between the issue and the
+wait. tests/test_scheduler_cuda_lanes.py checks these rules against a fake
+of CUDA's stream semantics, with a 4-unit model.
 
 The host is a third party: CPU offload has the device read pinned host
 memory (shard uploads) and write it (gradient downloads) without blocking
@@ -101,12 +147,15 @@ true in both directions:
 - Blocks allocated on a lane (unsharded buffers refilled in ``unshard``,
   all-gather sources, reduce-scatter outputs that become the sharded
   gradient) and freed by the host after compute used them (``reshard``,
-  ``zero_grad``): lanes allocate only inside ``issue``, after
-  ``wait_stream`` on compute, so every use compute had enqueued before the
-  free is ordered before the lane reuses the block. Temporaries a lane both
-  allocates and frees (the fp32 upload before the cast) are only used on
-  that lane, in stream order; so are those of a finish on the lane (casts,
-  the upload of the host gradient to accumulate into).
+  ``zero_grad``): the lane's next allocation waits on a compute event
+  recorded after those uses — ``free_unsharded``'s event for an unsharded
+  buffer, the mark taken when a reduction is issued for the reduction
+  lane's blocks — so every use compute had enqueued before the free is
+  ordered before the lane reuses the block ([Note: what a lane waits
+  for]). Temporaries a lane both allocates and frees (the fp32 upload
+  before the cast) are only used on that lane, in stream order; so are
+  those of a finish on the lane (casts, the upload of the host gradient to
+  accumulate into).
 
 On CPU the "event" is the gloo work handle; waiting on it blocks the calling
 thread only.
@@ -116,7 +165,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Hashable, NamedTuple, Protocol
+from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -145,9 +194,19 @@ class Lane(Protocol):
     # Whether collectives are launched with async_op=True on this lane.
     async_op: bool
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
-        """Run ``launch`` on this lane; the returned fence covers everything
-        it enqueued, whether or not it launched a collective."""
+    def mark_compute(self) -> torch.cuda.Event | None:
+        """An event recorded on compute now: it completes once everything
+        compute has queued so far has. None where compute runs in the
+        host's order (CPU): nothing to wait for. See [Note: what a lane
+        waits for]."""
+        ...
+
+    def issue(
+        self, launch: Callable[[], PendingCollective | None], *, after: Sequence[torch.cuda.Event] = ()
+    ) -> InFlight:
+        """Run ``launch`` on this lane once the compute events ``after`` have
+        completed; the returned fence covers everything it enqueued, whether
+        or not it launched a collective."""
         ...
 
     def wait(self, in_flight: InFlight) -> None:
@@ -167,7 +226,12 @@ class CpuLane:
 
     async_op = True
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
+    def mark_compute(self) -> torch.cuda.Event | None:
+        return None  # compute ran in this thread: what it wrote is written
+
+    def issue(
+        self, launch: Callable[[], PendingCollective | None], *, after: Sequence[torch.cuda.Event] = ()
+    ) -> InFlight:
         return InFlight(launch(), None)
 
     def wait(self, in_flight: InFlight) -> None:
@@ -191,10 +255,19 @@ class CudaStreamLane:
         self.stream = torch.cuda.Stream(device=device, priority=priority)
         self.device = device
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
-        # See [Note: buffer lifetimes across lanes]: everything compute has
-        # enqueued so far (gradients written, buffers last read) comes first.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def mark_compute(self) -> torch.cuda.Event | None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def issue(
+        self, launch: Callable[[], PendingCollective | None], *, after: Sequence[torch.cuda.Event] = ()
+    ) -> InFlight:
+        # Only what the launch needs comes first: the producer of its input
+        # and the last use of the blocks it may reuse, never the rest of
+        # compute (see [Note: what a lane waits for]).
+        for event in after:
+            self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
             pending = launch()
             # The fence: recorded whether or not a collective was launched,
@@ -242,6 +315,14 @@ class Scheduler:
         # not: see [Note: lane fences]); the entry keeps the gathered buffer
         # and its source alive until wait_for_unshard.
         self._all_gathers: OrderedDict[Hashable, InFlight] = OrderedDict()
+        # Compute events the next all-gather waits on: one per unsharded
+        # buffer freed since the last all-gather, and the latest mark of
+        # shard writes (see [Note: what a lane waits for]). Empty on CPU.
+        self._all_gather_after: list[torch.cuda.Event] = []
+        self._shards_written: torch.cuda.Event | None = None
+        # The unsharded buffer freed last with ``hold``: allocated until the
+        # next all-gather allocated its own (None: nothing held).
+        self._held: _HeldFree | None = None
         # Issued reductions with what to do once each is done, in issue order.
         self._reductions: list[_Reduction] = []
         # The fence of the latest finish run on the reduction lane, with the
@@ -258,11 +339,21 @@ class Scheduler:
         """Issue an all-gather for ``key`` (``launch(async_op)`` starts it)."""
         if key in self._all_gathers:
             return
+        if self._held is not None and self._held.key == key:
+            self._release_held()  # its storage is about to be refilled
         if self.limit_all_gathers:
             while len(self._all_gathers) >= self.MAX_ALL_GATHERS_IN_FLIGHT:
                 oldest = next(iter(self._all_gathers))
                 self.wait_for_unshard(oldest)
-        self._all_gathers[key] = self.all_gather_lane.issue(lambda: launch(self.all_gather_lane.async_op))
+        after = self._all_gather_after
+        if self._shards_written is not None:
+            after.append(self._shards_written)
+        self._all_gather_after, self._shards_written = [], None
+        self._all_gathers[key] = self.all_gather_lane.issue(
+            lambda: launch(self.all_gather_lane.async_op), after=after
+        )
+        # This launch allocated its buffer: the held block may go to the next.
+        self._release_held()
 
     def wait_for_unshard(self, key: Hashable) -> None:
         """Make compute wait for ``key``'s all-gather (no-op if none pending)."""
@@ -272,6 +363,37 @@ class Scheduler:
 
     def has_pending_unshard(self, key: Hashable) -> bool:
         return key in self._all_gathers
+
+    def free_unsharded(self, key: Hashable, free: Callable[[], None], *, hold: bool = False) -> None:
+        """The host is done with ``key``'s unsharded buffer (every use of it
+        is enqueued on compute): make compute wait for any fill still
+        pending, then ``free`` it — now, or, with ``hold`` and no all-gather
+        in flight, right after the next all-gather allocated its own buffer,
+        so that one cannot reuse this block. The next all-gather after the
+        free waits for this moment of compute. See [Note: what a lane waits
+        for]."""
+        self.wait_for_unshard(key)
+        self._release_held()
+        event = self.all_gather_lane.mark_compute()
+        if event is None:
+            free()  # CPU: no reader left
+        elif hold and not self._all_gathers:
+            self._held = _HeldFree(key, free, event)
+        else:
+            free()
+            self._all_gather_after.append(event)
+
+    def mark_shards_written(self) -> None:
+        """Compute may have written shards (a forward or backward starts, or
+        user hooks ran): the next all-gather waits for everything compute
+        has queued so far (see [Note: what a lane waits for])."""
+        self._shards_written = self.all_gather_lane.mark_compute()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.free()
+            self._all_gather_after.append(held.event)
 
     # ----------------------------------------------------------- reductions
     def reduce(
@@ -289,7 +411,12 @@ class Scheduler:
         downloads; see [Note: lane fences])."""
         while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
             self._finish_reduction(self._reductions.pop(0))
-        in_flight = self.reduce_scatter_lane.issue(lambda: launch(self.reduce_scatter_lane.async_op))
+        # Issued from the post-accumulate-grad hook: compute has just queued
+        # the write of the gradient it reads (see [Note: what a lane waits for]).
+        written = self.reduce_scatter_lane.mark_compute()
+        in_flight = self.reduce_scatter_lane.issue(
+            lambda: launch(self.reduce_scatter_lane.async_op), after=() if written is None else (written,)
+        )
         self._reductions.append(_Reduction(in_flight, on_done, finish_on_lane))
 
     def wait_for_reductions(self) -> None:
@@ -325,10 +452,12 @@ class Scheduler:
             self.reduce_scatter_lane.wait(InFlight(None, post_reduce.event))
 
     def wait_for_all(self) -> None:
-        """Drain both lanes (end of backward, or before a state change)."""
+        """Drain both lanes and free the held buffer (end of backward, or
+        before a state change): between steps nothing is held."""
         for key in list(self._all_gathers):
             self.wait_for_unshard(key)
         self.wait_for_reductions()
+        self._release_held()
 
     # ------------------------------------------------------------------ host
     def synchronize_host(self) -> None:
@@ -352,3 +481,14 @@ class _Reduction(NamedTuple):
     on_done: Callable[[PendingCollective], None]
     # Whether ``on_done`` runs on the reduction lane (downloads for the host).
     finish_on_lane: bool
+
+
+class _HeldFree(NamedTuple):
+    """An unsharded buffer whose free waits for the next all-gather's
+    allocation (see [Note: what a lane waits for])."""
+
+    key: Hashable
+    # Frees the buffer's storage (a no-op if it was refilled meanwhile).
+    free: Callable[[], None]
+    # Recorded on compute after the buffer's last use was enqueued.
+    event: torch.cuda.Event

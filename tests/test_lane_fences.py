@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -47,12 +47,17 @@ class RecordingLane:
         # Issued fences not waited yet, with their issue numbers.
         self._open: list[tuple[InFlight, int]] = []
 
-    def issue(self, launch: Callable[[], PendingCollective | None]) -> InFlight:
+    def mark_compute(self) -> torch.cuda.Event | None:
+        return self.inner.mark_compute()
+
+    def issue(
+        self, launch: Callable[[], PendingCollective | None], *, after: Sequence[torch.cuda.Event] = ()
+    ) -> InFlight:
         number = self.issues
         self.issues += 1
         self.running = number
         try:
-            in_flight = self.inner.issue(launch)
+            in_flight = self.inner.issue(launch, after=after)
         finally:
             self.running = None
         if in_flight is not None:  # the contract says never None; the check below reports it

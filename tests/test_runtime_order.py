@@ -32,10 +32,10 @@ def _recording(model: nn.Module, events: list[tuple[str, str, bool]]) -> Iterato
             events.append(("unshard", names[id(self)], torch._C._current_graph_task_id() != -1))
         return real_unshard(self, async_op=async_op)
 
-    def reshard(self: FlatParamHandle) -> None:
+    def reshard(self: FlatParamHandle, **kwargs: bool) -> None:
         if self.is_unsharded:
             events.append(("reshard", names[id(self)], torch._C._current_graph_task_id() != -1))
-        real_reshard(self)
+        real_reshard(self, **kwargs)
 
     FlatParamHandle.unshard, FlatParamHandle.reshard = unshard, reshard  # type: ignore[method-assign]
     try:

@@ -14,11 +14,11 @@ where the real code enqueues it; the tensors stay on CPU.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-from composable_shard import MixedPrecision, ShardingStrategy, fully_shard
+from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.comm import PendingCollective
 from composable_shard.flat_param import FlatParamHandle
 from composable_shard.runtime import lazy_init
@@ -34,10 +34,12 @@ _CUDA = torch.device("cuda", 0)  # only a label: nothing touches a device
 
 # ------------------------------------------------------------- one lane
 def _lane_run(cuda: FakeCuda, lane: CudaStreamLane, *, launches_collective: bool) -> None:
-    """Compute writes a gradient; the lane casts it (and maybe reduces);
-    compute waits and reads the result."""
+    """Compute writes a gradient; the lane casts it (and maybe reduces)
+    after the mark of that write; compute waits and reads the result."""
     memory = cuda.memory
     memory.access("gradient", cuda.launch("backward writes gradient"), write=True)
+    written = lane.mark_compute()
+    cuda.launch("backward of the next unit")  # the lane need not wait for it
 
     def launch() -> PendingCollective | None:
         op = cuda.launch("cast gradient")
@@ -48,7 +50,7 @@ def _lane_run(cuda: FakeCuda, lane: CudaStreamLane, *, launches_collective: bool
         memory.access("cast", cuda.launch("all-reduce"), write=True)
         return PendingCollective(None, torch.zeros(1), ())
 
-    in_flight = lane.issue(launch)
+    in_flight = lane.issue(launch, after=[written] if written is not None else [])
     lane.wait(in_flight)
     memory.access("cast", cuda.launch("finish reduction reads cast"), write=False)
 
@@ -62,13 +64,17 @@ def test_cuda_lane_fences_its_work_with_or_without_a_collective() -> None:
         assert cuda.memory.races == [], cuda.memory.races
         name = lane.stream.name
         kinds = [(kind, stream) for kind, stream, _ in cuda.log]
-        # The lane waits for compute before its launch, records after it,
-        # and compute waits on that record before reading.
+        # The lane waits on the mark of the gradient's write before its
+        # launch (and on nothing else: not the compute stream as a whole),
+        # records after it, and compute waits on that record before reading.
         first_launch = kinds.index(("launch", name))
-        assert kinds.index(("wait_stream", name)) < first_launch
+        assert kinds.index(("wait_event", name)) < first_launch
+        assert ("wait_stream", name) not in kinds
         record = max(i for i, entry in enumerate(kinds) if entry == ("record", name))
         assert record > max(i for i, entry in enumerate(kinds) if entry == ("launch", name))
         assert kinds.index(("wait_event", "compute")) > record
+        cast = next(op for op, _ in cuda.memory.accesses["gradient"] if op.what == "cast gradient")
+        assert cast.clock["compute"] == 1, "the cast waits for the gradient's write only"
 
 
 def test_fake_cuda_reports_an_unfenced_read_and_a_missing_host_wait() -> None:
@@ -119,24 +125,22 @@ class _Recorder:
     """Describes to the fake the device work of every handle of a sharded
     model (all-gathers and uploads on the all-gather lane, compute reading
     the unsharded buffers, reductions on the reduce lane, gradient downloads
-    on compute as with CPU offload) and records the lanes' issues."""
+    on compute as with CPU offload, and the real frees of the unsharded
+    buffers, which the scheduler may hold back) and records the lanes'
+    issues."""
 
     def __init__(self, cuda: FakeCuda, all_gather: str, reduce: str) -> None:
         self.cuda = cuda
         self.all_gather_stream = all_gather
         self.reduce_stream = reduce
-        # (lane, handle name, phase, the issue's first op, the latest
-        # compute op before the issue, the latest compute op it needs to
-        # wait for: the last use of a block freed into its pool, or the
-        # write of the gradient it reduces).
-        self.issues: list[tuple[str, str, str, Op, int, int]] = []
+        self.issues: list[_Issue] = []
         # The compute op that last wrote each handle's unsharded gradient.
         self.gradient_writes: dict[str, int] = {}
         self.names: dict[int, str] = {}
         # "forward" or "backward" (set by the training loop).
         self.phase = "forward"
-        # The last compute op before this forward (optimizer and user
-        # writes to the shards come before it).
+        # The last compute op before this forward or backward started
+        # (optimizer and user writes to the shards come before it).
         self.shards_written = 0
         # Compute seq of the last forward op of each block, per forward.
         self.forward_ends: dict[str, list[int]] = {}
@@ -148,21 +152,31 @@ class _Recorder:
             needed = max(needed, self.gradient_writes[name])
         else:
             needed = max(needed, self.shards_written)
-        self.issues.append((lane, name, self.phase, op, self.cuda.compute.count, needed))
+        self.issues.append(_Issue(lane, name, self.phase, op, needed))
 
     def instrument(self, handle: FlatParamHandle, name: str) -> None:
         cuda, memory = self.cuda, self.cuda.memory
         self.names[id(handle)] = name
         unshard, reduce_grad = handle.unshard, handle.reduce_grad
         use_views, reshard, finish = handle.use_unsharded_views, handle.reshard, handle.finish_grad_reduction
+        free_storage = handle.free_unsharded_storage
         buffer, shard = f"unsharded {name}", f"shard {name}"
+
+        def freeing(method: Callable[..., None]) -> Callable[..., None]:
+            def run(*args: object, **kwargs: object) -> None:
+                held = handle.unsharded_storage_bytes()
+                method(*args, **kwargs)
+                if held and not handle.unsharded_storage_bytes():  # the block goes back to the lane's pool
+                    memory.free(buffer, allocated_on=self.all_gather_stream)
+
+            return run
 
         def recorded_unshard(*, async_op: bool) -> PendingCollective | None:
             fills = handle.needs_unshard_storage and not handle.is_unsharded
             pending = unshard(async_op=async_op)
             if fills:
                 op = cuda.launch(f"all-gather {name}")
-                memory.access(shard, op, write=False)  # the upload reads the (host) shard
+                memory.access(shard, op, write=False)  # the upload or all-gather reads the shard
                 memory.allocate(buffer, op)
                 self._issue(self.all_gather_stream, name, op)
             return pending
@@ -172,13 +186,10 @@ class _Recorder:
             if handle.needs_unshard_storage:
                 memory.access(buffer, cuda.launch(f"compute reads {name}"), write=False)
 
-        def recorded_reshard() -> None:
-            frees = handle.needs_unshard_storage and handle.is_unsharded
-            if frees:  # the last compute use is enqueued before the free
+        def recorded_reshard(*, free_storage: bool = True) -> None:
+            if handle.needs_unshard_storage and handle.is_unsharded:  # the last compute use comes first
                 memory.access(buffer, cuda.launch(f"last use of {name}"), write=False)
-            reshard()
-            if frees:
-                memory.free(buffer, allocated_on=self.all_gather_stream)
+            freeing(reshard)(free_storage=free_storage)
 
         def recorded_reduce_grad(*, async_op: bool) -> PendingCollective | None:
             pending = reduce_grad(async_op=async_op)
@@ -199,6 +210,7 @@ class _Recorder:
         handle.unshard = recorded_unshard  # type: ignore[method-assign]
         handle.use_unsharded_views = recorded_use_views  # type: ignore[method-assign]
         handle.reshard = recorded_reshard  # type: ignore[method-assign]
+        handle.free_unsharded_storage = freeing(free_storage)  # type: ignore[method-assign]
         handle.reduce_grad = recorded_reduce_grad  # type: ignore[method-assign]
         handle.finish_grad_reduction = recorded_finish  # type: ignore[method-assign]
 
@@ -211,6 +223,19 @@ class _Recorder:
 
     def forward_ended(self, fqn: str) -> None:
         self.forward_ends.setdefault(fqn, []).append(self.cuda.launch(f"forward of {fqn} ends").seq)
+
+
+class _Issue(NamedTuple):
+    """One lane issue that did device work, as the fake saw it."""
+
+    lane: str
+    name: str  # the handle's
+    phase: str
+    op: Op  # its first op on the lane
+    # The latest compute op it must wait for: the last use of a block freed
+    # into its pool, the write of the gradient it reduces, or the latest
+    # write of the shards (the start of this forward or backward).
+    needed: int
 
 
 def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
@@ -248,101 +273,124 @@ def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
 
 
 _BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# name -> fully_shard keywords. "optimizer on host" as with CPU offload
+# (the host writes the shards the uploads read), else on compute.
 _CASES: dict[str, dict] = {
     "full_shard bf16": dict(strategy=ShardingStrategy.FULL_SHARD, mixed_precision=_BF16),
     "full_shard fp32": dict(strategy=ShardingStrategy.FULL_SHARD),
+    "full_shard bf16 prefetch": dict(
+        strategy=ShardingStrategy.FULL_SHARD,
+        mixed_precision=_BF16,
+        forward_prefetch=True,
+        backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+    ),
+    "full_shard bf16 no backward prefetch": dict(
+        strategy=ShardingStrategy.FULL_SHARD, mixed_precision=_BF16, backward_prefetch=None
+    ),
 }
 
 
-def _train_under_fake_cuda(rank: int, world_size: int, case: str) -> list[str]:
-    """Two steps of a 4-unit model (3 blocks and the root) under the fake;
-    returns the races and contract violations found (empty when none)."""
-    cuda = FakeCuda()
-    problems: list[str] = []
-    with cuda.installed():
-        torch.manual_seed(0)
-        model = TinyGPT(n_blocks=3)
-        fully_shard(model, policy={Block}, **_CASES[case])
-        recorder = _install(cuda, model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        per_rank = 8 // world_size
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        for step in range(2):
-            inputs, targets = batch(step)
-            recorder.phase, recorder.shards_written = "forward", cuda.compute.count
-            loss = lm_loss(model(inputs[local]).float(), targets[local])
-            recorder.phase = "backward"
-            loss.backward()
-            # The optimizer: the host reads the downloaded gradients and
-            # writes the (offloaded) shards the uploads read.
-            op = cuda.host_op(f"optimizer step {step}")
-            for name in recorder.names.values():
-                cuda.memory.access(f"host gradient {name}", op, write=False)
-                cuda.memory.access(f"shard {name}", op, write=True)
-            optimizer.step()
-            optimizer.zero_grad()
-    problems += cuda.memory.races
-    if not recorder.issues:
-        problems.append("no lane issue was recorded")
-    problems += _contract_violations(recorder)
-    return problems
+def _train_under_fake_cuda(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Three steps of a 4-unit model (3 blocks and the root) under the fake
+    per (case, where the optimizer runs); returns, per case, the races and
+    contract violations found (empty when none)."""
+    found = {}
+    for case, optimizer_on in cases:
+        cuda = FakeCuda()
+        with cuda.installed():
+            torch.manual_seed(0)
+            model = TinyGPT(n_blocks=3)
+            fully_shard(model, policy={Block}, **_CASES[case])
+            recorder = _install(cuda, model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+            per_rank = 8 // world_size
+            local = slice(rank * per_rank, (rank + 1) * per_rank)
+            for step in range(3):
+                inputs, targets = batch(step)
+                recorder.phase, recorder.shards_written = "forward", cuda.compute.count
+                output = model(inputs[local])
+                recorder.phase, recorder.shards_written = "backward", cuda.compute.count
+                lm_loss(output.float(), targets[local]).backward()
+                # The optimizer reads the downloaded gradients and writes
+                # the shards the next step's all-gathers read.
+                op = cuda.host_op(f"optimizer step {step}") if optimizer_on == "host" else cuda.launch(f"optimizer step {step}")
+                for name in recorder.names.values():
+                    cuda.memory.access(f"host gradient {name}", op, write=False)
+                    cuda.memory.access(f"shard {name}", op, write=True)
+                optimizer.step()
+                optimizer.zero_grad()
+        problems = list(cuda.memory.races)
+        if not recorder.issues:
+            problems.append("no lane issue was recorded")
+        problems += _contract_violations(recorder)
+        found[f"{case}, optimizer on {optimizer_on}"] = problems
+    return found
 
 
 def _contract_violations(recorder: _Recorder) -> list[str]:
-    """The wait rule of each lane issue, as the scheduler has it now.
+    """The wait rule of [Note: what a lane waits for].
 
-    Race-free: every issue is ordered after the producer of its input and
-    after every use of the blocks freed into its pool (checked by the
-    audit). Today every issue also waits for all compute work enqueued
-    before it (``wait_stream``). Waits on nothing later than it needs: a
-    reduction on nothing after the write of its gradient and the last use of
-    a block in its pool; a block's all-gather in forward on nothing after
-    the last use of a block in its pool (the root's, first in a step, also
-    waits for the shard's writers; all-gathers in backward are not held to
-    it: see the Note). One known exception, issue 23 finding 1, pinned here
-    so that a fix shows: the first block's all-gather in forward also waits
-    for the root's forward compute, which it does not need. And, today, the
-    all-gather of a block in forward without prefetch waits for the end of
-    the previous block's forward, because that block's buffer was freed into
-    the lane's pool just before (see [Note: lane fences], "What a lane
-    waits for")."""
+    Race-free — every issue ordered after the producer of its input and
+    after every use of the blocks freed into its pool — is checked by the
+    audit. Here: every issue waits on nothing later than it needs (a
+    reduction on nothing after the write of its gradient and the last use
+    of a block in its pool; an all-gather on nothing after the last use of
+    a block in its pool and the start of its forward or backward). And the
+    issue's contract (finding 1): in forward, the all-gather of block k+1
+    is not ordered after the end of block k's forward, so it can run
+    during it."""
     problems = []
-    first_block = f"{min(recorder.forward_ends)}#0" if recorder.forward_ends else None
-    for lane, name, phase, op, compute_before, needed in recorder.issues:
-        waits_on = op.clock.get("compute", 0)
-        if waits_on < compute_before:
-            problems.append(f"{lane} issue for {name} does not wait for compute work enqueued before it")
-        held = lane == recorder.reduce_stream or (phase == "forward" and not name.startswith("<root>"))
-        over_waits = waits_on > needed
-        if held and over_waits != (lane == recorder.all_gather_stream and name == first_block):
+    for issue in recorder.issues:
+        waits_on = issue.op.clock.get("compute", 0)
+        if waits_on > issue.needed:
             problems.append(
-                f"{lane} issue for {name} ({phase}) waits on compute op {waits_on}, needs only {needed} "
-                "(expected: only the first block's forward all-gather waits on more than it needs)"
+                f"{issue.lane} issue for {issue.name} ({issue.phase}) waits on compute op {waits_on}, "
+                f"needs only {issue.needed}"
             )
     blocks = sorted(recorder.forward_ends)
+    gathered = {issue.name for issue in recorder.issues if issue.lane == recorder.all_gather_stream}
     for previous, following in zip(blocks, blocks[1:]):
+        if f"{following}#0" not in gathered:
+            continue  # nothing to gather (one rank, no cast)
         gathers = [
-            op
-            for lane, name, phase, op, *_ in recorder.issues
-            if lane == recorder.all_gather_stream and phase == "forward" and name == f"{following}#0"
+            issue.op
+            for issue in recorder.issues
+            if issue.lane == recorder.all_gather_stream and issue.phase == "forward" and issue.name == f"{following}#0"
         ]
         ends = recorder.forward_ends[previous]
-        issued = [name for lane, name, *_ in recorder.issues if lane == recorder.all_gather_stream]
-        if f"{following}#0" not in issued:
-            continue  # nothing to gather (one rank, no cast)
         if len(gathers) != len(ends):
             problems.append(f"{len(gathers)} forward all-gathers of {following} for {len(ends)} forwards")
-        for gather, end in zip(gathers, ends):
-            if gather.clock.get("compute", 0) < end:
-                problems.append(f"the all-gather of {following} is not ordered after the forward of {previous}")
+        for step, (gather, end) in enumerate(zip(gathers, ends)):
+            if gather.clock.get("compute", 0) >= end:
+                problems.append(
+                    f"step {step}: the all-gather of {following} waits for the end of {previous}'s forward "
+                    f"(compute op {end}): it cannot overlap it"
+                )
     return problems
 
 
 def test_lanes_are_race_free_under_cuda_stream_rules() -> None:
     # World size 1: bf16 unshards are copies with no collective (the case
-    # of the original race), fp32 has reductions only; 2: all-gathers and
-    # reduce-scatters.
-    for world_size, case in ((1, "full_shard bf16"), (1, "full_shard fp32"), (2, "full_shard bf16")):
-        results = run_distributed(_train_under_fake_cuda, world_size, case)
-        for rank, problems in enumerate(results):
-            assert problems == [], (world_size, case, rank, problems)
+    # of the original race), fp32 has reductions only.
+    cases = [("full_shard bf16", "compute"), ("full_shard bf16", "host"), ("full_shard fp32", "compute")]
+    for rank, found in enumerate(run_distributed(_train_under_fake_cuda, 1, cases)):
+        for case, problems in found.items():  # type: ignore[union-attr]
+            assert problems == [], (case, rank, problems)
+
+
+def test_next_all_gather_waits_only_for_the_reshard_of_the_memory_it_reuses() -> None:
+    # Issue 23's contract, world size 2 (all-gathers and reduce-scatters), a
+    # 4-unit model: in forward, block k+1's all-gather waits on nothing
+    # later than the reshard of the block it may reuse (block k-1's: block
+    # k's is held until it allocated), never on the end of block k's
+    # forward; every reduction on nothing later than its gradient's write.
+    # Also with prefetching, and with the optimizer on the host.
+    cases = [
+        ("full_shard bf16", "compute"),
+        ("full_shard fp32", "host"),
+        ("full_shard bf16 prefetch", "compute"),
+        ("full_shard bf16 no backward prefetch", "compute"),
+    ]
+    for rank, found in enumerate(run_distributed(_train_under_fake_cuda, 2, cases)):
+        for case, problems in found.items():  # type: ignore[union-attr]
+            assert problems == [], (case, rank, problems)
