@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 from unittest import mock
 
 import pytest
@@ -65,9 +65,12 @@ _STEPS = 4
 
 
 # ------------------------------------------------------------ mutations
-def _issue_fencing_collectives_only(self: CudaStreamLane, launch: Callable[[], PendingCollective | None]) -> InFlight:
+def _issue_fencing_collectives_only(
+    self: CudaStreamLane, launch: Callable[[], PendingCollective | None], *, after: Sequence[torch.cuda.Event] = ()
+) -> InFlight:
     """``CudaStreamLane.issue`` before the fence fix: an event only when a
-    collective was launched (copies alone went unfenced)."""
+    collective was launched (copies alone went unfenced). It waits for all
+    of compute, which covers the events ``after`` (recorded on compute)."""
     self.stream.wait_stream(torch.cuda.current_stream(self.device))
     with torch.cuda.stream(self.stream):
         pending = launch()
