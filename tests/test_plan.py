@@ -20,6 +20,7 @@ from expecttest import assert_expected_inline
 
 import composable_shard as cs
 from composable_shard import ShardingStrategy
+from composable_shard.plan.memory import FlatParamPlan, StepPeak, UnitPlan, step_peak
 
 from .harness import requires_cuda, run_distributed, world_sizes
 from .models import Block, LoRABlock, LoRAGPT, TinyGPT
@@ -326,3 +327,35 @@ def test_train_gpt_example_prints_the_plan_before_training() -> None:
     assert "ShardingPlan (fully_shard): 3 units" in out and "per rank (rank 0):" in out
     assert "blocks.1" in out and "sharded parameters" in out
     assert "step    1/1" in completed.stderr  # training ran after the plan
+
+
+def _frozen_unit(name: str, numel: int, *, forward_prefetch: bool = False) -> UnitPlan:
+    """A unit of one frozen fp32 flat parameter sharded over 4 ranks (no
+    gradients: the forward's buffers decide the peak)."""
+    fp = FlatParamPlan(
+        dtype=torch.float32, requires_grad=False, numel=numel, padded_numel=numel, shard_numel=numel // 4,
+        local_numel=numel // 4, local_param_count=1, max_local_numel=numel // 4, param_dtype=torch.float32,
+        reduce_dtype=torch.float32, grad_dtype=torch.float32, needs_unshard_storage=True, offload=False,
+        is_sharded=True, param_count=1,
+    )
+    return UnitPlan(name, "Block", ShardingStrategy.FULL_SHARD, (fp,), forward_prefetch, None)
+
+
+def test_step_replay_counts_the_buffer_held_until_the_next_all_gather_on_cuda() -> None:
+    # [Note: what a lane waits for]: on CUDA blocks.0's buffer is freed only
+    # once blocks.1's all-gather allocated its own, so for a moment both are
+    # allocated (with the root's); without prefetch only, and not on CPU.
+    def peak(*, holds: bool, prefetch: bool) -> StepPeak:
+        units = [_frozen_unit("", 64)] + [_frozen_unit(f"blocks.{i}", 4096, forward_prefetch=prefetch) for i in range(3)]
+        return step_peak(
+            units, optimizer_step=0, all_grads=0, activations={}, activations_at_open={"forward of 'blocks.1'": 8},
+            holds_freed_buffer=holds,
+        )
+
+    cpu, cuda = peak(holds=False, prefetch=False), peak(holds=True, prefetch=False)
+    assert cpu.unsharded_params == (64 + 4096) * 4
+    assert (cuda.moment, cuda.unsharded_params, cuda.activations) == ("all-gather of 'blocks.1'", (64 + 2 * 4096) * 4, 8)
+    # Prefetched, the next all-gather was issued before the post-forward:
+    # nothing is held, the replay's current and prefetched blocks are the peak.
+    prefetched = peak(holds=True, prefetch=True)
+    assert prefetched == peak(holds=False, prefetch=True) and prefetched.moment.startswith("forward of")

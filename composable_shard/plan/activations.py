@@ -21,7 +21,7 @@ backward with a trainable parameter's shape is a parameter gradient piece.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -35,10 +35,12 @@ __all__ = ["ActivationProfile", "measure_activations"]
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    """Peak activation bytes over the step and per window label."""
+    """Peak activation bytes over the step and per window label, and the
+    bytes live when each window opened."""
 
     peak: int
     by_window: dict[str, int]
+    at_open: dict[str, int] = field(default_factory=dict)
 
 
 class _Timeline(TorchDispatchMode):
@@ -75,13 +77,15 @@ class _Timeline(TorchDispatchMode):
     def profile(self, ignored: set[StorageWeakRef]) -> ActivationProfile:
         current = peak = 0
         by_window: dict[str, int] = {}
+        at_open: dict[str, int] = {}
         for window, ref, delta in self.events:
             if ref in ignored:
                 continue
+            at_open.setdefault(window, current)
             current += delta
             peak = max(peak, current)
             by_window[window] = max(by_window.get(window, 0), current)
-        return ActivationProfile(peak, by_window)
+        return ActivationProfile(peak, by_window, at_open)
 
 
 def measure_activations(

@@ -17,7 +17,11 @@ Forward runs the units in module pre-order; a unit's ancestors stay gathered
 while it runs; the root and the unit that runs last stay gathered from their
 forward to their backward (as ``runtime._post_forward`` does from the second
 step on); ``SHARD_GRAD_OP`` units stay gathered until
-their backward; forward prefetch gathers the next unit early. Backward runs in
+their backward; forward prefetch gathers the next unit early. On CUDA the post-forward of
+a unit holds its buffer until the next all-gather allocated its own
+(``holds_freed_buffer``; [Note: what a lane waits for] in scheduler.py):
+when that next unit was not prefetched, the moment of its allocation has
+both buffers, with the activations live as its forward starts. Backward runs in
 reverse: the unit's gathered parameters, its ancestors', the unit
 ``BACKWARD_PRE`` prefetches, its unsharded gradient (the per-parameter pieces
 and the padded flat gradient they are concatenated into exist together for a
@@ -285,12 +289,22 @@ class StepPeak:
 
 
 def step_peak(
-    units: Sequence[UnitPlan], *, optimizer_step: int, all_grads: int, activations: Mapping[str, int]
+    units: Sequence[UnitPlan],
+    *,
+    optimizer_step: int,
+    all_grads: int,
+    activations: Mapping[str, int],
+    activations_at_open: Mapping[str, int] | None = None,
+    holds_freed_buffer: bool = False,
 ) -> StepPeak:
     """Replay one step over ``units`` (module pre-order, root first; see
     [Note: the step the plan replays]) and return its worst moment.
     ``activations``: measured activation bytes by moment label (``"forward
-    of 'name'"``, ``"backward of 'name'"``), absent when not measured."""
+    of 'name'"``, ``"backward of 'name'"``), absent when not measured;
+    ``activations_at_open``: the bytes live when each of those windows
+    opened. ``holds_freed_buffer``: the lanes hold the buffer a post-forward
+    freed until the next all-gather allocated its own (CUDA)."""
+    opening = activations_at_open or {}
     moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
 
@@ -299,13 +313,17 @@ def step_peak(
         gathered[index] = units[index].bytes_of("unsharded_bytes")
         return units[index].bytes_of("gather_source_bytes")
 
-    def moment(label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None) -> None:
-        acts = activations.get(window or label, 0)
+    def moment(
+        label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None, acts: int | None = None
+    ) -> None:
+        if acts is None:
+            acts = activations.get(window or label, 0)
         moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0, acts))
 
-    def reshard_finished(running: UnitPlan | None) -> None:
+    def reshard_finished(running: UnitPlan | None) -> list[int]:
         """Post-forward of every unit that finished: free unless the root or
-        kept until backward (SHARD_GRAD_OP)."""
+        kept until backward (SHARD_GRAD_OP). Returns the freed indices."""
+        freed = []
         for index in list(gathered):
             unit = units[index]
             still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
@@ -314,10 +332,21 @@ def step_peak(
             kept = index in (0, len(units) - 1)
             if not kept and not still_running and unit.strategy.reshards_after_forward:
                 del gathered[index]
+                freed.append(index)
+        return freed
 
     for index, unit in enumerate(units):  # forward
-        reshard_finished(unit)
+        freed = reshard_finished(unit)
         source = gather(index)
+        name = unit.name or "<root>"
+        prefetched = index > 0 and units[index - 1].forward_prefetch
+        if holds_freed_buffer and freed and not prefetched:
+            # The units freed since the last gather are nested: the
+            # outermost ran its post-forward last, and is the one held.
+            held = min(freed)
+            gathered[held] = units[held].bytes_of("unsharded_bytes")
+            moment(f"all-gather of '{name}'", 0, 0, source, acts=opening.get(f"forward of '{name}'", 0))
+            del gathered[held]
         if unit.forward_prefetch and index + 1 < len(units):
             source += gather(index + 1)
         moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)

@@ -514,6 +514,10 @@ def _assemble(
         optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type),
         all_grads=grads,
         activations=activations.by_window if activations is not None else {},
+        activations_at_open=activations.at_open if activations is not None else {},
+        # [Note: what a lane waits for] (scheduler.py): CUDA lanes hold a
+        # freed buffer until the next all-gather allocated its own.
+        holds_freed_buffer=device_type == "cuda",
     )
     offloaded = [fp for fp in flat_params if fp.offload]
     cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
