@@ -658,10 +658,9 @@ class FlatParamHandle:
         with torch.no_grad():
             for info, grad in present:
                 if info.local_numel:
-                    # Host to host, or within the device: no transfer. A
-                    # gradient the user left on another device stays a
-                    # blocking copy: its memory is freed as soon as ``.grad``
-                    # is replaced, so the copy must be complete by then.
+                    # Host to host (autograd keeps a ``.grad`` on its
+                    # parameter's device: the host when offloaded) or within
+                    # the device: never a transfer, nothing to fence.
                     flat_grad[info.shard_offset : info.shard_offset + info.local_numel].copy_(grad.reshape(-1))
         return flat_grad
 

@@ -230,6 +230,40 @@ def test_bf16_model_trained_under_a_user_stream_matches_reference() -> None:
     assert difference < _TOLERANCE, difference  # bf16 compute, fp32 master weights: both sides run the same kernels
 
 
+# ------------------------------------- rebuilt offloaded gradients (finding 3)
+def _rebuilt_offloaded_grads_are_pinned_and_accumulate(rank: int, world_size: int) -> None:
+    """A ``.grad`` the user replaced (a pageable host tensor) breaks the
+    tiling of the flat gradient: the next backward rebuilds it into pinned
+    memory, uploads it, adds and downloads without blocking, and the result
+    stays the ``.grad`` storage (pinned) for the steps after."""
+    device = _device(rank)
+    torch.manual_seed(0)
+    model = _big_gpt().to(device)
+    reference = copy.deepcopy(model)
+    fully_shard(model, policy={Block}, cpu_offload=OFFLOAD)
+    for step in range(3):
+        inputs, targets = (t.to(device) for t in batch(step))
+        for trained in (model, reference):
+            lm_loss(trained(inputs), targets).backward()
+        if step == 0:
+            for trained in (model, reference):
+                param = next(p for p in trained.parameters() if p.grad is not None and p.grad.numel() > 0)
+                param.grad = param.grad * 2  # a new tensor, no longer a view of the flat gradient
+    for name, param in model.named_parameters():
+        assert param.grad is not None and (param.grad.numel() == 0 or param.grad.is_pinned()), f"{name}'s gradient is pageable"
+    reference_params = dict(reference.named_parameters())
+    with unshard_params(model, with_grads=True, writeback=False):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(
+                param.grad.to(device), reference_params[name].grad, atol=2e-6, rtol=2e-5, msg=lambda m: f"grad of {name}: {m}"
+            )
+
+
+@requires_cuda
+def test_rebuilt_offloaded_gradient_is_pinned_and_accumulates_like_the_reference() -> None:
+    run_distributed(_rebuilt_offloaded_grads_are_pinned_and_accumulate, 1, backend="nccl")
+
+
 # ------------------------------------------------------------ two GPUs
 def _shard_two_gpus(model: nn.Module, strategy: ShardingStrategy, offload: bool, bf16: bool) -> None:
     kwargs: dict = dict(strategy=strategy, cpu_offload=OFFLOAD if offload else None)
