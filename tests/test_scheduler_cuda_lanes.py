@@ -108,7 +108,9 @@ def test_scheduler_host_wait_orders_downloads_before_host_reads() -> None:
             return PendingCollective(None, torch.zeros(1), ())
 
         def on_done(reduced: PendingCollective) -> None:
-            op = cuda.launch("download")  # [Note: CPU offload copies]: on compute
+            # A finish on compute (no finish_on_lane): offloaded ones run on
+            # the reduction lane, tests/test_scheduler_cuda_offload.py.
+            op = cuda.launch("download")
             memory.access("reduced", op, write=False)
             memory.access("host gradient", op, write=True)
 
@@ -124,8 +126,10 @@ def test_scheduler_host_wait_orders_downloads_before_host_reads() -> None:
 class _Recorder:
     """Describes to the fake the device work of every handle of a sharded
     model (all-gathers and uploads on the all-gather lane, compute reading
-    the unsharded buffers, reductions on the reduce lane, gradient downloads
-    on compute as with CPU offload, and the real frees of the unsharded
+    the unsharded buffers, reductions on the reduce lane, a download after
+    each finish on compute (the handles are not offloaded, so the scheduler
+    finishes them there; offloaded finishes run on the reduction lane:
+    tests/test_scheduler_cuda_offload.py), and the real frees of the unsharded
     buffers, which the scheduler may hold back) and records the lanes'
     issues."""
 
@@ -202,7 +206,7 @@ class _Recorder:
 
         def recorded_finish(reduced: PendingCollective) -> None:
             finish(reduced)
-            op = cuda.launch(f"download {name}")  # on compute: [Note: CPU offload copies]
+            op = cuda.launch(f"download {name}")  # where the finish runs: compute here
             memory.access(f"reduced {name}", op, write=False)
             memory.access(f"host gradient {name}", op, write=True)
             memory.free(f"reduced {name}", allocated_on=self.reduce_stream)
