@@ -8,7 +8,7 @@ gradients. See API.md for the contract.
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
-from .plan import ShardingPlan, describe, plan
+from .plan import Capacity, ShardingPlan, describe, largest_fitting, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
 from .state_dict import (
     CheckpointError,
@@ -40,6 +40,8 @@ __all__ = [
     "plan",
     "describe",
     "ShardingPlan",
+    "largest_fitting",
+    "Capacity",
     "StateDictOptions",
     "StateDictError",
     "get_model_state_dict",

@@ -180,7 +180,11 @@ class GPT(nn.Module):
 
 def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """Fill ``weight`` from N(0, std²) drawn on CPU, so that the values do not
-    depend on the device the model was built on."""
+    depend on the device the model was built on. A model built on the meta
+    device has no values to fill: whoever materialises it initialises it
+    (e.g. ``fully_shard(..., param_init_fn=...)``), so nothing is drawn."""
+    if weight.is_meta:
+        return
     with torch.no_grad():
         values = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
         values.normal_(0.0, std, generator=generator)

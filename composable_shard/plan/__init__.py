@@ -6,13 +6,16 @@ holds at the worst moment of a training step.
   and ``ShardingPlan``;
 - ``memory.py``: the per-rank memory arithmetic and the step replay;
 - ``activations.py``: activation memory measured under fake tensors;
-- ``table.py``: the printed table.
+- ``table.py``: the printed table;
+- ``capacity.py``: ``largest_fitting``, the largest model size whose plan
+  fits a memory budget.
 
 Knows nothing of: hooks, collectives, storage.
 
-Public names: ``plan``, ``describe``, ``ShardingPlan``.
+Public names: ``plan``, ``describe``, ``ShardingPlan``, ``largest_fitting``, ``Capacity``.
 """
 
+from .capacity import Capacity, largest_fitting
 from .sharding_plan import ShardingPlan, describe, plan
 
-__all__ = ["plan", "describe", "ShardingPlan"]
+__all__ = ["plan", "describe", "ShardingPlan", "largest_fitting", "Capacity"]

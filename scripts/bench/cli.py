@@ -1,5 +1,7 @@
 """Owns: the command line (its checks, the configuration's sizes filled in)
-and the order of the passes: timing, then memory per mode, then the table.
+and the order of the passes: timing, then memory per mode, then the table;
+or, for a configuration whose ``run`` is ``"largest"``, the search of
+``largest.py`` instead.
 
 Knows nothing of: what the passes do inside.
 """
@@ -16,9 +18,10 @@ from pathlib import Path
 import torch
 
 from . import __doc__ as package_doc
+from . import largest
 from .configs import CONFIGS, SIZE_ARGS
 from .memory import memory_worker
-from .peers import MODES, SIMULATED_MODES
+from .peers import LARGEST_MODES, MODES, SIMULATED_MODES
 from .processes import fixed_malloc_thresholds, spawn
 from .report import collect, report
 from .timing import timing_worker
@@ -68,6 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "device and print, per step, how much of the lanes' (non-compute streams') device time "
                         "overlaps compute (see bench/overlap.py)")
     p.add_argument("--overlap-steps", type=int, default=3, help="profiled steps per mode for --overlap-report")
+    largest = p.add_argument_group("--config largest (the search for the largest n_layer that trains)")
+    largest.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                         help="pretend the machine has GIB GiB for a trial's processes (default: MemAvailable "
+                              "at the start less --memory-margin)")
+    largest.add_argument("--memory-margin", type=float, default=1.0, metavar="GIB",
+                         help="left free of the MemAvailable at the start (default 1.0)")
+    largest.add_argument("--memory-floor", type=float, default=0.5, metavar="GIB",
+                         help="stop a trial whenever MemAvailable falls below this, whatever its budget (default 0.5)")
+    largest.add_argument("--probe-layers", type=int, default=2, help="blocks of the first, small trial per mode")
+    largest.add_argument("--trial-timeout", type=float, default=1800.0, help="seconds before a trial is an error")
+    largest.add_argument("--results", default=None, metavar="PATH", help="write every trial's raw record as JSON")
     args = p.parse_args(argv)
     batch_given = args.batch_size is not None
     preset = CONFIGS[args.config].sizes_for(args.mixed_precision, args.device)
@@ -82,7 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_size = -(-args.batch_size // args.world_size) * args.world_size
     args.nprocs = 1 if args.simulated else args.world_size
     available = SIMULATED_MODES if args.simulated else MODES
-    args.modes = [m.strip() for m in (args.modes or ",".join(available)).split(",") if m.strip()]
+    if CONFIGS[args.config].run == "largest":
+        available = LARGEST_MODES
+        if args.simulated or args.device != "cpu":
+            p.error("--config largest runs on CPU with real ranks (no --device cuda, no --simulate-world-size)")
+        if args.probe_layers < 1 or args.memory_steps < 1:
+            p.error("--config largest needs --probe-layers and --memory-steps of at least 1")
+    default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
+    args.modes = [m.strip() for m in (args.modes or ",".join(default_modes)).split(",") if m.strip()]
     unknown = sorted(set(args.modes) - set(available))
     if unknown or not args.modes:
         p.error(f"--modes: {unknown} not available here; choose from {','.join(available)}")
@@ -110,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if CONFIGS[args.config].run == "largest":
+        return largest.main(args)
     if "composable_shard" in args.modes:
         try:
             import composable_shard  # noqa: F401

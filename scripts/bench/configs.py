@@ -32,6 +32,12 @@ class Config:
     sizes: dict[str, int]
     bf16_cpu_sizes: dict[str, int]
     customize: Callable[[nn.Module, int], None] | None = None
+    # Build the model on the meta device; each mode materialises it its own
+    # documented way, shard by shard (models.py, peers.py).
+    deferred_init: bool = False
+    # What the run does: "compare" (timing and memory passes, cli.py) or
+    # "largest" (the search for the largest n_layer that trains, largest.py).
+    run: str = "compare"
 
     def sizes_for(self, mixed_precision: str, device: str) -> dict[str, int]:
         return self.bf16_cpu_sizes if mixed_precision == "bf16" and device == "cpu" else self.sizes
@@ -77,6 +83,15 @@ CONFIGS: dict[str, Config] = {
         _GPT,
         _GPT_BF16_CPU,
         customize=add_lora,
+    ),
+    "largest": Config(
+        "the largest number of blocks of width 1,280 (--n-embd 1536 for the other width) that trains "
+        "3 AdamW steps per mode, each trial in fresh processes under a memory watchdog; models built "
+        "on the meta device; n_layer is found, not given",
+        dict(n_layer=1, n_embd=1280, n_head=16, block_size=128, batch_size=2),
+        dict(n_layer=1, n_embd=1280, n_head=16, block_size=128, batch_size=2),
+        deferred_init=True,
+        run="largest",
     ),
     "many-small": Config(
         "64 narrow blocks (width 64): many small units, where per-unit and per-parameter overhead dominates",

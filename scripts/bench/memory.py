@@ -39,6 +39,20 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
 
 
+def own_shared_memory_correction_mb(mode: str, device: torch.device) -> float:
+    """What to add to composable_shard's RSS on CPU so that every page of its
+    shared-memory slots is counted once, for the rank that owns it.
+
+    Shared-memory collectives keep their slots in /dev/shm. RSS counts the
+    pages this rank touched through its mappings, its peers' included: those
+    are replaced by this rank's own slots."""
+    if mode != "composable_shard" or device.type != "cpu":
+        return 0.0
+    from composable_shard.comm import transport
+
+    return (transport.process_shared_bytes() - transport.process_mapped_bytes()) / 2**20
+
+
 def import_every_mode() -> None:
     """Import every mode's library, so that no mode's memory counts code.
 
@@ -71,16 +85,7 @@ def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, 
         for _ in range(args.memory_steps):
             train_step(run, *next_batch(run, corpus, args, device), args, device)
         synchronize(device)
-        result["peak_increase_mb"] = memory_now(device)[1] - start_mb
-        if mode == "composable_shard" and device.type == "cpu":
-            # Shared-memory collectives keep their slots in /dev/shm. RSS
-            # counts the pages this rank touched through its mappings, its
-            # peers' included: those are replaced by this rank's own slots,
-            # so every page is counted once, for the rank that owns it.
-            from composable_shard.comm import transport
-
-            shared = transport.process_shared_bytes() - transport.process_mapped_bytes()
-            result["peak_increase_mb"] += shared / 2**20
+        result["peak_increase_mb"] = memory_now(device)[1] - start_mb + own_shared_memory_correction_mb(mode, device)
     Path(out_dir, f"memory_{mode}_{repeat}_rank{rank}.json").write_text(json.dumps(result))
     barrier(args, device)
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Owns: the model every mode starts from (the example GPT at the sizes and
-with the changes of ``--config``, activation checkpointing applied) and its
-optimizer.
+with the changes of ``--config``, activation checkpointing applied; on the
+meta device for configurations with ``deferred_init``), the initialisation
+that materialises such a model module by module, and its optimizer.
 
 Knows nothing of: the modes' wrappers (``peers.py``), processes, timing.
 """
@@ -16,14 +17,26 @@ from gpt import GPT, GPTConfig, param_groups
 from .configs import CONFIGS
 
 
+def is_deferred(args: argparse.Namespace) -> bool:
+    return CONFIGS[args.config].deferred_init
+
+
 def base_model(args: argparse.Namespace, device: torch.device) -> GPT:
-    """The same full model on every rank and in every mode (same seed)."""
+    """The same full model on every rank and in every mode (same seed); on
+    the meta device, uninitialised, with ``deferred_init`` (the mode
+    materialises it with ``init_module``)."""
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(config, seed=args.seed)
+    if is_deferred(args):
+        torch.manual_seed(args.seed)  # init_module's draws: the same on every rank
+        with torch.device("meta"):
+            model = GPT(config, seed=args.seed)
+    else:
+        model = GPT(config, seed=args.seed)
     customize = CONFIGS[args.config].customize
     if customize is not None:
         customize(model, args.seed)
-    model = model.to(device)
+    if not is_deferred(args):
+        model = model.to(device)
     if args.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -36,3 +49,35 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
     # Built after wrapping: param_groups classifies by module type (trainable
     # parameters only), so wrappers and 1-D shards give the same groups.
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+@torch.no_grad()
+def init_module(module: nn.Module, device: torch.device | None = None) -> None:
+    """Initialise ``module``'s own parameters as ``GPT`` does (normal(0,
+    0.02) weights, zero biases, unit norms; the residual projections' smaller
+    std is left out), giving meta parameters storage on ``device`` first (the
+    example GPT has no buffers). The
+    ``param_init_fn`` of composable_shard (called after the module's tensors
+    got storage) and of FSDP1 (called on every module of a unit, still on
+    meta), and FSDP2's init after ``to_empty``, in a DTensor's local shard.
+    Drawn from the global generator: every rank draws the same values for
+    the modules it initialises whole."""
+    for param in module.parameters(recurse=False):
+        if param.is_meta and device is not None:
+            # In place (same Parameter object), so a tied weight stays tied
+            # (to_empty would give the lm_head its own copy of tok_emb's).
+            real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, real)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        _local(module.weight).normal_(0.0, 0.02)
+    elif isinstance(module, nn.LayerNorm) and module.weight is not None:
+        _local(module.weight).fill_(1.0)
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        _local(bias).zero_()

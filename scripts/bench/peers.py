@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from gpt import Block
 
-from .models import base_model, make_optimizer
+from .models import base_model, init_module, is_deferred, make_optimizer
 
 Builder = Callable[[argparse.Namespace, torch.device], tuple[nn.Module, torch.optim.Optimizer]]
 
@@ -41,6 +42,8 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype(args))
     if args.cpu_offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    if is_deferred(args):  # each unit materialised on its own, then sharded
+        kwargs["param_init_fn"] = init_module
     model = base_model(args, device)
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -62,6 +65,8 @@ def build_fsdp1(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modu
         mixed_precision=mp_config,
         cpu_offload=CPUOffload(offload_params=True) if args.cpu_offload else None,
         device_id=device,  # explicit on CPU too: FSDP1 otherwise insists on an accelerator
+        # Deferred: FSDP1 calls it on every module of a unit still on meta, unit by unit.
+        param_init_fn=functools.partial(init_module, device=device) if is_deferred(args) else None,
     )
     return model, make_optimizer(model, args)
 
@@ -82,18 +87,31 @@ def build_fsdp2(args: argparse.Namespace, device: torch.device) -> tuple[nn.Modu
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if is_deferred(args):  # FSDP2's documented way: shard on meta, then storage for the shards only
+        model.to_empty(device=device)
+        for module in model.modules():
+            init_module(module)
     return model, make_optimizer(model, args)
 
 
 def build_ddp(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(base_model(args, device), device_ids=[device] if device.type == "cuda" else None)
+    model = DistributedDataParallel(_materialized(args, device), device_ids=[device] if device.type == "cuda" else None)
     return model, make_optimizer(model, args)
 
 
-def build_unwrapped(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _materialized(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The base model with real storage: unsharded modes hold it whole."""
     model = base_model(args, device)
+    if is_deferred(args):
+        for module in model.modules():
+            init_module(module, device)
+    return model
+
+
+def build_unwrapped(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _materialized(args, device)
     return model, make_optimizer(model, args)
 
 
@@ -123,6 +141,8 @@ PEERS: dict[str, Peer] = {
 }
 MODES = tuple(PEERS)
 SIMULATED_MODES = tuple(mode for mode, peer in PEERS.items() if peer.simulated)
+# --config largest: the sharded modes (whose limit is the point) and DDP (on request).
+LARGEST_MODES = ("composable_shard", "fsdp1", "fsdp2", "ddp")
 
 
 def autocast_for(mode: str, args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
