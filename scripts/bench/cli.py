@@ -71,17 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "device and print, per step, how much of the lanes' (non-compute streams') device time "
                         "overlaps compute (see bench/overlap.py)")
     p.add_argument("--overlap-steps", type=int, default=3, help="profiled steps per mode for --overlap-report")
-    largest = p.add_argument_group("--config largest (the search for the largest n_layer that trains)")
-    largest.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+    search_group = p.add_argument_group("--config largest (the search for the largest n_layer that trains)")
+    search_group.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                          help="pretend the machine has GIB GiB for a trial's processes (default: MemAvailable "
                               "at the start less --memory-margin)")
-    largest.add_argument("--memory-margin", type=float, default=1.0, metavar="GIB",
+    search_group.add_argument("--memory-margin", type=float, default=1.0, metavar="GIB",
                          help="left free of the MemAvailable at the start (default 1.0)")
-    largest.add_argument("--memory-floor", type=float, default=0.5, metavar="GIB",
+    search_group.add_argument("--memory-floor", type=float, default=0.5, metavar="GIB",
                          help="stop a trial whenever MemAvailable falls below this, whatever its budget (default 0.5)")
-    largest.add_argument("--probe-layers", type=int, default=2, help="blocks of the first, small trial per mode")
-    largest.add_argument("--trial-timeout", type=float, default=1800.0, help="seconds before a trial is an error")
-    largest.add_argument("--results", default=None, metavar="PATH", help="write every trial's raw record as JSON")
+    search_group.add_argument("--probe-layers", type=int, default=2, help="blocks of the first, small trial per mode")
+    search_group.add_argument("--trial-timeout", type=float, default=1800.0, help="seconds before a trial is an error")
+    search_group.add_argument("--results", default=None, metavar="PATH", help="write every trial's raw record as JSON")
     args = p.parse_args(argv)
     batch_given = args.batch_size is not None
     preset = CONFIGS[args.config].sizes_for(args.mixed_precision, args.device)
