@@ -63,3 +63,5 @@ def test_report_has_one_line_per_step() -> None:
         "  step 0: lanes 4.00 ms, overlapped 2.00 ms (50%); compute 4.00 ms; per lane: stream 13 4.00 ms (50%)"
     )
     assert len(text.splitlines()) == 3
+    alone = format_overlap("single", [comm_overlap([("compute", 0, 4)], "compute")])
+    assert alone.splitlines()[1] == "  step 0: no lane work; compute 4.00 ms"

@@ -108,10 +108,13 @@ def format_overlap(mode: str, steps: list[Overlap]) -> str:
     """One line per profiled step (times in ms)."""
     lines = [f"{mode}: lane device time overlapped by compute, per profiled step"]
     for index, step in enumerate(steps):
+        if step.comm == 0:
+            lines.append(f"  step {index}: no lane work; compute {step.compute:.2f} ms")
+            continue
         lanes = ", ".join(f"{stream} {busy:.2f} ms ({over / busy:.0%})" for stream, (busy, over) in step.per_stream.items() if busy > 0)
         lines.append(
             f"  step {index}: lanes {step.comm:.2f} ms, overlapped {step.overlapped:.2f} ms ({step.fraction:.0%}); "
-            f"compute {step.compute:.2f} ms; per lane: {lanes or 'none'}"
+            f"compute {step.compute:.2f} ms; per lane: {lanes}"
         )
     return "\n".join(lines)
 
