@@ -38,6 +38,28 @@ a block compute still reads: which events, see [Note: what a lane waits
 for]. On CPU the lane's copies run synchronously in the calling thread and
 only gloo work is asynchronous; waiting on its handle orders the rest.
 
+The host is a third party: CPU offload has the device read pinned host
+memory (shard uploads) and write it (gradient downloads) without blocking
+the host. The downloads — and everything else that finishes an offloaded
+reduction: the hybrid all-reduce, the post-divide, the cast, and, when
+accumulating, the upload and add — run on the reduction lane, after the
+reduction in stream order (``Scheduler.reduce`` with ``finish_on_lane``),
+so they never hold up the backward kernels compute runs meanwhile (issue
+23, finding 2). Each such finish is fenced by one event recorded on the
+lane after it, the post-reduce fence. Compute waits on it in two places:
+before the next finish on the lane (one finish in flight: it may read a
+block compute allocated — the gradient itself under ``NO_SHARD`` without a
+cast — which the scheduler keeps referenced until then), and at the end of
+backward (``wait_for_reductions``), so every later kernel is ordered after
+every download. ``synchronize_host`` then blocks the calling thread until
+the compute stream is done: a stream's synchronisation includes the event
+waits enqueued on it, so this one wait covers the compute stream, every
+fence compute waited on (uploads on the all-gather lane, reductions) and the
+downloads on the reduction lane. The runtime calls it once at the end of
+backward, before the optimizer may read the gradients or write the shards.
+Finishes whose result stays on the device run on compute as before: the
+user's post-accumulate-grad hooks read them on compute right away.
+
 [Note: what a lane waits for]
 A launch waits for exactly two things, never for everything compute has
 queued: the producer of its input, and the last use of the memory it may
@@ -105,28 +127,6 @@ returns None, frees are immediate and nothing is held; gloo reads the shard
 and writes the buffer from the backend's threads between the issue and the
 wait. tests/test_scheduler_cuda_lanes.py checks these rules against a fake
 of CUDA's stream semantics, with a 4-unit model.
-
-The host is a third party: CPU offload has the device read pinned host
-memory (shard uploads) and write it (gradient downloads) without blocking
-the host. The downloads — and everything else that finishes an offloaded
-reduction: the hybrid all-reduce, the post-divide, the cast, and, when
-accumulating, the upload and add — run on the reduction lane, after the
-reduction in stream order (``Scheduler.reduce`` with ``finish_on_lane``),
-so they never hold up the backward kernels compute runs meanwhile (issue
-23, finding 2). Each such finish is fenced by one event recorded on the
-lane after it, the post-reduce fence. Compute waits on it in two places:
-before the next finish on the lane (one finish in flight: it may read a
-block compute allocated — the gradient itself under ``NO_SHARD`` without a
-cast — which the scheduler keeps referenced until then), and at the end of
-backward (``wait_for_reductions``), so every later kernel is ordered after
-every download. ``synchronize_host`` then blocks the calling thread until
-the compute stream is done: a stream's synchronisation includes the event
-waits enqueued on it, so this one wait covers the compute stream, every
-fence compute waited on (uploads on the all-gather lane, reductions) and the
-downloads on the reduction lane. The runtime calls it once at the end of
-backward, before the optimizer may read the gradients or write the shards.
-Finishes whose result stays on the device run on compute as before: the
-user's post-accumulate-grad hooks read them on compute right away.
 
 [Note: buffer lifetimes across lanes]
 Buffers are never tied to a stream through the caching allocator. The

@@ -122,6 +122,43 @@ def test_scheduler_host_wait_orders_downloads_before_host_reads() -> None:
     assert reduce_stream.name != "compute" and ("synchronize", "compute", "") in cuda.log
 
 
+def test_scheduler_holds_a_freed_buffer_only_until_the_next_all_gather_allocated() -> None:
+    # [Note: what a lane waits for]: a held buffer is freed right after the
+    # next all-gather's launch, before its own unit is gathered again, and
+    # by wait_for_all; nothing is held while an all-gather is in flight.
+    cuda = FakeCuda()
+    freed: list[str] = []
+    launched: list[str] = []
+    with cuda.installed():
+        scheduler = Scheduler(_CUDA, limit_all_gathers=True)
+
+        def launch(key: str) -> Callable[[bool], None]:
+            return lambda async_op: launched.append(f"{key} after {freed}")
+
+        scheduler.unshard("a", launch("a"))
+        scheduler.wait_for_unshard("a")
+        scheduler.free_unsharded("a", lambda: freed.append("a"), hold=True)
+        assert freed == []  # held: the next all-gather must not get its block
+        scheduler.unshard("b", launch("b"))
+        assert launched[-1] == "b after []" and freed == ["a"]
+        scheduler.wait_for_unshard("b")
+        scheduler.free_unsharded("b", lambda: freed.append("b"), hold=True)
+        scheduler.unshard("b", launch("b"))  # its own unit again: freed first
+        assert launched[-1] == "b after ['a', 'b']"
+        scheduler.wait_for_unshard("b")
+        scheduler.free_unsharded("b", lambda: freed.append("b"), hold=True)
+        scheduler.wait_for_all()
+        assert freed == ["a", "b", "b"]
+        scheduler.unshard("c", launch("c"))  # a prefetch in flight: no hold
+        scheduler.free_unsharded("a", lambda: freed.append("a"), hold=True)
+        assert freed[-1] == "a"
+        scheduler.wait_for_all()
+    waits = [label for kind, stream, label in cuda.log if kind == "wait_event" and stream != "compute"]
+    # "b" waited on nothing (its block could not be a's), the second "b" on
+    # the events of a's and b's frees, "c" on that of b's second free.
+    assert len(waits) == 3, cuda.log
+
+
 # ------------------------------------------------------- a whole model
 class _Recorder:
     """Describes to the fake the device work of every handle of a sharded
