@@ -3,7 +3,10 @@ runtime run against a recording stand-in for ``torch.cuda``'s streams and
 events (tests/fake_cuda.py), which applies CUDA's stream-ordering rules and
 reports every unordered pair of conflicting accesses — what would be a data
 race on a GPU. CI has no GPU; these tests are what guards
-[Note: lane fences] and [Note: buffer lifetimes across lanes] there.
+[Note: lane fences], [Note: what a lane waits for] and [Note: buffer
+lifetimes across lanes] there: every issue race-free, waiting on nothing
+later than it needs, and (issue 23's contract, a 4-unit model) the forward
+all-gather of block k+1 never behind the end of block k's forward.
 
 What the fake sees is only what the scheduler and the runtime do with
 streams and events. The device work itself (all-gathers, casts, uploads,
