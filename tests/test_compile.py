@@ -36,10 +36,11 @@ from .parity import Parity, run_parity
 # here means a change added one.
 RECORDED_GRAPH_BREAKS = {"TinyGPT per block": 3, "TinyGPT whole model": 5, "HF Llama per block": 3}
 if torch.__version__ < "2.13":
-    # Torch 2.11 (the oldest we support): compiling the root, the storage
+    # Torch 2.9 to 2.12 (measured 8 on 2.9.1, 2.10.0 and 2.11.0; 2.12 not
+    # run): compiling the root, the storage
     # pointer check (``untyped_storage().data_ptr()`` in
     # FlatParamHandle._user_edits, which no torch traces) breaks inside the
-    # root pre-forward's loop over units; dynamo 2.11 cannot resume after a
+    # root pre-forward's loop over units; dynamo before 2.13 cannot resume after a
     # graph break in a loop ("graph break in loop": it skips the frame and
     # runs it eagerly), and counts that same data_ptr break 4 times where
     # 2.13 counts it once: 5 + 3.
