@@ -190,6 +190,39 @@ def test_offload_race_test_fails_with_a_guard_patched_out(mutation: str) -> None
     assert difference > _TOLERANCE, f"with {mutation} the race test still passes (difference {difference})"
 
 
+# ------------------------------------------- where the downloads run (finding 2)
+def _download_streams(rank: int, world_size: int) -> list[bool]:
+    """For every gradient download of one offloaded step: whether it ran on
+    the reduction lane's stream (and not on compute)."""
+    device = _device(rank)
+    torch.manual_seed(0)
+    model = _big_gpt().to(device)
+    fully_shard(model, policy={Block}, cpu_offload=OFFLOAD)
+    scheduler = lazy_init(get_state(model)).scheduler
+    lane_stream = scheduler.reduce_scatter_lane.stream  # type: ignore[attr-defined]
+    compute = torch.cuda.current_stream(device)
+    on_lane: list[bool] = []
+    for _, state in unit_states_under(model):
+        for handle in state.handles:
+            download = handle._download_grad
+
+            def recorded(shard_grad: torch.Tensor, existing: torch.Tensor | None, _download: Callable = download) -> torch.Tensor:
+                current = torch.cuda.current_stream(device)
+                on_lane.append(current == lane_stream and current != compute)
+                return _download(shard_grad, existing)
+
+            handle._download_grad = recorded  # type: ignore[method-assign]
+    inputs, targets = (t.to(device) for t in batch(0))
+    lm_loss(model(inputs), targets).backward()
+    return on_lane
+
+
+@requires_cuda
+def test_offloaded_gradient_downloads_run_on_the_reduction_lane() -> None:
+    (on_lane,) = run_distributed(_download_streams, 1, backend="nccl")
+    assert on_lane and all(on_lane), on_lane
+
+
 # ------------------------------------------------ bf16 under a user stream
 def _bf16_under_user_stream(rank: int, world_size: int) -> float:
     """bf16 compute (no offload) with forward and backward under a user
