@@ -79,14 +79,13 @@ def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
         backward_events = events[len(forward_events) :]
         unsharded_in_backward = [unit for event, unit, _ in backward_events if event == "unshard"]
         assert unsharded_in_backward == [b for b in reversed(blocks) if b != kept], unsharded_in_backward
-        if prefetch == "BACKWARD_PRE":
-            # Block i-1 is gathered before block i is freed.
-            for later, earlier in zip(reversed(blocks), list(reversed(blocks))[1:]):
-                assert backward_events.index(("unshard", earlier, True)) < backward_events.index(("reshard", later, True))
-            assert _max_unsharded_blocks(events) == 2
-        else:
-            # BACKWARD_POST frees block i before gathering block i-1.
-            assert _max_unsharded_blocks(events) == 1
+        # BACKWARD_POST frees block i before gathering block i-1; on CPU so
+        # does BACKWARD_PRE ([Note: backward prefetch on CPU] in runtime.py:
+        # block i-1 gathered during block i's gradient was an extra block at
+        # the backward's peak).
+        for later, earlier in zip(reversed(blocks), list(reversed(blocks))[1:]):
+            assert backward_events.index(("reshard", later, True)) < backward_events.index(("unshard", earlier, True))
+        assert _max_unsharded_blocks(events) == 1
         # The root is freed last, once its gradient is reduced.
         assert [e for e in events if e[1] == "root"] == [("unshard", "root", False), ("reshard", "root", True)]
         model.zero_grad()

@@ -30,7 +30,12 @@ autograd until the ancestor's flat gradient is complete), one reduction in
 flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``; through shared memory only
 its output: the padded gradient is copied out and freed when the reduction
 is issued) and the sharded gradients
-reduced so far. Forward order is taken to be module registration order: an
+reduced so far. On CPU the prefetch of ``BACKWARD_PRE`` comes where
+``BACKWARD_POST``'s does ([Note: backward prefetch on CPU] in runtime.py):
+after the unit's reduction is issued and its parameters are freed, beside
+the reduction in flight. An all-gather through gloo's messages (CPU without
+shared memory) also holds gloo's flat copy of its whole output until it
+completes. Forward order is taken to be module registration order: an
 ancestor's parameters registered after the unit (a GPT's final norm and head)
 have their gradients before its backward. ``optimizer.step()`` holds every
 sharded gradient plus the optimizer's temporaries. The worst of these moments
@@ -106,6 +111,10 @@ class FlatParamPlan:
     # Whether the reduction copies the padded gradient out when it is issued
     # (shared memory on CPU), so the gradient is freed then, not at the wait.
     reduction_frees_grad: bool = False
+    # Whether the all-gather runs through gloo's messages on CPU (not shared
+    # memory): gloo gathers into a flat copy of the whole output of its own,
+    # freed when the collective completes.
+    all_gather_copies_output: bool = False
     # (module pre-order index of the parameter's last registration, numel)
     # per parameter: a parameter registered after a unit is used after it in
     # forward, so its gradient exists before that unit's backward.
@@ -139,6 +148,14 @@ class FlatParamPlan:
         if self.param_dtype == self.dtype and not self.offload:
             return 0
         return self.shard_numel * _itemsize(self.param_dtype)
+
+    @property
+    def all_gather_copy_bytes(self) -> int:
+        """gloo's own flat output of an all-gather in flight (CPU, message
+        path): the padded unsharded size."""
+        if not (self.all_gather_copies_output and self.is_sharded):
+            return 0
+        return self.padded_numel * _itemsize(self.param_dtype)
 
     @property
     def unsharded_grad_bytes(self) -> int:
@@ -296,6 +313,7 @@ def step_peak(
     activations: Mapping[str, int],
     activations_at_open: Mapping[str, int] | None = None,
     holds_freed_buffer: bool = False,
+    prefetch_after_reduction: bool = False,
 ) -> StepPeak:
     """Replay one step over ``units`` (module pre-order, root first; see
     [Note: the step the plan replays]) and return its worst moment.
@@ -303,15 +321,21 @@ def step_peak(
     of 'name'"``, ``"backward of 'name'"``), absent when not measured;
     ``activations_at_open``: the bytes live when each of those windows
     opened. ``holds_freed_buffer``: the lanes hold the buffer a post-forward
-    freed until the next all-gather allocated its own (CUDA)."""
+    freed until the next all-gather allocated its own (CUDA).
+    ``prefetch_after_reduction``: ``BACKWARD_PRE`` prefetches at the
+    ``BACKWARD_POST`` point, as on CPU ([Note: backward prefetch on CPU] in
+    runtime.py)."""
     opening = activations_at_open or {}
     moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
 
     def gather(index: int) -> int:
         """Unshard units[index]; returns its all-gather source temporaries."""
+        # gloo's copy only where an all-gather really runs (not for a unit
+        # still gathered: the root, the unit kept, a prefetched one).
+        copy = 0 if index in gathered else units[index].bytes_of("all_gather_copy_bytes")
         gathered[index] = units[index].bytes_of("unsharded_bytes")
-        return units[index].bytes_of("gather_source_bytes")
+        return units[index].bytes_of("gather_source_bytes") + copy
 
     def moment(
         label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None, acts: int | None = None
@@ -357,8 +381,11 @@ def step_peak(
     in_flight = 0  # the one reduction the scheduler keeps in flight
     for index in range(len(units) - 1, -1, -1):  # backward
         unit = units[index]
+        prefetch = unit.backward_prefetch
+        if prefetch is BackwardPrefetch.BACKWARD_PRE and prefetch_after_reduction:
+            prefetch = BackwardPrefetch.BACKWARD_POST
         source = gather(index)
-        if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
+        if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
             source += gather(index - 1)
         held = sum(
             fp.grad_bytes_used_after(unit.subtree_last)
@@ -380,4 +407,7 @@ def step_peak(
         moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, f"backward of '{name}'")
         in_flight = unit.bytes_of("reduction_bytes")
         gathered.pop(index, None)
+        if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
+            source = gather(index - 1)
+            moment(f"prefetch after '{name}'", reduced, held, in_flight + source, f"backward of '{name}'")
     return max(moments, key=lambda m: m.transient)

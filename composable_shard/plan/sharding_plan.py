@@ -219,6 +219,7 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
                 dataclasses.replace(h.layout, requires_grad=h.requires_grad),
                 h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
                 transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
+                state.compute_device.type,
             )
             for h in state.handles
         ]
@@ -292,9 +293,12 @@ def _flat_param_plan(
     offload: bool,
     module_index: dict[int, int],
     reduction_frees_grad: bool,
+    device_type: str,
 ) -> FlatParamPlan:
     """What ``FlatParamHandle`` allocates for ``layout`` (see its
-    constructor, ``reduce_grad`` and ``finish_grad_reduction``)."""
+    constructor, ``reduce_grad`` and ``finish_grad_reduction``).
+    ``reduction_frees_grad``: the group's collectives go through shared
+    memory; on CPU otherwise through gloo's messages."""
     compute = param_dtype or layout.dtype
     reduce = reduce_dtype or compute
     is_sharded = layout.shard_world_size > 1
@@ -317,6 +321,7 @@ def _flat_param_plan(
         param_count=len(layout.params),
         tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
         reduction_frees_grad=reduction_frees_grad,
+        all_gather_copies_output=device_type == "cpu" and not reduction_frees_grad,
         last_uses=tuple(
             (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
         ),
@@ -340,6 +345,7 @@ def _new_unit_plan(
             _flat_param_plan(
                 layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order,
                 transport.uses_shared_memory(None, compute_device.type),
+                compute_device.type,
             )
         )
     return _unit_plan(module, kwargs, flat_params)
@@ -386,6 +392,7 @@ def _replan_existing(
             _flat_param_plan(
                 layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order,
                 transport.uses_shared_memory(None, state.compute_device.type),
+                state.compute_device.type,
             )
         )
     return _unit_plan_from_state("", state, flat_params)
@@ -518,6 +525,8 @@ def _assemble(
         # [Note: what a lane waits for] (scheduler.py): CUDA lanes hold a
         # freed buffer until the next all-gather allocated its own.
         holds_freed_buffer=device_type == "cuda",
+        # [Note: backward prefetch on CPU] in runtime.py
+        prefetch_after_reduction=device_type == "cpu",
     )
     offloaded = [fp for fp in flat_params if fp.offload]
     cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
