@@ -69,6 +69,11 @@ GPT of width 1280) 14.7 / 14.8 against 15.6 / 15.2, 16.1 / 15.2,
 15.6 / 16.1 (10 to 20 rounds: within the run's noise, a few percent at
 most). 2 MiB keeps a 7.4M GPT's collectives (1.6 MB per rank) in one round
 and costs 8 MiB per rank (Docker's default 64 MiB ``/dev/shm`` holds 7 ranks).
+In training (``scripts/bench.py``, 2 ranks, the slots of the operation's
+size and these as two modes of one interleaved run, under heavy load): GPT
+8 x 256 median step 2296 / 2240 ms, peak RSS per rank 194 / 190 MB; GPT
+4 x 1280 (the 326M model's 79 MB blocks, 20 rounds per collective) 15380 /
+15357 ms, 1142 / 1073 MB.
 
 Streaming (an operation of more rounds than ``SLOTS``): its round ``k`` reuses
 the slot of its own round ``k - SLOTS``, which every peer must have read
