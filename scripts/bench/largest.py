@@ -21,8 +21,8 @@ How it searches (``search_limit``; every trial in fresh processes):
 4. For every mode alike (the plan's slope only places the first trial): the
    first trial is half-way between the probe and the limit that the probe's
    usage and the plan's slope give; from then on the next size is where the
-   secant through the two largest sizes that fitted reaches the budget (at
-   least one block more), kept below the smallest size that did not fit:
+   secant through the smallest and largest sizes that fitted (or the plan's
+   slope, if steeper) reaches the budget (at least one block more), kept below the smallest size that did not fit:
    after failures that means 1, 2, 4, ... blocks down (the midpoint before
    two sizes fitted). It ends when the largest size that fitted and the smallest that
    did not are one block apart: usually four or five trials per mode, the
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -72,12 +73,15 @@ class Search:
 
 def _estimate(points: dict[int, int], slope_bytes: float, budget_bytes: int) -> int:
     """The largest size whose usage, extrapolated from the largest fitting
-    size, stays in the budget: along the secant of the two largest fitting
-    sizes (measured), or ``slope_bytes`` (the plan's) with one point."""
+    size, stays in the budget (at least one more). The slope is the secant
+    through the smallest and the largest fitting sizes (measured; the widest
+    base, since a step's worst moment can move between neighbouring sizes),
+    but never below ``slope_bytes`` (the plan's: memory the plan counts per
+    block is there whatever the allocator does)."""
     sizes = sorted(points)
-    n_hi = sizes[-1]
-    if len(sizes) >= 2 and points[n_hi] > points[sizes[-2]]:
-        slope_bytes = (points[n_hi] - points[sizes[-2]]) / (n_hi - sizes[-2])
+    n_lo, n_hi = sizes[0], sizes[-1]
+    if n_hi > n_lo:
+        slope_bytes = max(slope_bytes, (points[n_hi] - points[n_lo]) / (n_hi - n_lo))
     if slope_bytes <= 0:
         return n_hi + 1
     return n_hi + max(1, int((budget_bytes - points[n_hi]) // slope_bytes))
@@ -223,7 +227,12 @@ def _trial_line(args: argparse.Namespace, result: TrialResult, peaks: PlanPeaks)
     return text + f" | trial {result.usage_bytes / MB:,.0f} MB | final loss {loss} | {result.seconds:.0f} s"
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"bench: signal {signum}")  # unwinds through run_trial, which stops the trial's ranks
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     budget, available, how = decide_budget(args)
     floor = int(args.memory_floor * GiB)
     peaks = PlanPeaks(args)
