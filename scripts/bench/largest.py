@@ -224,7 +224,8 @@ def _trial_line(args: argparse.Namespace, result: TrialResult, peaks: PlanPeaks)
         planned = peaks(result.n_layer) / MB
         text += f" (plan {planned:,.1f} MB, {100 * (planned - result.peak_rise_mb) / result.peak_rise_mb:+.1f}%)"
     loss = f"{result.losses[-1]:.4f}" if result.losses else "-"
-    return text + f" | trial {result.usage_bytes / MB:,.0f} MB | final loss {loss} | {result.seconds:.0f} s"
+    return text + (f" | trial {result.usage_bytes / MB:,.0f} MB | final loss {loss} | {result.seconds:.0f} s "
+                   f"(build {result.build_s:.0f} s, steps {sum(result.step_s):.0f} s)")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

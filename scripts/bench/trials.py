@@ -62,6 +62,8 @@ class TrialResult:
     after_build_mb: float | None = None  # largest over ranks: RSS after building model and optimizer
     peak_rise_mb: float | None = None  # largest over ranks: RSS high-water rise (memory.py's peak)
     losses: list[float] = field(default_factory=list)  # mean over ranks, per step
+    build_s: float | None = None  # slowest rank: building model and optimizer
+    step_s: list[float] = field(default_factory=list)  # slowest rank, per step
     reached: str = ""  # how far the ranks got: "build", "step 1", ...
 
     @property
@@ -187,6 +189,8 @@ def _result(
         result.after_build_mb = max(r["after_build_mb"] for r in records)
         result.peak_rise_mb = max(r["peak_increase_mb"] for r in records)
         result.losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in records))]
+        result.build_s = max(r["build_s"] for r in records)
+        result.step_s = [max(step) for step in zip(*(r["step_s"] for r in records))]
         from_marks = sum(s["usage_bytes"] + int(r["peak_increase_mb"] * MB) for s, r in zip(starts, records))
         result.usage_bytes = max(sampled, from_marks)
         if result.usage_bytes > budget:
@@ -233,16 +237,22 @@ def trial_worker(rank: int, args: argparse.Namespace, port: int, out_dir: Path, 
     start_mb, _ = memory_now(device)
     (out_dir / f"rank{rank}.start.json").write_text(json.dumps({"usage_bytes": sum(process_usage())}))
     _progress(out_dir, rank, "build")
+    started = time.perf_counter()
     run = build_run(mode, args, device)
     after_build_mb = memory_now(device)[0] - start_mb
+    build_s, step_s = time.perf_counter() - started, []
     for step in range(args.memory_steps):
         _progress(out_dir, rank, f"step {step + 1}")
+        started = time.perf_counter()
         train_step(run, *next_batch(run, corpus, args, device), args, device)
+        step_s.append(time.perf_counter() - started)
     peak_mb = memory_now(device)[1] - start_mb + own_shared_memory_correction_mb(mode, device)
     record = {
         "after_build_mb": after_build_mb,
         "peak_increase_mb": peak_mb,
         "losses": [float(loss) for loss in run.losses],
+        "build_s": build_s,  # model and optimizer, this rank
+        "step_s": step_s,  # each step, this rank
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     barrier(args, device)
