@@ -23,6 +23,10 @@ above it::
                   compute, per profiled step (interval arithmetic + profiler)
     memory.py     the memory pass (each mode in fresh processes)
     report.py     collecting the ranks' records, the printed table
+    trials.py     --config largest: one trial (one mode, one n_layer) in
+                  fresh processes, and the memory watchdog that stops it
+    largest.py    --config largest: the budget, the plan's prediction, the
+                  search for each mode's largest n_layer, its table
     cli.py        the command line and the order of the passes
 
 Modes, each with its own model copy (same seed, so the same initial weights)
