@@ -221,6 +221,33 @@ def test_collectives_larger_than_a_slot_stream_through_it_and_equal_gloo(world_s
     run_distributed(_streamed_collectives_equal_gloo, world_size)
 
 
+def _late_peer_mid_stream_times_out(rank: int, world_size: int) -> None:
+    """A collective larger than its slots streams at issue: a peer that
+    comes late makes the issue itself fail at the group's timeout, naming
+    the round, and the group then fails every later call at once (its
+    ranks' rounds are out of step); the late peer times out in turn."""
+    with _slots_of(1000):
+        group = dist.new_group(list(range(world_size)))  # its own transport: this one is left broken
+        comm.all_gather_into(torch.empty(world_size), torch.zeros(1), group, async_op=False)  # the group set up
+    group.set_timeout(datetime.timedelta(seconds=1))
+    output = torch.empty(2000 * world_size)  # 8000 bytes per rank: 9 rounds through 4 slots
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r"communication timeout in a shared-memory all-gather \(round \d+, "):
+            comm.all_gather_into(output, torch.zeros(2000), group, async_op=True)
+        with pytest.raises(RuntimeError, match=r"an all-gather failed after part of it was sent .*cannot go on"):
+            comm.all_gather_into(torch.empty(world_size), torch.zeros(1), group, async_op=True)
+    else:
+        time.sleep(2.5)  # rank 0 gave up meanwhile
+        with pytest.raises(RuntimeError, match=r"communication timeout .*waiting for its slot to be read"):
+            comm.all_gather_into(output, torch.zeros(2000), group, async_op=True)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_late_peer_in_the_middle_of_a_streamed_collective_times_out_at_issue(world_size: int) -> None:
+    run_distributed(_late_peer_mid_stream_times_out, world_size)
+
+
 def _group_agrees_to_fall_back(rank: int, world_size: int) -> None:
     """One rank that cannot use shared memory makes the whole group use
     gloo; the files are gone from /dev/shm once the group decided."""
