@@ -431,6 +431,8 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
         _queue_finalize_once(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
         unshard_unit(state, wait=True)
+        if state.compute_device.type == "cpu":  # [Note: backward prefetch on CPU]
+            context.scheduler.wait_for_reductions_holding_inputs()
         if backward_prefetch_point(state) is BackwardPrefetch.BACKWARD_PRE:
             _prefetch(context.next_in(context.forward_order, state, -1))
 
@@ -479,8 +481,19 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     keeps the overlap that pays more (the reduction, an all-reduce of the
     padded gradient on gloo, runs during the next unit's backward) and
     moves the all-gather's buffer and gloo's copy past the peak, where this
-    unit's parameters and gradient are already freed. ``plan`` replays the
-    same point (``step_peak``'s ``prefetch_after_reduction``).
+    unit's parameters and gradient are already freed.
+
+    That leaves the reduction in flight: on gloo's message path an in-place
+    all-reduce of the previous unit's padded gradient, as large as the unit.
+    So on CPU a unit's pre-backward, once its own all-gather was waited,
+    also finishes the reduction in flight if it still holds its padded
+    gradient (not through shared memory, which copied it out when issued).
+    The reduction was issued before that all-gather and ran beside it, and
+    an all-reduce moves about twice an all-gather's bytes, so the wait is
+    about one all-gather's time per unit; in exchange the backward's peak
+    holds one unit's parameters and its gradient, below FSDP1's (which also
+    holds the unit its BACKWARD_PRE prefetched). ``plan`` replays the same
+    order (``step_peak``'s ``prefetch_after_reduction``).
     """
     prefetch = state.config.backward_prefetch
     if prefetch is BackwardPrefetch.BACKWARD_PRE and state.compute_device.type == "cpu":

@@ -427,6 +427,14 @@ class Scheduler:
             self._finish_reduction(reduction)
         self._wait_for_post_reduce()
 
+    def wait_for_reductions_holding_inputs(self) -> None:
+        """Finish the reductions in flight (oldest first) if one of them
+        still holds buffers compute allocated: the padded gradient a backend
+        reduces in place or still reads. Those that copied their inputs out
+        (shared memory) stay in flight."""
+        if any(r.in_flight.pending is not None and r.in_flight.pending.inputs for r in self._reductions):
+            self.wait_for_reductions()
+
     def _finish_reduction(self, reduction: _Reduction) -> None:
         # The fence first, also when nothing was returned: the launch may
         # still have enqueued work (see [Note: lane fences]). Compute waits

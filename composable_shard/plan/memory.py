@@ -33,7 +33,8 @@ is issued) and the sharded gradients
 reduced so far. On CPU the prefetch of ``BACKWARD_PRE`` comes where
 ``BACKWARD_POST``'s does ([Note: backward prefetch on CPU] in runtime.py):
 after the unit's reduction is issued and its parameters are freed, beside
-the reduction in flight. An all-gather through gloo's messages (CPU without
+the reduction in flight; and a unit's pre-backward finishes the reduction in
+flight when that still holds its padded gradient (not shared memory). An all-gather through gloo's messages (CPU without
 shared memory) also holds gloo's flat copy of its whole output until it
 completes. Forward order is taken to be module registration order: an
 ancestor's parameters registered after the unit (a GPT's final norm and head)
@@ -197,6 +198,14 @@ class FlatParamPlan:
         size = _itemsize(self.reduce_dtype)
         output = self.shard_numel * size if self.is_sharded else 0
         return self.padded_numel * size + output
+
+    @property
+    def reduction_holds_grad_bytes(self) -> int:
+        """The padded gradient a reduction in flight keeps (none through
+        shared memory, which copied it out when issued)."""
+        if not self.requires_grad or (self.reduction_frees_grad and self.is_sharded):
+            return 0
+        return self.padded_numel * _itemsize(self.reduce_dtype)
 
     @property
     def reduction_bytes(self) -> int:
@@ -385,6 +394,15 @@ def step_peak(
         if prefetch is BackwardPrefetch.BACKWARD_PRE and prefetch_after_reduction:
             prefetch = BackwardPrefetch.BACKWARD_POST
         source = gather(index)
+        # On CPU a reduction that holds its padded gradient is finished at
+        # this pre-backward ([Note: backward prefetch on CPU]); an ancestor's
+        # pre-backward ran before its descendants' backward, not after.
+        finished_early = prefetch_after_reduction and index + 1 < len(units)
+        finished_early = finished_early and not unit.is_ancestor_of(units[index + 1])
+        finished_early = finished_early and units[index + 1].bytes_of("reduction_holds_grad_bytes") > 0
+        if finished_early:
+            reduced += units[index + 1].bytes_of("grad_bytes")
+            in_flight = 0
         if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
             source += gather(index - 1)
         held = sum(
@@ -400,7 +418,7 @@ def step_peak(
         moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source)
         # Post-backward: the previous reduction finishes (its output becomes
         # a sharded gradient), this one is issued, the unit reshards.
-        if index + 1 < len(units):
+        if index + 1 < len(units) and not finished_early:
             reduced += units[index + 1].bytes_of("grad_bytes")
         converting = unit.bytes_of("conversion_bytes")
         issuing = unit.bytes_of("reduction_issue_bytes")
