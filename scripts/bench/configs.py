@@ -93,6 +93,12 @@ CONFIGS: dict[str, Config] = {
         deferred_init=True,
         run="largest",
     ),
+    "gpt-326m": Config(
+        "a realistic size on CPU: 16 blocks of width 1,280 (315M parameters, 75 MiB per block in fp32), "
+        "batch 2 x 256; the size issue 24 measured peak memory at (several GiB for 2 ranks, minutes per mode)",
+        dict(n_layer=16, n_embd=1280, n_head=16, block_size=256, batch_size=2),
+        dict(n_layer=4, n_embd=1280, n_head=16, block_size=128, batch_size=2),
+    ),
     "many-small": Config(
         "64 narrow blocks (width 64): many small units, where per-unit and per-parameter overhead dominates",
         dict(n_layer=64, n_embd=64, n_head=4, block_size=128, batch_size=8),
