@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .configs import CONFIGS
 from .peers import PEERS, bf16_enabled
 
 LOSS_RTOL = 1e-4  # fp32 agreement required between modes (relative)
@@ -79,6 +80,27 @@ def _loss_compared(mode: str, args: argparse.Namespace) -> bool:
     return not args.simulated and PEERS[mode].loss_compared
 
 
+def _plan_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str | None:
+    """composable_shard's planned peak per rank beside the measured one,
+    where the plan describes the run (the plain GPT in fp32 on CPU, every
+    block one unit)."""
+    ours = results.get("composable_shard")
+    plain = CONFIGS[args.config].customize is None and not args.activation_checkpointing
+    if ours is None or ours.peak_mb is None or args.device != "cpu" or bf16_enabled(args) or not plain:
+        return None
+    import composable_shard as cs
+
+    from .largest import meta_gpt, plan_kwargs
+
+    planned = cs.plan(meta_gpt(args, args.n_layer), **plan_kwargs(args, activations=True))
+    plan_mb = planned.rank_bytes["total"] / 2**20
+    return (
+        f"plan: composable_shard's peak per rank {plan_mb:.1f} MB (live tensors at '{planned.peak_moment}'; "
+        f"measured peak / plan = {ours.peak_mb / plan_mb:.2f}: RSS also counts what the C allocator keeps "
+        "and memory that is not tensors)."
+    )
+
+
 def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     """Prints the tables; returns whether the losses agree (always true in
     bf16 or simulated)."""
@@ -131,6 +153,9 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         "building model and optimizer (sharded), peak = during the memory pass's steps "
         "(composable_shard's on CPU counts its own /dev/shm slots, not its peers' that it maps).",
     ]
+    plan_note = _plan_note(args, results)
+    if plan_note:
+        notes.append(plan_note)
     if args.memory_repeats > 1 and args.memory_steps > 0:
         notes.append("peak per memory pass: " + "; ".join(
             f"{mode} " + " ".join(f"{p:.1f}" for p in results[mode].peak_repeats_mb) for mode in args.modes
