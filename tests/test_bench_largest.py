@@ -8,6 +8,7 @@ stopped."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench.largest import search_limit  # noqa: E402
-from bench.trials import _watch  # noqa: E402
+from bench.trials import _watch, process_usage  # noqa: E402
 
 MB = 2**20
+GiB = 2**30
 
 
 @dataclass
@@ -109,11 +111,40 @@ def test_watchdog_reports_other_failures_as_errors() -> None:
     assert (status, detail) == ("error", "a rank exited with status 3")
 
 
+def _idle_rank_bytes() -> int:
+    """RssAnon of an interpreter that imported torch and composable_shard:
+    what each trial rank holds before it builds its model. It depends on the
+    torch build: 193 MB with the 2.13.0 CPU build, 271 MB with the 2.9.1 CUDA
+    build (its CUDA libraries' relocations and tables), on this machine."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch, torch.distributed, composable_shard; print(flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        child.stdout.readline()
+        return process_usage(child.pid)[0]
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+# The pretended budget: what two idle ranks hold plus this. A fixed 0.75 GiB
+# (written with the 2.13.0 CPU build) stopped the 1-block probe with the CUDA
+# builds of 2.9.1 and 2.11.0. Measured here (trial usage, MB: idle ranks;
+# 1, 2, 3 blocks): 2.13.0 CPU 2 x 209; 678, 754, 785+ (stopped);
+# 2.9.1 CUDA 2 x 287; 965, 1038, 1134. The blocks cost the same (~75 MB
+# each) but a CUDA build's ranks also grow ~130 MB more while building and
+# training, so the headroom covers 1 block plus that with room for a few
+# more (by the numbers above, a limit of 4 blocks on 2.13.0 and 2 on 2.9.1).
+_HEADROOM_BYTES = 560 * MB
+
+
 def test_search_under_a_pretended_budget_finds_a_limit_the_watchdog_confirms(tmp_path: Path) -> None:
     results = tmp_path / "largest.json"
+    budget_gib = (2 * _idle_rank_bytes() + _HEADROOM_BYTES) / GiB
     command = [
         sys.executable, str(ROOT / "scripts" / "bench.py"), "--config", "largest", "--modes", "composable_shard",
-        "--n-embd", "512", "--n-head", "8", "--probe-layers", "1", "--memory-budget", "0.75",
+        "--n-embd", "512", "--n-head", "8", "--probe-layers", "1", "--memory-budget", f"{budget_gib:.4f}",
         "--memory-margin", "0.25", "--results", str(results),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=480)
