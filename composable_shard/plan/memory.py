@@ -415,7 +415,11 @@ def step_peak(
         # The tied sums come before the concatenation into the flat gradient.
         pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
         name = unit.name or "<root>"
-        moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source)
+        # Activations peak as the unit's backward starts; its gradient pieces
+        # and the flat gradient exist at its end, when most are freed.
+        closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else None
+        moment(f"start of backward of '{name}'", reduced, held, in_flight + source, f"backward of '{name}'")
+        moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source, acts=closing)
         # Post-backward: the previous reduction finishes (its output becomes
         # a sharded gradient), this one is issued, the unit reshards.
         if index + 1 < len(units) and not finished_early:
@@ -427,5 +431,8 @@ def step_peak(
         gathered.pop(index, None)
         if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
             source = gather(index - 1)
-            moment(f"prefetch after '{name}'", reduced, held, in_flight + source, f"backward of '{name}'")
+            # This unit's backward is over: what is live as the next opens.
+            after = opening.get(f"backward of '{units[index - 1].name or '<root>'}'")
+            label = f"prefetch after '{name}'"
+            moment(label, reduced, held, in_flight + source, f"backward of '{name}'", acts=after)
     return max(moments, key=lambda m: m.transient)

@@ -177,7 +177,7 @@ def plan(
         key=lambda u: _preorder_index(module, u.name),
     )
     unit_names = {key: names[key] for key in specs}
-    activations = _activations(name, module, unit_names, mixed_precision, more)
+    activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
     shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
     kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
@@ -470,6 +470,7 @@ def _activations(
     unit_names: dict[int, str],
     mixed_precision: MixedPrecision | None,
     more: dict[str, Any],
+    device_type: str,
 ) -> ActivationProfile | None:
     args = more.get("example_inputs")
     shape = more.get("input_shape")
@@ -485,7 +486,10 @@ def _activations(
         raise ValueError(f"plan({name}): activations can only be measured on a model without fully_shard units.")
     compute = mixed_precision.param_dtype if mixed_precision is not None else None
     loss_fn: Callable[[Any], torch.Tensor] | None = more.get("loss_fn")
-    return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn)
+    # Fake CPU tensors for a model on meta planned for the CPU, whose
+    # kernels (attention) keep less than meta's; other devices as given.
+    device = torch.device("cpu") if device_type == "cpu" else None
+    return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn, device=device)
 
 
 def _buffer_bytes(module: nn.Module, buffer_dtype: torch.dtype | None) -> int:
