@@ -478,10 +478,9 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     FSDP1's 851 MiB, whose all-gathers and reduce-scatters on CPU are
     synchronous (so it holds the prefetched buffer but neither gloo's copy
     nor a reduction in flight). Prefetching after the reduction is issued
-    keeps the overlap that pays more (the reduction, an all-reduce of the
-    padded gradient on gloo, runs during the next unit's backward) and
     moves the all-gather's buffer and gloo's copy past the peak, where this
-    unit's parameters and gradient are already freed.
+    unit's parameters and gradient are already freed; the all-gather then
+    runs beside the reduction instead of beside compute.
 
     That leaves the reduction in flight: on gloo's message path an in-place
     all-reduce of the previous unit's padded gradient, as large as the unit.
@@ -492,8 +491,10 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     an all-reduce moves about twice an all-gather's bytes, so the wait is
     about one all-gather's time per unit; in exchange the backward's peak
     holds one unit's parameters and its gradient, below FSDP1's (which also
-    holds the unit its BACKWARD_PRE prefetched). ``plan`` replays the same
-    order (``step_peak``'s ``prefetch_after_reduction``).
+    holds the unit its BACKWARD_PRE prefetched). Through shared memory the
+    reduction keeps running beside the next unit's backward, which costs
+    only its output shard. ``plan`` replays the same order (``step_peak``'s
+    ``prefetch_after_reduction``).
     """
     prefetch = state.config.backward_prefetch
     if prefetch is BackwardPrefetch.BACKWARD_PRE and state.compute_device.type == "cpu":
