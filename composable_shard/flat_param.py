@@ -209,6 +209,11 @@ class FlatParamHandle:
         unsharded.untyped_storage().resize_(0)
         return unsharded
 
+    @property
+    def unsharded_bytes(self) -> int:
+        """Bytes of the gathered flat parameter (padded, in the compute dtype)."""
+        return self.layout.padded_unsharded_numel * self.param_dtype.itemsize
+
     # ----------------------------------------------------- requires_grad
     @property
     def requires_grad(self) -> bool:

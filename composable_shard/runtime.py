@@ -430,6 +430,9 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
         context = _context(state)
         _queue_finalize_once(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
+        # [Note: trimming the host heap in backward] (CPU only)
+        if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
+            context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
         unshard_unit(state, wait=True)
         if state.compute_device.type == "cpu":  # [Note: backward prefetch on CPU]
             context.scheduler.wait_for_reductions_holding_inputs()

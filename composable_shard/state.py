@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
 from .flat_param import FlatParamHandle
+from .host_memory import HostMemoryTrimmer, trimming_enabled
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -182,6 +183,11 @@ class RootContext:
         # (CPU offload only: see [Note: user post-accumulate-grad hooks] in
         # runtime.py).
         self.handles_with_deferred_grad_hooks: list[FlatParamHandle] = []
+        # CPU trees give the heap's free pages back during backward (None:
+        # CUDA, or switched off): [Note: trimming the host heap in backward].
+        self.host_memory_trimmer = (
+            HostMemoryTrimmer() if scheduler.device.type == "cpu" and trimming_enabled() else None
+        )
 
     def next_in(self, order: list[UnitState], unit: UnitState, step: int) -> UnitState | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None if out)."""
