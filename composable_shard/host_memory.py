@@ -26,17 +26,26 @@ tensors (``plan``'s peak), and FSDP1 loses as much under the same allocator
 mmap threshold).
 
 ``malloc_trim(0)`` gives back every whole free page of every arena
-(``madvise``; chunks stay where they are, so nothing moves). Called at the
-pre-backward of every unit it kept the peak within 3% of the plan (3,916
-against 3,805 MB at 24 blocks; 4,313-4,361 MB without). It costs a walk of
-the arenas (a few ms at that size) and page faults when the pages are used
-again: a GiB touched afresh costs about 0.16 s more than a resident one on
-this machine, a few percent of such a step. So it runs once the backward
-has gathered ``trim_every_bytes`` since the last trim (64 MiB: every unit of
-that GPT, every few steps for a small model, whose churn is too small to
-matter), and ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0`` turns it off (speed
-over memory; the peak then exceeds the plan by what the heap keeps). Where
-the C library has no ``malloc_trim`` (musl, macOS) it does nothing.
+(``madvise``; chunks stay where they are, so nothing moves). It costs a
+walk of the arenas (3-7 ms per call at 24 blocks) and page faults when the
+pages are used again (a GiB touched afresh costs about 0.16 s more than a
+resident one on this machine). So it runs at a unit's pre-backward once
+the backward has gathered ``trim_every_bytes`` since the last trim: 64 MiB,
+every unit of a GPT of width 1,280, every few steps for a small model,
+whose churn is too small to matter. Trimming at every all-gather and every
+free instead gave the same peak at twice the calls; at the forward's end
+and before the optimizer step it did not help (the heap grows in backward).
+
+Measured on that GPT at 24 blocks (2 ranks, glibc defaults, single trials
+in fresh processes, alternated, two of each): peak per rank 3,916-3,918 MB
+against the plan's 3,805 (-2.8%), 4,338-4,441 MB with the trims off; the
+two steps after the first took 19.1 s against 18.1 s off (+5%; single
+trials vary by about that much). Trimming every 256 MiB instead: 3,945-3,956
+MB (-3.5 to -3.8%), 17.9 s. On the whole machine, 71 blocks fit against 64
+before (plan within 1.1% at 71, 2.1% at 36). ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0``
+turns it off (speed over memory; the peak then exceeds the plan by what the
+heap keeps). Where the C library has no ``malloc_trim`` (musl, macOS) it
+does nothing.
 """
 
 from __future__ import annotations

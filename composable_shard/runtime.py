@@ -500,10 +500,19 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     ``prefetch_after_reduction``). Measured again at 326M (16 x 1280, n_head
     16): our step's worst moment 813 MiB above its start (the prefetch
     after ``blocks.1``), FSDP1's 851 MiB; the plan's peak equals the
-    profile's (2,619 MiB with parameters and optimizer state). The wait
-    costs time on gloo: at 7.4M our step went from 0.80x to 1.00x FSDP1's
-    (interleaved, one run each); through shared memory 0.92x before, 0.76x
-    after.
+    profile's (2,619 MiB with parameters and optimizer state).
+
+    What the two changes cost in time, measured on a quiet machine (each
+    change switched separately, interleaved with FSDP1 in one run; our
+    median step over FSDP1's): through gloo at 7.4M (8 x 256) 0.89-0.94x
+    with both, 0.86-0.87x with neither, 0.92-0.93x with either alone (two
+    runs each); through shared memory 0.73-0.74x with both, 0.72x with
+    neither. At 326M through gloo (one run each, 2 rounds of 2 steps) both
+    0.88x at a peak of 3,088 MB per rank (FSDP1 3,219), neither 0.98x at
+    3,346 MB (FSDP1 3,117), the prefetch move alone 1.00x at 3,274 MB, the
+    wait alone 1.08x at 3,210 MB. So both stay: about 5% of a small model's
+    gloo step, nothing measurable at 326M or through shared memory, and the
+    lowest peak.
     """
     prefetch = state.config.backward_prefetch
     if prefetch is BackwardPrefetch.BACKWARD_PRE and state.compute_device.type == "cpu":
