@@ -55,7 +55,7 @@ import functools
 import os
 from typing import Callable
 
-__all__ = ["ENV_SWITCH", "HostMemoryTrimmer", "malloc_trim", "trimming_enabled"]
+__all__ = ["ENV_SWITCH", "HostMemoryTrimmer", "malloc_trim", "resident_and_high_water", "trimming_enabled"]
 
 ENV_SWITCH = "COMPOSABLE_SHARD_TRIM_HOST_MEMORY"
 # A trim at most once per this many gathered bytes in backward; see the note.
@@ -80,13 +80,43 @@ def trimming_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and malloc_trim() is not None
 
 
-class HostMemoryTrimmer:
-    """Counts the bytes a CPU backward gathers and trims the heap each time
-    ``trim_every_bytes`` more went through (see [Note: trimming the host
-    heap in backward])."""
+def resident_and_high_water() -> tuple[int, int] | None:
+    """This process's resident set and its high-water mark in bytes (from
+    ``/proc/self/status``), or None where that file is missing."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            text = status.read()
+    except OSError:
+        return None
+    levels = {}
+    for line in text.splitlines():
+        if line.startswith((b"VmRSS:", b"VmHWM:")):
+            name, value = line.split(b":", 1)
+            levels[name] = int(value.split()[0]) * 1024  # kB
+    if len(levels) != 2:
+        return None
+    return levels[b"VmRSS"], levels[b"VmHWM"]
 
-    def __init__(self, trim_every_bytes: int | None = None) -> None:
+
+class HostMemoryTrimmer:
+    """Counts the bytes a CPU backward gathers; each time
+    ``trim_every_bytes`` more went through and the resident set is within
+    reach of its high-water mark, trims the heap (see [Note: trimming the
+    host heap in backward])."""
+
+    # Below the high-water mark by more than this many times a unit's
+    # gathered bytes, the unit's backward (its gathered parameters, the
+    # per-parameter and padded gradients, its reduction's output) cannot
+    # make a new peak before the next unit's check: no trim.
+    REACH_PER_GATHERED_BYTE = 4
+
+    def __init__(
+        self,
+        trim_every_bytes: int | None = None,
+        read_levels: Callable[[], tuple[int, int] | None] = resident_and_high_water,
+    ) -> None:
         self.trim_every_bytes = TRIM_EVERY_BYTES if trim_every_bytes is None else trim_every_bytes
+        self._read_levels = read_levels
         self._bytes_since_trim = 0
         self.trims = 0  # how many trims ran (tests and the bench read it)
 
@@ -95,6 +125,11 @@ class HostMemoryTrimmer:
         self._bytes_since_trim += gathered_bytes
         if self._bytes_since_trim < self.trim_every_bytes:
             return
+        levels = self._read_levels()
+        if levels is not None:
+            resident, high_water = levels
+            if resident + self.REACH_PER_GATHERED_BYTE * gathered_bytes < high_water:
+                return  # far from the peak: a trim now would only cost page faults
         trim = malloc_trim()
         if trim is not None:
             trim()

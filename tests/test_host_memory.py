@@ -7,6 +7,7 @@ the switch turns it off."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import platform
 
@@ -60,14 +61,32 @@ def test_malloc_trim_gives_freed_heap_pages_back_to_the_os() -> None:
     assert released >= count * chunk // 2, f"malloc_trim gave back {released} bytes of {count * chunk} freed"
 
 
-def test_trimmer_trims_once_per_trim_every_bytes_gathered() -> None:
-    trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100)
+def test_resident_and_high_water_are_this_process_levels() -> None:
+    levels = host_memory.resident_and_high_water()
+    assert levels is not None
+    resident, high_water = levels
+    assert 0 < resident <= high_water
+    with mmap.mmap(-1, 32 * 2**20) as fresh:  # new pages, resident once written
+        fresh.write(b"x" * len(fresh))
+        grown = host_memory.resident_and_high_water()
+    assert grown is not None and grown[0] >= resident + 30 * 2**20 and grown[1] >= grown[0], (levels, grown)
+
+
+def test_trimmer_trims_once_per_trim_every_bytes_gathered_near_the_high_water_mark() -> None:
+    # Resident set and high-water mark the trimmer reads at each check.
+    levels = iter([(1000, 1000), (500, 1000), (900, 1000), (500, 1000), None])
+    trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100, read_levels=lambda: next(levels))
     counts = []
-    for gathered in (60, 30, 10, 99, 250, 0, 100):
+    for gathered in (60, 30, 10, 99, 250, 0, 100, 30, 100):
         trimmer.unit_backward_starts(gathered)
         counts.append(trimmer.trims)
-    # 60, 90 (<100), 100 (trim), 99, 349 (trim), 0, 100 (trim)
-    assert counts == [0, 0, 1, 1, 2, 2, 3]
+    # 60, 90: under trim_every_bytes, no check. 100: at the mark, trim.
+    # 99, then 349 with (500, 1000): 500 + 4 * 250 >= 1000, trim. 0, then 100
+    # with (900, 1000): trim. 30, then 130 with (500, 1000): 500 + 4 * 100 <
+    # 1000, too far below the mark, no trim. Where no levels can be read, trim.
+    assert counts == [0, 0, 1, 1, 2, 2, 3, 3, 3]
+    trimmer.unit_backward_starts(1)  # 131, no levels: trim
+    assert trimmer.trims == 4
 
 
 def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
@@ -80,12 +99,15 @@ def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
         models.append(model)
 
     steps = 3
-    default_every = host_memory.TRIM_EVERY_BYTES
-    host_memory.TRIM_EVERY_BYTES = 1  # every unit's backward trims
+    default_every, default_reach = host_memory.TRIM_EVERY_BYTES, host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE
+    # Every unit's backward trims, however far below its high-water mark.
+    host_memory.TRIM_EVERY_BYTES = 1
+    host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE = 2**40
     try:
         run_parity(Parity(build=TinyGPT, shard=shard, steps=steps))
     finally:  # the worker process serves later tests
         host_memory.TRIM_EVERY_BYTES = default_every
+        host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE = default_reach
     trimmer = get_state(models[0]).root_context.host_memory_trimmer
     assert trimmer is not None
     units = 1 + len(models[0].blocks)  # type: ignore[union-attr, arg-type]
