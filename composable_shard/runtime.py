@@ -505,7 +505,7 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     What the two changes cost in time, measured on a quiet machine (each
     change switched separately, interleaved with FSDP1 in one run; our
     median step over FSDP1's): through gloo at 7.4M (8 x 256) 0.89-0.94x
-    with both, 0.86-0.87x with neither, 0.92-0.93x with either alone (two
+    with both, 0.86-0.87x with neither, 0.92-0.94x with either alone (two
     runs each); through shared memory 0.73-0.74x with both, 0.72x with
     neither. At 326M through gloo (one run each, 2 rounds of 2 steps) both
     0.88x at a peak of 3,088 MB per rank (FSDP1 3,219), neither 0.98x at
