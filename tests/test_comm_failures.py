@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from . import fault_job
+from .ports import free_ports
 # The group's timeout in every job (init_process_group's ``timeout``).
 _GROUP_TIMEOUT_S = 12.0
 # A dead peer must be noticed well before the group's timeout through shared
@@ -77,16 +77,6 @@ class _Job:
         return f"{self.name}: rank 0 said\n{self.text(0)[-3000:]}\nrank 1 said\n{self.text(1)[-1500:]}"
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for held in sockets:
-        held.bind(("127.0.0.1", 0))
-    ports = [held.getsockname()[1] for held in sockets]
-    for held in sockets:
-        held.close()
-    return ports
-
-
 def _start(context: multiprocessing.context.BaseContext, name: str, fault: str, switch: str, port: int, out_dir: Path) -> _Job:
     out_dir.mkdir(parents=True)
     ranks = []
@@ -115,7 +105,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
     context.set_forkserver_preload(["tests.fault_job"])
     started = {
         name: _start(context, name, fault, switch, port, root / re.sub(r"\W+", "_", name))
-        for (name, fault, switch), port in zip(plan, _free_ports(len(plan)))
+        for (name, fault, switch), port in zip(plan, free_ports(len(plan)))
     }
     deadline = time.time() + _JOB_DEADLINE_S
     try:

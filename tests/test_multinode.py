@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from .ports import free_ports
 
 NODES = 2
 PROCS_PER_NODE = 2
 TIMEOUT_S = 240.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(node_rank: int, port: int, out_dir: Path, log: Path) -> subprocess.Popen:
@@ -41,7 +36,7 @@ def _torchrun(node_rank: int, port: int, out_dir: Path, log: Path) -> subprocess
 
 
 def test_two_nodes_of_two_processes_hybrid_shard_matches_reference(tmp_path: Path) -> None:
-    port = _free_port()
+    (port,) = free_ports(1)
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
     agents = [_torchrun(node, port, tmp_path, logs[node]) for node in range(NODES)]
     try:
