@@ -78,8 +78,6 @@ from typing import Callable
 __all__ = ["ENV_SWITCH", "HostMemoryTrimmer", "malloc_trim", "resident_and_high_water", "trimming_enabled"]
 
 ENV_SWITCH = "COMPOSABLE_SHARD_TRIM_HOST_MEMORY"
-# A trim at most once per this many gathered bytes in backward; see the note.
-TRIM_EVERY_BYTES = 64 * 2**20
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,6 +122,8 @@ class HostMemoryTrimmer:
     reach of its high-water mark, trims the heap (see [Note: trimming the
     host heap in backward])."""
 
+    # A trim at most once per this many gathered bytes in backward.
+    TRIM_EVERY_BYTES = 64 * 2**20
     # Below the high-water mark by more than this many times a unit's
     # gathered bytes, the unit's backward (its gathered parameters, the
     # per-parameter and padded gradients, its reduction's output) cannot
@@ -135,7 +135,7 @@ class HostMemoryTrimmer:
         trim_every_bytes: int | None = None,
         read_levels: Callable[[], tuple[int, int] | None] = resident_and_high_water,
     ) -> None:
-        self.trim_every_bytes = TRIM_EVERY_BYTES if trim_every_bytes is None else trim_every_bytes
+        self.trim_every_bytes = self.TRIM_EVERY_BYTES if trim_every_bytes is None else trim_every_bytes
         self._read_levels = read_levels
         self._bytes_since_trim = 0
         self.trims = 0  # how many trims ran (tests and the bench read it)

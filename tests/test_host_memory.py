@@ -99,15 +99,16 @@ def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
         models.append(model)
 
     steps = 3
-    default_every, default_reach = host_memory.TRIM_EVERY_BYTES, host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE
+    trimmer_class = host_memory.HostMemoryTrimmer
+    default_every, default_reach = trimmer_class.TRIM_EVERY_BYTES, trimmer_class.REACH_PER_GATHERED_BYTE
     # Every unit's backward trims, however far below its high-water mark.
-    host_memory.TRIM_EVERY_BYTES = 1
-    host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE = 2**40
+    trimmer_class.TRIM_EVERY_BYTES = 1
+    trimmer_class.REACH_PER_GATHERED_BYTE = 2**40
     try:
         run_parity(Parity(build=TinyGPT, shard=shard, steps=steps))
     finally:  # the worker process serves later tests
-        host_memory.TRIM_EVERY_BYTES = default_every
-        host_memory.HostMemoryTrimmer.REACH_PER_GATHERED_BYTE = default_reach
+        trimmer_class.TRIM_EVERY_BYTES = default_every
+        trimmer_class.REACH_PER_GATHERED_BYTE = default_reach
     trimmer = get_state(models[0]).root_context.host_memory_trimmer
     assert trimmer is not None
     units = 1 + len(models[0].blocks)  # type: ignore[union-attr, arg-type]

@@ -404,9 +404,12 @@ def step_peak(
         # On CPU a reduction that holds its padded gradient is finished at
         # this pre-backward ([Note: backward prefetch on CPU]); an ancestor's
         # pre-backward ran before its descendants' backward, not after.
-        finished_early = prefetch_after_reduction and index + 1 < len(units)
-        finished_early = finished_early and not unit.is_ancestor_of(units[index + 1])
-        finished_early = finished_early and units[index + 1].bytes_of("reduction_holds_grad_bytes") > 0
+        finished_early = (
+            prefetch_after_reduction
+            and index + 1 < len(units)
+            and not unit.is_ancestor_of(units[index + 1])
+            and units[index + 1].bytes_of("reduction_holds_grad_bytes") > 0
+        )
         if finished_early:
             reduced += units[index + 1].bytes_of("grad_bytes")
             in_flight = 0
@@ -423,7 +426,8 @@ def step_peak(
         pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
         name = unit.name or "<root>"
         # Activations peak as the unit's backward starts; its gradient pieces
-        # and the flat gradient exist at its end, when most are freed.
+        # and the flat gradient exist at its end, when most are freed: what
+        # is live then is what the next unit's backward opens with.
         closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else None
         moment(f"start of backward of '{name}'", reduced, held, in_flight + source, f"backward of '{name}'")
         moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source, acts=closing)
@@ -439,7 +443,5 @@ def step_peak(
         if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
             source = gather(index - 1)
             # This unit's backward is over: what is live as the next opens.
-            after = opening.get(f"backward of '{units[index - 1].name or '<root>'}'")
-            label = f"prefetch after '{name}'"
-            moment(label, reduced, held, in_flight + source, f"backward of '{name}'", acts=after)
+            moment(f"prefetch after '{name}'", reduced, held, in_flight + source, f"backward of '{name}'", acts=closing)
     return max(moments, key=lambda m: m.transient)
