@@ -21,6 +21,12 @@ from .state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from .fully_shard import register_unit_extension as _register_unit_extension
+from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
+
+# module.state_dict() / load_state_dict() on every unit: the state-dict wing
+# joins fully_shard here, so the core never imports it.
+_register_unit_extension(_register_state_dict_hooks)
 
 __all__ = [
     "fully_shard",

@@ -3,9 +3,13 @@ the compute device, building the flat-parameter handles, and attaching state
 and hooks. Which modules are units, who owns each parameter and how they
 group into flat parameters come from ``units.py`` (shared with ``plan``).
 
-Knows nothing of: runtime details (it calls ``runtime.register_hooks``).
+Knows nothing of: runtime details (it calls ``runtime.register_hooks``),
+state dicts and every other wing: a wing that attaches per-unit hooks
+registers itself with ``register_unit_extension`` (the package's
+``__init__`` does it for state dicts), so the core imports no wing.
 
-Public names: ``fully_shard``, ``is_fully_sharded``, ``register_forward_method``.
+Public names: ``fully_shard``, ``is_fully_sharded``, ``register_forward_method``,
+``register_unit_extension``.
 
 Everything is validated before anything is changed, so a call that raises
 leaves the module as it was.
@@ -16,12 +20,14 @@ from __future__ import annotations
 import functools
 import os
 import types
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
@@ -29,20 +35,32 @@ from .flat_param import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
-from .state_dict.hooks import register_state_dict_hooks
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
     choose_units,
     flat_param_dtypes,
     group_sources,
+    assign_param_owners,
     offloads_params,
-    plan_ownership,
     split_ignored,
     unit_kwargs,
     unit_skipper,
 )
 
-__all__ = ["fully_shard", "is_fully_sharded", "register_forward_method"]
+__all__ = ["fully_shard", "is_fully_sharded", "register_forward_method", "register_unit_extension"]
+
+# What wings attach to every new unit, after the runtime's hooks, in
+# registration order (each returns the handles of the hooks it registered).
+_UNIT_EXTENSIONS: list[Callable[[UnitState], list[RemovableHandle]]] = []
+
+
+def register_unit_extension(attach: Callable[[UnitState], list[RemovableHandle]]) -> None:
+    """Have ``fully_shard`` call ``attach(state)`` for every unit it builds
+    from now on and keep the hooks it returns with the unit (idempotent).
+    How a wing (state dicts) adds per-unit hooks without the core importing
+    it."""
+    if attach not in _UNIT_EXTENSIONS:
+        _UNIT_EXTENSIONS.append(attach)
 
 def fully_shard(
     module: nn.Module,
@@ -102,7 +120,7 @@ def fully_shard(
     skip = unit_skipper(ignored_modules)
     choices = choose_units(module, policy, ignored_modules)
     kwargs_per_unit = [unit_kwargs(name, base_kwargs, choice) for choice in choices]
-    sources = plan_ownership(module, choices, ignored_modules, ignored_params)
+    sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, module, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
     for unit_groups in groups:
@@ -238,7 +256,14 @@ def _check_groups_reach_device(name: str, groups: ShardGroups, device: torch.dev
 
 
 # ------------------------------------------------------------ process groups
-_HYBRID_GROUPS_CACHE: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}
+# The hybrid groups made for each parent group, so that every fully_shard
+# call over one parent shares them (every rank must create groups in the
+# same order). Keyed weakly by the parent: ``destroy_process_group`` drops
+# the parent, and with it the entry and the groups made for it. A group
+# destroyed while its parent lives is detected on lookup and made again.
+_HYBRID_GROUPS_CACHE: weakref.WeakKeyDictionary[ProcessGroup, tuple[ProcessGroup, ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _resolve_groups(name: str, kwargs: dict[str, Any]) -> ShardGroups:
@@ -278,9 +303,9 @@ def _drop_singleton(group: ProcessGroup | None) -> ProcessGroup | None:
 def _intra_node_groups(group: ProcessGroup) -> tuple[ProcessGroup, ProcessGroup]:
     """(shard within a node, replicate across nodes) for hybrid sharding
     without explicit groups; nodes have LOCAL_WORLD_SIZE ranks."""
-    key = id(group)
-    if key in _HYBRID_GROUPS_CACHE:
-        return _HYBRID_GROUPS_CACHE[key]
+    cached = _HYBRID_GROUPS_CACHE.get(group)
+    if cached is not None and all(_is_registered(made) for made in (group, *cached)):
+        return cached
     world = dist.get_world_size(group)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % local:
@@ -302,8 +327,17 @@ def _intra_node_groups(group: ProcessGroup) -> tuple[ProcessGroup, ProcessGroup]
             replicate_group = created
     if shard_group is None or replicate_group is None:  # every rank is in one of each by construction
         raise RuntimeError(f"composable_shard internal error: rank {dist.get_rank()} is in no hybrid group of {ranks}")
-    _HYBRID_GROUPS_CACHE[key] = (shard_group, replicate_group)
+    _HYBRID_GROUPS_CACHE[group] = (shard_group, replicate_group)
     return shard_group, replicate_group
+
+
+def _is_registered(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still known to torch.distributed (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------- build
@@ -341,7 +375,8 @@ def _build_unit(
     )
     state = UnitState(module, handles, groups, config, compute_device)
     register_hooks(state)
-    state.module_hooks.extend(register_state_dict_hooks(state))
+    for attach in _UNIT_EXTENSIONS:
+        state.module_hooks.extend(attach(state))
     register_state(module, state)
     return state
 

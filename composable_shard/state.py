@@ -1,17 +1,21 @@
-"""Owns: the per-unit state, the context shared by one root's tree of units,
-and where a module keeps its state (see [Note: the module owns its state]).
+"""Owns: the per-unit state and its mechanics — unshard, reshard and reduce
+its flat parameters through the root's scheduler — the context shared by one
+root's tree of units, and where a module keeps its state (see
+[Note: the module owns its state]).
 
-Knows nothing of: collectives, streams, flattening details.
+Knows nothing of: collectives, streams, flattening details (it calls the
+handles and the scheduler), hooks and the step's lifecycle (runtime/).
 
 Public names: ``TrainingState``, ``BETWEEN_STEPS``, ``UnitConfig``,
-``UnitState``, ``RootContext``, ``get_state``, ``register_state``, ``unit_states_under``.
+``UnitState``, ``RootContext``, ``raise_internal``, ``get_state``,
+``register_state``, ``unit_states_under``.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -21,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .comm import ShardGroups
+from .comm import PendingCollective, ShardGroups
 from .flat_param import FlatParamHandle
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
@@ -34,6 +38,7 @@ __all__ = [
     "UnitConfig",
     "UnitState",
     "RootContext",
+    "raise_internal",
     "get_state",
     "register_state",
     "unit_states_under",
@@ -52,8 +57,9 @@ class TrainingState(enum.Enum):
     # Forward ended with autograd on and the unit kept its parameters
     # gathered for a backward that may never come; the owners show the
     # shards meanwhile. Ends at the unit's pre-backward, at the end of
-    # backward, or in ``runtime.reshard_held_units`` before anything else
-    # reads or changes the parameters (see [Note: held for backward]).
+    # backward, or at the lifecycle's gate before anything else reads or
+    # changes the parameters ([Note: held for backward] in
+    # runtime/lifecycle.py).
     HELD_FOR_BACKWARD = enum.auto()
     # Backward reached the unit's outputs: parameters unsharded for gradient
     # computation (also during an activation-checkpoint re-run).
@@ -109,7 +115,7 @@ class UnitState:
         # (frozen flat parameters reshard when it drops to 0).
         self.pending_backward_uses = 0
         # Trainable handles whose gradient was reduced in this backward.
-        self.reduced_handles: set[int] = set()
+        self.reduced_handles: set[FlatParamHandle] = set()
         # Inside no_sync: gradients stay unsharded and accumulate locally.
         self.skip_grad_sync = False
         # Original dtype of each buffer cast to the mixed-precision
@@ -130,7 +136,8 @@ class UnitState:
     @property
     def frozen_handles_to_reshard(self) -> list[FlatParamHandle]:
         """Handles holding frozen parameters, with storage to free after
-        backward ([Note: resharding frozen flat parameters] in runtime.py)."""
+        backward ([Note: resharding frozen flat parameters] in
+        runtime/forward_inputs.py)."""
         return [handle for handle in self.handles if handle.has_frozen_params and handle.needs_unshard_storage]
 
     @property
@@ -157,6 +164,89 @@ class UnitState:
     def __repr__(self) -> str:
         return f"UnitState({self.fqn}, {self.training_state.name}, {len(self.handles)} flat params)"
 
+    # ------------------------------------------------------------ mechanics
+    @property
+    def context(self) -> RootContext:
+        """The root's shared context; lazy init must have run."""
+        if self.root_context is None:
+            raise_internal(self, "used before lazy init")
+        return self.root_context  # type: ignore[return-value]  # raise_internal never returns
+
+    def unshard(self, *, wait: bool) -> None:
+        """Issue the unit's all-gathers (no-op where already issued or
+        unsharded); with ``wait``, make compute wait and point the owners at
+        unsharded views."""
+        scheduler = self.context.scheduler
+        for handle in self.handles:
+            scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
+        if wait:
+            for handle in self.handles:
+                scheduler.wait_for_unshard(handle)
+                # Views must be autograd views of the flat parameter even when
+                # built from a backward hook, where grad mode is off.
+                with torch.enable_grad():
+                    handle.use_unsharded_views()
+
+    def prefetch(self) -> None:
+        """Issue the unit's all-gathers without waiting (a prefetch)."""
+        if self.handles:
+            self.unshard(wait=False)
+
+    def hold_for_backward(self) -> None:
+        """End the forward keeping the unsharded buffers for the backward
+        that should come, while the owners show the shards ([Note: held for
+        backward] in runtime/lifecycle.py)."""
+        self.transition(TrainingState.HELD_FOR_BACKWARD, TrainingState.FORWARD)
+        for handle in self.handles:
+            handle.hide_unsharded_views()
+
+    def reshard(self, *, defer_free: bool = False) -> None:
+        """Show the shards again and free every unsharded buffer of the unit
+        (``defer_free``: as ``Scheduler.free_unsharded``'s ``defer``)."""
+        for handle in self.handles:
+            self.reshard_handle(handle, defer_free=defer_free)
+
+    def reshard_handle(self, handle: FlatParamHandle, *, defer_free: bool = False) -> None:
+        """Show the handle's shard again; the scheduler frees its unsharded
+        buffer after marking compute's last use of it ([Note: what a lane
+        waits for] in scheduler.py): every free of a buffer a lane allocated
+        goes through here."""
+        scheduler = self.context.scheduler
+        scheduler.wait_for_unshard(handle)
+        handle.reshard(free_storage=False)
+        if handle.unsharded_storage_bytes():
+            scheduler.free_unsharded(handle, handle.free_unsharded_storage, defer=defer_free)
+
+    def reduce_grad(self, handle: FlatParamHandle) -> bool:
+        """The handle's gradient is accumulated: issue its reduction (none
+        inside ``no_sync``), reshard it (a handle with frozen parameters
+        waits: [Note: resharding frozen flat parameters]) and count it.
+        Returns whether every trainable handle of the unit is now reduced."""
+        context = self.context
+        if not self.skip_grad_sync:
+            context.scheduler.reduce(
+                functools.partial(_launch_reduce, handle),
+                functools.partial(_finish_reduction, context, handle),
+                finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
+            )
+        if not handle.has_frozen_params:
+            self.reshard_handle(handle)
+        self.reduced_handles.add(handle)
+        return len(self.reduced_handles) == len(self.trainable_handles)
+
+    def reshard_frozen_when_done(self) -> None:
+        """Reshard the frozen flat parameters once backward is done with them
+        ([Note: resharding frozen flat parameters])."""
+        if self.pending_backward_uses == 0 and len(self.reduced_handles) == len(self.trainable_handles):
+            for handle in self.frozen_handles_to_reshard:
+                self.reshard_handle(handle)
+
+    def reset_step_counters(self) -> None:
+        """Back to IDLE with nothing counted for a backward."""
+        self.training_state = TrainingState.IDLE
+        self.reduced_handles.clear()
+        self.pending_backward_uses = 0
+
 
 class RootContext:
     """What one root shares with every unit of its tree, built once by the
@@ -173,21 +263,29 @@ class RootContext:
         self.previous_forward_order: list[UnitState] = []
         # Whether the end-of-backward callback is queued for this backward.
         self.post_backward_callback_queued = False
-        # Nesting depth of unshard_params contexts over this tree.
-        self.unshard_params_depth = 0
         # Whether any unit keeps its shards on CPU (offload): the host then
         # waits for the device once per step (computed once, read per step).
         self.offloads_params = any(handle.offload_params for unit in units for handle in unit.handles)
         # Handles whose reduction finished in this backward and whose
         # parameters have user post-accumulate-grad hooks to run at its end
-        # (CPU offload only: see [Note: user post-accumulate-grad hooks] in
-        # runtime.py).
+        # (CPU offload only: see [Note: user post-accumulate-grad hooks]).
         self.handles_with_deferred_grad_hooks: list[FlatParamHandle] = []
         # CPU trees give the heap's free pages back during backward (None:
         # CUDA, or switched off): [Note: trimming the host heap in backward].
         self.host_memory_trimmer = (
             HostMemoryTrimmer() if scheduler.device.type == "cpu" and trimming_enabled() else None
         )
+
+    def start_forward_order(self) -> None:
+        """A new forward of the root: keep the last one's order for forward
+        prefetch and record this one's."""
+        if self.forward_order:
+            self.previous_forward_order = self.forward_order
+        self.forward_order = []
+
+    def record_forward(self, unit: UnitState) -> None:
+        if unit not in self.forward_order:
+            self.forward_order.append(unit)
 
     def next_in(self, order: list[UnitState], unit: UnitState, step: int) -> UnitState | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None if out)."""
@@ -196,6 +294,55 @@ class RootContext:
         except ValueError:
             return None
         return order[index] if 0 <= index < len(order) else None
+
+    def run_deferred_grad_hooks(self) -> None:
+        """End of backward with CPU offload: the gradients reached host
+        memory, so the user hooks deferred until now run."""
+        deferred, self.handles_with_deferred_grad_hooks = self.handles_with_deferred_grad_hooks, []
+        for handle in deferred:  # [Note: user post-accumulate-grad hooks]
+            run_user_grad_hooks(handle)
+
+
+def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
+    return handle.unshard(async_op=async_op)
+
+
+def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
+    return handle.reduce_grad(async_op=async_op)
+
+
+def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: PendingCollective) -> None:
+    """The handle's sharded gradient is final: show it in ``.grad`` and run
+    the user's post-accumulate-grad hooks.
+
+    [Note: user post-accumulate-grad hooks]
+    The original parameters never take part in autograd (forward and
+    backward use views of the unsharded flat parameter), so hooks a user
+    registers on them with ``register_post_accumulate_grad_hook`` run here
+    instead: once per backward that reduces the handle (not inside
+    ``no_sync``), after the reduction, with ``.grad`` holding this rank's
+    part; parameters in reverse layout order. An optimizer stepping from its
+    hook works, since nothing reads the shard again in this backward. With
+    CPU offload the gradients reach host memory only at the end of
+    backward, so the hooks run there. Pinned by
+    tests/test_optimizer_in_backward.py.
+    """
+    handle.finish_grad_reduction(reduced)
+    if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
+        if context.offloads_params:
+            context.handles_with_deferred_grad_hooks.append(handle)
+        else:
+            run_user_grad_hooks(handle)
+            context.scheduler.mark_shards_written()  # an optimizer in backward: [Note: what a lane waits for]
+
+
+def run_user_grad_hooks(handle: FlatParamHandle) -> None:
+    """See [Note: user post-accumulate-grad hooks]."""
+    for param, requires_grad in zip(reversed(handle.orig_params), reversed(handle.param_requires_grad)):
+        hooks = param._post_accumulate_grad_hooks
+        if hooks and requires_grad and param.requires_grad:  # a frozen parameter gets no gradient, no hook
+            for hook in tuple(hooks.values()):
+                hook(param)
 
 
 def raise_internal(unit: UnitState, message: str) -> None:

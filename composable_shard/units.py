@@ -7,7 +7,7 @@ Knows nothing of: process groups, storage, hooks (it returns descriptions;
 ``fully_shard`` builds handles from them and ``plan`` sizes them).
 
 Public names: ``OVERRIDABLE``, ``split_ignored``, ``unit_skipper``,
-``choose_units``, ``unit_kwargs``, ``plan_ownership``, ``group_sources``,
+``choose_units``, ``unit_kwargs``, ``assign_param_owners``, ``group_sources``,
 ``FlatParamDtypes``, ``flat_param_dtypes``, ``offloads_params``.
 
 [Note: one copy of the unit rules]
@@ -38,7 +38,7 @@ __all__ = [
     "unit_skipper",
     "choose_units",
     "unit_kwargs",
-    "plan_ownership",
+    "assign_param_owners",
     "group_sources",
     "FlatParamDtypes",
     "flat_param_dtypes",
@@ -116,7 +116,7 @@ def unit_kwargs(name: str, base: dict[str, Any], choice: UnitChoice) -> dict[str
     return kwargs
 
 
-def plan_ownership(
+def assign_param_owners(
     root: nn.Module,
     choices: list[UnitChoice],
     ignored_modules: set[nn.Module],

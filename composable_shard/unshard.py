@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Iterator
 
 import torch
@@ -20,20 +21,21 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .flat_param import FlatParamHandle, set_grad_of_other_dtype
-from .runtime import in_backward, reshard_held_units
-from .state import BETWEEN_STEPS, UnitState, get_state, unit_states_under
+from .runtime import enter_between_steps
+from .state import UnitState, get_state, unit_states_under
 
 __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
 
 # Handles shown unsharded by an enclosing unshard_params (nested use shows
-# each handle once, and only the outermost context restores it).
-_ACTIVE_UNSHARDED: set[int] = set()
+# each handle once, and only the outermost context restores it). Weak: a
+# model freed inside the context leaves no entry behind.
+_ACTIVE_UNSHARDED: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
 
 
 def is_inside_unshard_params(handle: FlatParamHandle) -> bool:
     """Whether an enclosing ``unshard_params`` shows this handle's full
     parameters now."""
-    return id(handle) in _ACTIVE_UNSHARDED
+    return handle in _ACTIVE_UNSHARDED
 
 
 def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
@@ -48,22 +50,6 @@ def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
             "fully_shard(module) first."
         )
     return units
-
-
-def _check_idle(units: list[UnitState], what: str) -> None:
-    """Raise unless every unit is between steps (not inside a forward or a
-    backward); then end what a forward held for a backward that has not come
-    (see [Note: held for backward] in runtime.py)."""
-    busy = [unit for unit in units if unit.training_state not in BETWEEN_STEPS]
-    backward_queued = any(u.root_context is not None and u.root_context.post_backward_callback_queued for u in units)
-    if busy or in_backward() or backward_queued:
-        where = busy[0].fqn if busy else units[0].fqn
-        raise RuntimeError(
-            f"{what}: called inside forward or backward (unit '{where}', state "
-            f"{(busy[0] if busy else units[0]).training_state.name}). Call it between training steps, not from "
-            "a module's forward, a forward hook or a backward hook."
-        )
-    reshard_held_units(units)
 
 
 @contextlib.contextmanager
@@ -101,11 +87,11 @@ def unshard_params(
             "(other ranks would not see rank 0's edits). Pass writeback=False."
         )
     units = _units(module, recurse=recurse, what="unshard_params")
-    _check_idle(units, "unshard_params")
-    handles = [h for unit in units for h in unit.handles if id(h) not in _ACTIVE_UNSHARDED]
+    enter_between_steps(units, "unshard_params")
+    handles = [h for unit in units for h in unit.handles if h not in _ACTIVE_UNSHARDED]
     for unit in units:  # the user's changes since the last step first (values, dtype, requires_grad)
         for handle in unit.handles:
-            if id(handle) not in _ACTIVE_UNSHARDED:
+            if handle not in _ACTIVE_UNSHARDED:
                 handle.writeback_orig_params(name_prefix=unit.name_prefix)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     shown: list[tuple[FlatParamHandle, torch.Tensor, list[torch.Tensor | None]]] = []
@@ -122,13 +108,13 @@ def unshard_params(
                 full_grad = full_grad.cpu() if full_grad is not None else None
             sharded_grads = [param.grad for param in handle.orig_params]
             handle.show_full_params(full_flat, full_grad)
-            _ACTIVE_UNSHARDED.add(id(handle))
+            _ACTIVE_UNSHARDED.add(handle)
             shown.append((handle, full_flat, sharded_grads))
         yield
     finally:
         replaced_wrongly: list[str] = []
         for handle, full_flat, sharded_grads in shown:
-            _ACTIVE_UNSHARDED.discard(id(handle))
+            _ACTIVE_UNSHARDED.discard(handle)
             if writeback:
                 replaced_wrongly += _absorb_replaced_data(handle, full_flat)
                 handle.load_shard_from_full(full_flat)
@@ -221,7 +207,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     Collective over every shard group in the tree.
     """
     units = _units(module, recurse=True, what="clip_grad_norm_")
-    _check_idle(units, "clip_grad_norm_")
+    enter_between_steps(units, "clip_grad_norm_")
     norm_type = float(norm_type)
     sharded_params: set[int] = set()
     # Per shard group (None: this rank alone), local norm contributions.

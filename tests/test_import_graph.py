@@ -1,7 +1,8 @@
 """The package's layout, read from its source: imports between its modules go
 one way (no cycle, counting imports inside functions and under
-``TYPE_CHECKING``), and no module exists only to re-export another's names
-(package ``__init__`` files aside, which are the public faces)."""
+``TYPE_CHECKING``), the core imports no wing, and no module exists only to
+re-export another's names (package ``__init__`` files aside, which are the
+public faces)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,55 @@ def test_no_module_only_re_exports_another() -> None:
         ):
             only_imports.append(name)
     assert only_imports == [], "modules with nothing but imports: import from the module that defines the names"
+
+
+# The core: what fully_shard builds and a training step runs. Wings build on
+# it (state dicts, checkpoints, plans, the utilities over a sharded tree)
+# and may import it; the core never imports a wing. By package prefix, so a
+# module split into a folder of the same name stays in its layer.
+CORE = (
+    "api",
+    "policy",
+    "flat_layout",
+    "flat_param",
+    "handle",
+    "nested_tensors",
+    "host_memory",
+    "comm",
+    "scheduler",
+    "runtime",
+    "state",
+    "units",
+    "init",
+    "fully_shard",
+)
+WINGS = ("state_dict", "checkpoint", "plan", "unshard")
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package's own __init__: the public face, above both
+    if parts[1] in CORE:
+        return "core"
+    if parts[1] in WINGS:
+        return "wing"
+    return "unknown"
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    unknown = [name for name in _sources() if _layer(name) == "unknown"]
+    assert unknown == [], "modules in no layer: add their top-level name to CORE or WINGS"
+
+
+def test_the_core_imports_no_wing() -> None:
+    sources = _sources()
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, path in sources.items()
+        if _layer(name) == "core"
+        for target in _imports(path, set(sources))
+        if _layer(target) == "wing"
+    )
+    assert "composable_shard.unshard" in sources and "composable_shard.state_dict.hooks" in sources  # layers seen
+    assert upward == [], "core modules importing a wing (register through an extension point instead)"

@@ -40,6 +40,7 @@ class RecordingLane:
         self.inner = inner
         self.name = name
         self.async_op = inner.async_op
+        self.shares_host_memory = inner.shares_host_memory
         self.issues = 0
         self.waited: set[int] = set()
         # The issue whose launch is running now (None outside issue).

@@ -90,3 +90,60 @@ def test_destroy_process_group_ends_the_group_of_a_freed_model() -> None:
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip().splitlines()[-1] == "[]", f"threads left running: {completed.stdout}"
+
+
+_HYBRID_SCRIPT = """
+import gc, os, socket, weakref
+import importlib
+import torch, torch.distributed as dist
+from composable_shard import ShardingStrategy, fully_shard
+
+def threads():
+    return sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+
+def start():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+
+def train_once():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD)
+    model(torch.ones(2, 4)).sum().backward()
+    return model
+
+cache = importlib.import_module("composable_shard.fully_shard")._HYBRID_GROUPS_CACHE
+before = set(threads())
+start()
+train_once()
+made = [weakref.ref(group) for groups in cache.values() for group in groups]
+print("cached", len(cache), len(made))
+gc.collect()
+dist.destroy_process_group()
+gc.collect()
+print("after destroy", len(cache), sum(ref() is not None for ref in made))
+start()  # a second job in the same process makes its own groups
+train_once()
+print("second job", len(cache), all(ref() is None for ref in made))
+gc.collect()
+dist.destroy_process_group()
+gc.collect()
+print(sorted(set(threads()) - before))
+"""
+
+
+def test_destroy_process_group_drops_the_hybrid_groups_made_for_it() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", _HYBRID_SCRIPT],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    assert lines[:3] == ["cached 1 2", "after destroy 0 0", "second job 1 True"], completed.stdout
+    assert lines[-1] == "[]", f"threads left running: {completed.stdout}"

@@ -147,14 +147,14 @@ def _frozen_parameters_match_reference(rank: int, world_size: int) -> None:
 
 
 def _frozen_parameters_are_freed_before_backward_ends(rank: int, world_size: int) -> None:
-    from composable_shard import runtime
+    from composable_shard.runtime import hooks as runtime_hooks
     from composable_shard.state import get_state
 
     torch.manual_seed(0)
     model = LoRAGPT(n_blocks=3)
     _shard_blocks_and_root(model)
     held_at_end: list[int] = []
-    real_finalize = runtime._finalize_backward
+    real_finalize = runtime_hooks._finalize_backward
 
     def spy(context) -> None:  # calls through
         held_at_end.extend(
@@ -162,12 +162,12 @@ def _frozen_parameters_are_freed_before_backward_ends(rank: int, world_size: int
         )
         real_finalize(context)
 
-    runtime._finalize_backward = spy
+    runtime_hooks._finalize_backward = spy
     try:
         inputs, targets = batch_for(rank, world_size)
         lm_loss(model(inputs), targets).backward()
     finally:
-        runtime._finalize_backward = real_finalize
+        runtime_hooks._finalize_backward = real_finalize
     assert held_at_end and all(b == 0 for b in held_at_end), held_at_end
     assert_resharded(model)
 

@@ -1,7 +1,7 @@
 """Peak memory of a training step against FSDP1, from the CPU allocator's
 profile (live tensor bytes, not RSS): on CPU the backward's worst moment
 holds no more than FSDP1's ([Note: backward prefetch on CPU] in
-runtime.py), and the plan replays that moment."""
+runtime/prefetch.py), and the plan replays that moment."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import composable_shard as cs
-from composable_shard import runtime
+from composable_shard.runtime import hooks as runtime_hooks
 from composable_shard.state import get_state
 
 from .harness import run_distributed
@@ -88,11 +88,11 @@ def test_step_peak_on_cpu_is_at_most_fsdp1s() -> None:
 
 @contextlib.contextmanager
 def _gathered_at_post_backward(model: nn.Module, record: list[tuple[str, list[str]]]) -> Iterator[None]:
-    """Spy on ``runtime._post_backward`` (calls through): on entry, the
+    """Spy on ``runtime_hooks._post_backward`` (calls through): on entry, the
     unit's gradient is complete, the end of its gradient computation (the
     backward's worst moments), and ``record`` gets the blocks other than
     it whose unsharded buffer is allocated then."""
-    real = runtime._post_backward
+    real = runtime_hooks._post_backward
     units = [get_state(block) for block in model.blocks]  # type: ignore[union-attr]
 
     def spy(state: Any, handle: Any, flat_param: torch.Tensor) -> None:
@@ -104,11 +104,11 @@ def _gathered_at_post_backward(model: nn.Module, record: list[tuple[str, list[st
         record.append((state.fqn, gathered))
         real(state, handle, flat_param)
 
-    runtime._post_backward = spy  # type: ignore[assignment]
+    runtime_hooks._post_backward = spy  # type: ignore[assignment]
     try:
         yield
     finally:
-        runtime._post_backward = real  # type: ignore[assignment]
+        runtime_hooks._post_backward = real  # type: ignore[assignment]
 
 
 def _gathered_while_a_gradient_completes(rank: int, world_size: int) -> list[tuple[str, list[str]]]:

@@ -4,7 +4,7 @@ every entry point that may run in between — the next forward, the optimizer
 step, clip_grad_norm_, unshard_params, state dicts: parity with a
 single-process reference on the global batch, step by step, for every
 strategy, activation checkpointing, prefetching, no_sync and CPU offload
-(see [Note: held for backward] in composable_shard/runtime.py)."""
+(see [Note: held for backward] in composable_shard/runtime/lifecycle.py)."""
 
 from __future__ import annotations
 

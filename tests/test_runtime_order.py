@@ -70,7 +70,7 @@ def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
             loss.backward()
         blocks = [f"blocks.{i}" for i in range(4)]
         # From the second step on, the block that ran last stays gathered for
-        # its backward ([Note: the last unit stays gathered] in runtime.py).
+        # its backward ([Note: the last unit stays gathered] in runtime/prefetch.py).
         kept = blocks[-1] if step > 0 else None
         expected_forward = [("unshard", "root", False)]
         for name in blocks:
@@ -80,7 +80,7 @@ def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
         unsharded_in_backward = [unit for event, unit, _ in backward_events if event == "unshard"]
         assert unsharded_in_backward == [b for b in reversed(blocks) if b != kept], unsharded_in_backward
         # BACKWARD_POST frees block i before gathering block i-1; on CPU so
-        # does BACKWARD_PRE ([Note: backward prefetch on CPU] in runtime.py:
+        # does BACKWARD_PRE ([Note: backward prefetch on CPU] in runtime/prefetch.py:
         # block i-1 gathered during block i's gradient was an extra block at
         # the backward's peak).
         for later, earlier in zip(reversed(blocks), list(reversed(blocks))[1:]):

@@ -140,20 +140,20 @@ def test_scheduler_holds_a_freed_buffer_only_until_the_next_all_gather_allocated
 
         scheduler.unshard("a", launch("a"))
         scheduler.wait_for_unshard("a")
-        scheduler.free_unsharded("a", lambda: freed.append("a"), hold=True)
+        scheduler.free_unsharded("a", lambda: freed.append("a"), defer=True)
         assert freed == []  # held: the next all-gather must not get its block
         scheduler.unshard("b", launch("b"))
         assert launched[-1] == "b after []" and freed == ["a"]
         scheduler.wait_for_unshard("b")
-        scheduler.free_unsharded("b", lambda: freed.append("b"), hold=True)
+        scheduler.free_unsharded("b", lambda: freed.append("b"), defer=True)
         scheduler.unshard("b", launch("b"))  # its own unit again: freed first
         assert launched[-1] == "b after ['a', 'b']"
         scheduler.wait_for_unshard("b")
-        scheduler.free_unsharded("b", lambda: freed.append("b"), hold=True)
+        scheduler.free_unsharded("b", lambda: freed.append("b"), defer=True)
         scheduler.wait_for_all()
         assert freed == ["a", "b", "b"]
         scheduler.unshard("c", launch("c"))  # a prefetch in flight: no hold
-        scheduler.free_unsharded("a", lambda: freed.append("a"), hold=True)
+        scheduler.free_unsharded("a", lambda: freed.append("a"), defer=True)
         assert freed[-1] == "a"
         scheduler.wait_for_all()
     waits = [label for kind, stream, label in cuda.log if kind == "wait_event" and stream != "compute"]

@@ -186,7 +186,7 @@ def _errors_inside_forward_or_backward(rank: int, world_size: int) -> None:
         handle.remove()
     # After the root's forward (its forward hook), and between a forward and
     # its backward, no forward or backward runs: what the forward held for
-    # its backward is released ([Note: held for backward] in runtime.py) and
+    # its backward is released ([Note: held for backward] in runtime/lifecycle.py) and
     # the full parameters show; the backward that follows is still right.
     handle = model.register_forward_hook(enter)
     model(inputs[local])

@@ -43,7 +43,7 @@ from .memory import (
 from .table import format_plan
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
-from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, plan_ownership, split_ignored, unit_kwargs
+from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
 
 __all__ = ["plan", "describe", "ShardingPlan"]
 
@@ -147,7 +147,7 @@ def plan(
         raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
     # [Note: plan and fully_shard share one copy of the rules]
     choices = choose_units(module, policy, ignored_modules)
-    sources = plan_ownership(module, choices, ignored_modules, ignored_params)
+    sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
     hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     compute_device = torch.device(device_type)
     order = _module_order(module)

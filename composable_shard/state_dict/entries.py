@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from ..flat_layout import ParamInfo
 from ..flat_param import FlatParamHandle
-from ..runtime import in_backward, reshard_held_units
-from ..state import BETWEEN_STEPS, UnitState, unit_states_under
+from ..runtime import enter_between_steps
+from ..state import UnitState, unit_states_under
 from ..unshard import is_inside_unshard_params
 from .shards import RangeSharding, range_sharding
 
@@ -128,19 +128,13 @@ def is_shown_unsharded(handle: FlatParamHandle) -> bool:
 
 
 def prepare_units(module: nn.Module, what: str) -> list[UnitState]:
-    """The units under ``module``, checked idle, no longer held for a
-    backward (see [Note: held for backward] in runtime.py), and with user
+    """The units under ``module``, past the lifecycle's gate (between steps,
+    no longer held for a backward: runtime/lifecycle.py), and with user
     edits of ``.data`` written back into the shards (so the shards are the
     truth)."""
     units = [state for _, state in unit_states_under(module)]
     name = type(module).__name__
-    busy = [unit.fqn for unit in units if unit.training_state not in BETWEEN_STEPS]
-    if busy or (units and in_backward()):
-        raise RuntimeError(
-            f"{what}({name}): called inside forward or backward (unit '{busy[0] if busy else units[0].fqn}'). "
-            "Call it between training steps."
-        )
-    reshard_held_units(units)
+    enter_between_steps(units, f"{what}({name})")
     shown = [unit.fqn for unit in units for handle in unit.handles if is_shown_unsharded(handle)]
     if shown:
         raise RuntimeError(

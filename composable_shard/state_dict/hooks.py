@@ -42,8 +42,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..flat_layout import ParamInfo
 from ..flat_param import FlatParamHandle
-from ..runtime import in_backward, reshard_held_units
-from ..state import TrainingState, UnitState
+from ..runtime import enter_between_steps
+from ..state import UnitState
 from .entries import is_shown_unsharded
 from .shards import global_shape
 
@@ -79,15 +79,9 @@ def _register(module: nn.Module, public_name: str, hook: Any) -> RemovableHandle
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
-    """The unit must be between steps (what a forward held for a backward
-    that has not come is released: [Note: held for backward] in runtime.py);
-    user edits of ``.data`` go into the shards first."""
-    reshard_held_units([state])
-    if state.training_state is not TrainingState.IDLE or in_backward():
-        raise RuntimeError(
-            f"{what}: called inside forward or backward (unit '{state.fqn}' is "
-            f"{state.training_state.name}). Call it between training steps."
-        )
+    """The unit must pass the lifecycle's gate (runtime/lifecycle.py); user
+    edits of ``.data`` go into the shards first."""
+    enter_between_steps([state], what)
     for handle in handles:
         handle.writeback_orig_params(name_prefix=state.name_prefix)
 

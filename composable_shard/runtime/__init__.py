@@ -1,0 +1,42 @@
+"""Owns: the runtime's public face — what drives a training step over a
+sharded tree, from the hooks to the lifecycle of the tree.
+
+Knows nothing of: anything its modules do not (it only re-exports them).
+
+Layout (each module depends only on those above it)::
+
+    labels.py          the profiler range, debug line and error log of a hook
+    lifecycle.py       a tree idle / in a step / held for backward; the one
+                       gate every entry from outside a step passes; back to
+                       idle at the end of backward; the optimizer step hook
+    root.py            lazy init: the root's shared context
+    prefetch.py        which unit to gather ahead, and when
+    forward_inputs.py  device check, mixed-precision cast, the frozen
+                       parameters' end-of-use report
+    hooks.py           the hooks, each a few lines, and their registration
+
+A unit's own mechanics (unshard, reshard, reduce its flat parameters) are
+``UnitState``'s methods (state.py); streams and events are the scheduler's.
+
+Public names: ``register_hooks``, ``call_as_forward``, ``lazy_init``,
+``in_backward``, ``enter_between_steps``, ``TreePhase``, ``tree_phase``,
+``backward_prefetch_point``.
+"""
+
+from .labels import hook_label
+from .lifecycle import TreePhase, enter_between_steps, in_backward, tree_phase
+from .root import lazy_init
+from .prefetch import backward_prefetch_point
+from .hooks import call_as_forward, register_hooks
+
+__all__ = [
+    "register_hooks",
+    "call_as_forward",
+    "lazy_init",
+    "in_backward",
+    "enter_between_steps",
+    "TreePhase",
+    "tree_phase",
+    "backward_prefetch_point",
+    "hook_label",
+]

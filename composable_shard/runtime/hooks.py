@@ -1,0 +1,224 @@
+"""Owns: the hooks that drive one step — unit pre/post forward (the root's
+pre-forward starts the step), pre-backward on the outputs, post-backward
+once a flat parameter's gradient is accumulated, the end-of-backward
+callback — and their registration. Each hook is a few lines: a transition
+and calls into the unit (state.py), the lifecycle and the prefetch policy.
+
+Knows nothing of: streams, devices, flattening details.
+
+Public names: ``register_hooks``, ``call_as_forward``.
+
+[Note: activation-checkpoint re-runs]
+Activation checkpointing re-runs a unit's forward inside backward, which
+``in_backward()`` recognises: the unit is then unsharded for its gradient
+computation, and its post-forward neither reshards nor registers backward
+hooks. The reentrant form runs the first forward under ``no_grad``: that
+forward reshards like an eval forward, and the re-run unshards again inside
+backward. Pinned by tests/test_parity_composition.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from ..api import BackwardPrefetch
+from ..flat_param import FlatParamHandle
+from ..nested_tensors import scan_output
+from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
+from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
+from .labels import hook_label
+from .lifecycle import (
+    end_forward_without_backward,
+    enter_between_steps,
+    in_backward,
+    return_tree_to_idle,
+    start_root_forward,
+)
+from .prefetch import backward_starts_with, prefetch_in_backward, prefetch_in_forward
+from .root import lazy_init
+
+__all__ = ["register_hooks", "call_as_forward"]
+
+
+# ----------------------------------------------------------------- forward
+def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    with hook_label(state, "pre_forward"):
+        if state.root_context is None:
+            lazy_init(state)
+        context = state.context
+        if in_backward():  # [Note: activation-checkpoint re-runs]
+            if state.training_state in BETWEEN_STEPS:
+                state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS)
+                context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
+            state.unshard(wait=True)
+            return args, kwargs
+        if state.is_root:
+            start_root_forward(context)
+            check_input_devices(state, args, kwargs)
+            context.start_forward_order()
+        elif context.root.training_state is not TrainingState.FORWARD:  # called on its own
+            enter_between_steps(context.units, "forward", inside_a_step="skip")
+            context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
+        state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)  # from HELD: it already ran in this forward
+        context.record_forward(state)
+        state.unshard(wait=True)
+        prefetch_in_forward(state)
+        args, kwargs = cast_inputs(state, args, kwargs)
+        return hook_inputs_for_frozen_reshard(state, args, kwargs)
+
+
+def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
+    with hook_label(state, "post_forward"):
+        if in_backward():  # [Note: activation-checkpoint re-runs]
+            return output
+        grad_enabled = torch.is_grad_enabled()
+        # The root's backward comes first, so its parameters stay gathered;
+        # so do the last unit's ([Note: the last unit stays gathered]).
+        keeps_unsharded = grad_enabled and (
+            state.is_root or not state.config.strategy.reshards_after_forward or backward_starts_with(state)
+        )
+        if grad_enabled and not _register_pre_backward_hooks(state, output):
+            keeps_unsharded = len(state.trainable_handles) > 0  # [Note: outputs without a hookable tensor]
+        if keeps_unsharded:
+            state.hold_for_backward()
+        else:
+            state.transition(TrainingState.IDLE, TrainingState.FORWARD)
+            # Inside the root's forward the next unit's all-gather follows:
+            # its buffer must not reuse this one ([Note: what a lane waits for]).
+            state.reshard(defer_free=state.context.root.training_state is TrainingState.FORWARD)
+        if not grad_enabled and state.is_root:
+            end_forward_without_backward(state.context)
+        return output
+
+
+def call_as_forward(state: UnitState, method: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``method`` (a unit's method other than ``forward``, registered
+    with ``register_forward_method``) between the unit's forward hooks, as
+    ``module(...)`` runs ``forward``; called from the unit's own forward it
+    is a plain call (the parameters are already unsharded)."""
+    if state.training_state is TrainingState.FORWARD:
+        return method(module, *args, **kwargs)
+    args, kwargs = _pre_forward(state, module, args, kwargs)
+    output = method(module, *args, **kwargs)
+    return _post_forward(state, module, args, output)
+
+
+# ---------------------------------------------------------------- backward
+def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
+    """Hook every output tensor that requires grad; whether there was one.
+
+    [Note: outputs without a hookable tensor]
+    A forward under grad mode that returns no tensor requiring grad where
+    ``scan_output`` can find it, from a unit with trainable parameters, may
+    still get a gradient through a hidden tensor (an opaque object, a side
+    channel on a module). No pre-backward hook can run, so the unit stays
+    gathered as the root does (held for backward), with a warning naming
+    what could not be looked into. A unit with nothing to train whose output
+    needs no grad reshards at once, even as the root or the last unit: no
+    backward can reach it, so nothing would end a kept state. Pinned by
+    tests/test_output_structures.py.
+    """
+    scan = scan_output(output)
+    hook = functools.partial(_pre_backward, state)
+    for tensor in scan.tensors:
+        tensor.register_hook(hook)
+    if not scan.tensors and state.trainable_handles:
+        hidden = f" (could not look into: {sorted(set(scan.opaque))})" if scan.opaque else ""
+        warnings.warn(
+            f"fully_shard({state.fqn}): its forward returned no tensor that requires grad{hidden}, "
+            f"output type {type(output).__qualname__}. Its parameters stay unsharded until the end of the "
+            "next backward, in case a gradient reaches them through a tensor hidden from composable_shard. "
+            "Return the tensors in tuples, lists, dicts, dataclasses or namedtuples, or run the forward "
+            "under torch.no_grad() when no backward follows.",
+            stacklevel=2,
+        )
+    # len, not bool(list): dynamo in torch 2.11 cannot trace the builtin bool
+    # of a list, a graph break in every compiled block's post-forward hook.
+    return len(scan.tensors) > 0
+
+
+def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
+    if state.training_state is TrainingState.PRE_BACKWARD:
+        return  # another output of the same unit already did it
+    with hook_label(state, "pre_backward"):
+        context = state.context
+        _queue_finalize_once(context)
+        state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
+        # [Note: trimming the host heap in backward] (host_memory.py)
+        if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
+            context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
+        state.unshard(wait=True)
+        context.scheduler.unit_backward_starts()  # [Note: backward prefetch on CPU]
+        prefetch_in_backward(state, BackwardPrefetch.BACKWARD_PRE)
+
+
+def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.Tensor) -> None:
+    with hook_label(state, "post_backward"):
+        _queue_finalize_once(state.context)
+        if state.reduce_grad(handle):
+            # From any state: a unit whose outputs had no hookable tensor
+            # never ran its pre-backward.
+            state.transition(TrainingState.POST_BACKWARD, *TrainingState)
+            state.reshard_frozen_when_done()
+            prefetch_in_backward(state, BackwardPrefetch.BACKWARD_POST)
+
+
+def _queue_finalize_once(context: RootContext) -> None:
+    if not context.post_backward_callback_queued:
+        context.post_backward_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
+        # A backward starts: shards may have changed since the forward
+        # ([Note: what a lane waits for] in scheduler.py).
+        context.scheduler.mark_shards_written()
+
+
+def _finalize_backward(context: RootContext) -> None:
+    """End of backward: finish every reduction (which sets ``.grad``),
+    reshard every unit, reset states for the next step."""
+    with hook_label(context.root, "finalize_backward"):
+        return_tree_to_idle(context, discard_grads=False)
+        context.run_deferred_grad_hooks()
+
+
+# -------------------------------------------------------------- registration
+def register_hooks(state: UnitState) -> None:
+    """Attach the unit's forward hooks and its flat parameters'
+    post-accumulate-grad hooks; every handle is kept in the state."""
+    module = state.module
+    state.module_hooks.append(
+        module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+    )
+    state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
+    for handle in state.handles:  # also frozen ones: they may be unfrozen later
+        # Weak: see [Note: hooks on tensors hold the unit weakly].
+        hook: Callable[[torch.Tensor], None] = functools.partial(
+            _post_backward_of, weakref.ref(state), weakref.ref(handle)
+        )
+        registered = handle.register_post_accumulate_grad_hook(hook)
+        if registered is not None:
+            state.module_hooks.append(registered)
+
+
+# [Note: hooks on tensors hold the unit weakly]
+# A hook on a tensor lives in autograd's C++ structures, which the garbage
+# collector cannot see into; the post-accumulate-grad hook sits on the
+# handle's own flat parameter, so holding the state and the handle strongly
+# would close a cycle no collection frees (the model, its memory and its
+# process groups would outlive ``dist.destroy_process_group``). The module's
+# forward hooks and ``module.__dict__`` keep them alive while the model is.
+# Pinned by tests/test_model_lifetime.py.
+def _post_backward_of(
+    state_ref: weakref.ReferenceType[UnitState],
+    handle_ref: weakref.ReferenceType[FlatParamHandle],
+    flat_param: torch.Tensor,
+) -> None:
+    state, handle = state_ref(), handle_ref()
+    if state is not None and handle is not None:
+        _post_backward(state, handle, flat_param)

@@ -1,0 +1,233 @@
+"""Owns: the lifecycle of a tree of units — idle, in a step, or held for a
+backward — and the one gate every entry point from outside a step passes
+(state dicts, ``unshard_params``, ``clip_grad_norm_``, the optimizer step,
+a forward starting): it refuses a call made inside a step and ends the held
+state; and bringing a tree back to idle at the end of backward or after a
+misuse.
+
+Knows nothing of: the hooks (they call it), flattening details.
+
+Public names: ``TreePhase``, ``tree_phase``, ``in_backward``,
+``enter_between_steps``, ``start_root_forward``,
+``end_forward_without_backward``, ``return_tree_to_idle``,
+``reset_after_error``, ``track_root``.
+
+[Note: held for backward]
+A forward with autograd on ends with some units still gathered for the
+backward it expects: the root, the unit that ran last ([Note: the last unit
+stays gathered] in prefetch.py) and, under strategies that do not reshard
+after forward, every unit. Such a unit is ``HELD_FOR_BACKWARD``: its buffer
+is kept, but its owners show the shards, so outside a step everyone sees
+shards only. The state ends in one of three ways: the backward comes (its
+pre-backward finds the buffer gathered); anything else comes first and
+passes ``enter_between_steps``, which frees every gathered buffer of the
+tree, waits for the lanes (and, with CPU offload, the host copies) and moves
+the units to ``IDLE`` (a dropped forward's graph may be freed without any
+hook running, so nothing waits for autograd); or a backward of that output
+comes after all, and pre-backward unshards again into the storage the
+saved views alias. Resharding is local, so ending the state on one rank and
+not another cannot hang. Pinned by tests/test_runtime_forward_without_backward.py.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Iterable, Literal
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
+from .labels import hook_label
+
+__all__ = [
+    "TreePhase",
+    "tree_phase",
+    "in_backward",
+    "enter_between_steps",
+    "start_root_forward",
+    "end_forward_without_backward",
+    "return_tree_to_idle",
+    "reset_after_error",
+    "track_root",
+]
+
+# Every root's context, for the optimizer step pre-hook (weak: a deleted
+# model drops its context).
+_ROOT_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
+# The process-wide optimizer step pre-hook, registered at the first lazy init.
+_OPTIMIZER_STEP_PRE_HOOK: RemovableHandle | None = None
+
+
+class TreePhase(enum.Enum):
+    """Where a tree of units is, as seen from outside a step."""
+
+    # No forward or backward runs; every unit shows and holds shards only.
+    IDLE = enum.auto()
+    # A forward or backward runs (or a backward was started and not ended).
+    IN_STEP = enum.auto()
+    # No forward or backward runs, but some units keep gathered buffers for
+    # a backward that may not come ([Note: held for backward]).
+    HELD_FOR_BACKWARD = enum.auto()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tree_phase(units: Iterable[UnitState], *, backward_queued: bool = False) -> TreePhase:
+    """The one definition of "between steps": no backward on this thread,
+    none started and unfinished, and every unit idle or held."""
+    units = list(units)
+    if backward_queued or in_backward() or any(unit.training_state not in BETWEEN_STEPS for unit in units):
+        return TreePhase.IN_STEP
+    if any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in units):
+        return TreePhase.HELD_FOR_BACKWARD
+    return TreePhase.IDLE
+
+
+def _trees(units: Iterable[UnitState]) -> list[tuple[RootContext | None, list[UnitState]]]:
+    """The trees ``units`` belong to: each root's context with all its
+    units; a unit before lazy init is a tree of its own."""
+    contexts: dict[RootContext, None] = {}
+    trees: list[tuple[RootContext | None, list[UnitState]]] = []
+    for unit in units:
+        if unit.root_context is None:
+            trees.append((None, [unit]))
+        elif unit.root_context not in contexts:
+            contexts[unit.root_context] = None
+            trees.append((unit.root_context, unit.root_context.units))
+    return trees
+
+
+def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step: Literal["raise", "skip"] = "raise") -> None:
+    """The gate: every entry point that reads or changes the parameters
+    outside a step calls it first. For each tree ``units`` belong to: inside
+    a step, raise a ``RuntimeError`` naming ``what`` (``inside_a_step="skip"``:
+    leave that tree alone, for callers that may legally run inside a step,
+    such as an optimizer stepping from a gradient hook); held for backward,
+    end the held state ([Note: held for backward])."""
+    for context, tree in _trees(units):
+        queued = context is not None and context.post_backward_callback_queued
+        phase = tree_phase(tree, backward_queued=queued)
+        if phase is TreePhase.IN_STEP and inside_a_step == "raise":
+            busy = next((unit for unit in tree if unit.training_state not in BETWEEN_STEPS), tree[0])
+            raise RuntimeError(
+                f"{what}: called inside forward or backward (unit '{busy.fqn}' is {busy.training_state.name}"
+                f"{', a backward is running' if in_backward() or queued else ''}). Call it between training "
+                "steps, not from a module's forward, a forward hook or a backward hook."
+            )
+        if phase is TreePhase.HELD_FOR_BACKWARD and context is not None:
+            _end_held_state(context)
+
+
+def start_root_forward(context: RootContext) -> None:
+    """The root's forward starts a step: a tree a raised forward left in
+    ``FORWARD`` is reset; a tree whose backward has not finished is reset
+    and refused; the held state ends; the user's changes since the last step
+    go into the shards, and the step's first all-gather comes after them."""
+    busy = [unit for unit in context.units if unit.training_state not in BETWEEN_STEPS]
+    if busy and not context.post_backward_callback_queued and all(
+        unit.training_state is TrainingState.FORWARD for unit in busy
+    ):
+        # The previous forward raised (user code, or a misuse reported from a
+        # hook) and left its units in FORWARD; no backward can follow it.
+        reset_after_error(context)
+        busy = []
+    if busy or context.post_backward_callback_queued:
+        reset_after_error(context)
+        raise RuntimeError(
+            f"fully_shard({context.root.fqn}): forward called while the previous backward has not finished "
+            f"(units still in backward: {[unit.fqn for unit in busy[:4]]}). Finish backward (or call it on every "
+            "output) before the next forward; the model has been reset to its sharded state and is usable."
+        )
+    enter_between_steps(context.units, "forward")
+    for unit in context.units:
+        for handle in unit.handles:
+            handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    # The optimizer, the user and this write-back wrote shards on compute:
+    # the step's first all-gather comes after ([Note: what a lane waits for]).
+    context.scheduler.mark_shards_written()
+
+
+def end_forward_without_backward(context: RootContext) -> None:
+    """The root's forward ran without autograd: no backward will come, so
+    free what forward prefetch left gathered."""
+    for unit in context.units:
+        unit.reshard()
+    synchronize_host_copies(context)
+
+
+def _end_held_state(context: RootContext) -> None:
+    with hook_label(context.root, "end_held_for_backward"):
+        context.scheduler.wait_for_all()
+        for unit in context.units:
+            for handle in unit.handles:
+                unit.reshard_handle(handle)  # also what forward prefetch left gathered
+            if unit.training_state is TrainingState.HELD_FOR_BACKWARD:
+                unit.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
+        synchronize_host_copies(context)
+
+
+def synchronize_host_copies(context: RootContext) -> None:
+    """With CPU offload, the host's one wait per step: gradient downloads
+    are complete and no upload still reads the shards. Called after the
+    scheduler's ``wait_for_all`` ([Note: lane fences] in scheduler.py)."""
+    if context.offloads_params:
+        context.scheduler.synchronize_host()
+
+
+def return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
+    """Finish every lane's work, reshard every unit, reset the per-step
+    counters, and (with CPU offload) wait for the host's copies: the end of
+    a backward, or, with ``discard_grads``, the reset after a misuse, which
+    also drops unreduced gradients and re-registers every handle's
+    parameters whatever it shows."""
+    context.scheduler.wait_for_all()
+    for unit in context.units:
+        for handle in unit.handles:
+            if discard_grads:
+                handle.clear_unsharded_grad()
+                unit.reshard_handle(handle)
+            elif handle.is_unsharded or handle.shows_unsharded_views:  # else post-backward resharded it
+                unit.reshard_handle(handle)
+        unit.reset_step_counters()
+    context.post_backward_callback_queued = False
+    synchronize_host_copies(context)
+
+
+def reset_after_error(context: RootContext) -> None:
+    """Bring every unit back to IDLE and sharded (after a misuse)."""
+    return_tree_to_idle(context, discard_grads=True)
+    context.handles_with_deferred_grad_hooks = []
+
+
+# ------------------------------------------------------------ optimizer step
+def track_root(context: RootContext) -> None:
+    """Let the optimizer step pass the gate for this tree (lazy init)."""
+    global _OPTIMIZER_STEP_PRE_HOOK
+    _ROOT_CONTEXTS.add(context)
+    if _OPTIMIZER_STEP_PRE_HOOK is None:
+        _OPTIMIZER_STEP_PRE_HOOK = register_optimizer_step_pre_hook(_pre_optimizer_step)
+
+
+def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Before any ``Optimizer.step``: the trees whose parameters it updates
+    pass the gate (the step writes the shards; with CPU offload an upload
+    may still read them). Inside a step (an optimizer in backward) nothing
+    is held to end."""
+    for context in list(_ROOT_CONTEXTS):
+        if context.root.root_context is not context:
+            continue  # a tree that became part of a larger one
+        held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
+        if held and _updates_tree(optimizer, context):
+            enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
+
+
+def _updates_tree(optimizer: torch.optim.Optimizer, context: RootContext) -> bool:
+    # By identity (tensors compare by value); both sides live through the call.
+    params = {id(param) for unit in context.units for handle in unit.handles for param in handle.orig_params}
+    return any(id(param) in params for group in optimizer.param_groups for param in group["params"])

@@ -1,0 +1,75 @@
+"""Owns: the prefetch policy — which unit's all-gather a unit issues ahead
+of its need in forward and in backward, and where in backward — and which
+unit stays gathered after forward because backward starts with it.
+
+Knows nothing of: streams (the scheduler issues), flattening details.
+
+Public names: ``prefetch_in_forward``, ``prefetch_in_backward``,
+``backward_prefetch_point``, ``backward_starts_with``.
+"""
+
+from __future__ import annotations
+
+from ..api import BackwardPrefetch
+from ..state import UnitState
+
+__all__ = ["prefetch_in_forward", "prefetch_in_backward", "backward_prefetch_point", "backward_starts_with"]
+
+
+def prefetch_in_forward(state: UnitState) -> None:
+    """With ``forward_prefetch``, issue the all-gather of the unit that ran
+    after ``state`` in the previous forward."""
+    if state.config.forward_prefetch:
+        context = state.context
+        following = context.next_in(context.previous_forward_order, state, +1)
+        if following is not None:
+            following.prefetch()
+
+
+def prefetch_in_backward(state: UnitState, point: BackwardPrefetch) -> None:
+    """At ``point`` of ``state``'s backward, issue the all-gather of the
+    unit backward reaches next, if the policy prefetches there."""
+    if backward_prefetch_point(state) is point:
+        context = state.context
+        following = context.next_in(context.forward_order, state, -1)
+        if following is not None:
+            following.prefetch()
+
+
+def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
+    """Where in backward the unit issues the next unit's all-gather: at its
+    pre-backward (``BACKWARD_PRE``), after its reduction was issued and it
+    resharded (``BACKWARD_POST``), or not at all.
+
+    [Note: backward prefetch on CPU]
+    Where compute shares host memory with the collectives (the CPU lane),
+    ``BACKWARD_PRE`` prefetches at the ``BACKWARD_POST`` point, and a unit's
+    pre-backward finishes the reduction in flight that still holds its padded
+    gradient (``Scheduler.unit_backward_starts``). Prefetching at the
+    pre-backward would keep the next unit's buffer, and gloo's copy of it,
+    alive through this unit's gradient computation, the backward's peak,
+    beside the previous unit's reduction; after the reduction they come past
+    the peak. The measurements behind it are in docs/design/runtime.md;
+    tests/test_runtime_order.py pins the order and tests/test_peer_memory.py
+    the peak against FSDP1.
+    """
+    prefetch = state.config.backward_prefetch
+    if prefetch is BackwardPrefetch.BACKWARD_PRE and state.context.scheduler.prefetches_backward_after_reduction:
+        return BackwardPrefetch.BACKWARD_POST
+    return prefetch
+
+
+def backward_starts_with(state: UnitState) -> bool:
+    """Whether ``state`` ran last in the previous forward (not the root).
+
+    [Note: the last unit stays gathered]
+    Backward starts with the unit that ran last in forward: resharding it
+    after its forward only to gather it again at once costs an all-gather
+    nothing can overlap. So from the second step on that unit keeps its
+    parameters gathered, as the root does, for one unit's memory during the
+    head and loss (below the peak at the start of backward); like the
+    root's, they are held for a backward that may not come ([Note: held for
+    backward] in lifecycle.py). Pinned by tests/test_runtime_order.py.
+    """
+    order = state.context.previous_forward_order
+    return len(order) > 0 and order[-1] is state and not state.is_root
