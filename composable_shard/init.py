@@ -25,7 +25,8 @@ model keep pointing at the right tensors. The random numbers drawn therefore
 come in that order, which differs from building the model eagerly on one
 device; ``sync_module_states=True`` makes the result independent of each
 rank's random state. Meta buffers get uninitialised storage: the init
-function must fill them (``reset_parameters`` of the norms does).
+function must fill them (``reset_parameters`` of the norms does). Pinned by
+tests/test_deferred_init.py.
 """
 
 from __future__ import annotations

@@ -356,13 +356,11 @@ def raise_internal(unit: UnitState, message: str) -> None:
 # [Note: the module owns its state]
 # A unit's state lives in its module's ``__dict__`` (not an ``nn.Module``
 # attribute: no child, no state-dict entry). A module-keyed
-# ``WeakKeyDictionary`` cannot hold it: its values are strong references, and
-# every state refers back to its module (``state.module``, the handles'
-# parameter owners), so no sharded model was ever freed, and its process
-# groups outlived ``dist.destroy_process_group``: their gloo threads and the
-# TCPStore's thread were still running when the interpreter exited, where
-# they aborted the process now and then. Module <-> state is an ordinary
-# reference cycle that the garbage collector frees with the model.
+# ``WeakKeyDictionary`` cannot hold it: its values are strong, and every
+# state refers back to its module, so the model (and its process groups,
+# past ``destroy_process_group``) would never be freed. Module <-> state is
+# an ordinary cycle the garbage collector frees with the model. Pinned by
+# tests/test_model_lifetime.py.
 _STATE_ATTRIBUTE = "_composable_shard_state"
 
 

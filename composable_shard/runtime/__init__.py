@@ -23,7 +23,6 @@ Public names: ``register_hooks``, ``call_as_forward``, ``lazy_init``,
 ``backward_prefetch_point``.
 """
 
-from .labels import hook_label
 from .lifecycle import TreePhase, enter_between_steps, in_backward, tree_phase
 from .root import lazy_init
 from .prefetch import backward_prefetch_point
@@ -38,5 +37,4 @@ __all__ = [
     "TreePhase",
     "tree_phase",
     "backward_prefetch_point",
-    "hook_label",
 ]
