@@ -1,0 +1,1 @@
+"""Tests of checkpoint directories on disk: format, checksums, the atomic switch, the safe\nunpickler, the direct reader, resharding, conversion, interchange with FSDP2."""

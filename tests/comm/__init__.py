@@ -1,0 +1,1 @@
+"""Tests of the collectives and transports (composable_shard/comm/), failures of peers, and\nprocess groups across nodes."""
