@@ -28,10 +28,9 @@ import composable_shard.state_dict.files as files_module
 from composable_shard import CheckpointError, load_checkpoint, save_checkpoint
 from composable_shard.state_dict.checkpoint import MANIFEST_NAME
 
-from .harness import run_distributed
-from .test_checkpoint_resharding import _damage, _snapshot
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import BufferedGPT, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import assert_same_tensors, damage, make_optimizer, shard, snapshot, train_steps
 
 
 def _require_xxhash() -> types.ModuleType:
@@ -72,10 +71,10 @@ def _setup(root: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, Path]:
 
 
 def _refused_unchanged(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, match: str) -> None:
-    before = _snapshot(model, optimizer)
+    before = snapshot(model, optimizer)
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(directory, model, optimizer)
-    now = _snapshot(model, optimizer)
+    now = snapshot(model, optimizer)
     assert_same_tensors(now["model"], before["model"], f"model after refused load ({match})")
     assert_same_tensors(now["optim"], before["optim"], f"optimizer after refused load ({match})")
 
@@ -85,23 +84,23 @@ def _damage_is_refused_with(rank: int, world_size: int, root: str, algorithm: st
     with _algorithm_context(algorithm):
         save_checkpoint(directory, model, optimizer)
         assert _manifest_algorithms(directory) == {algorithm}, _manifest_algorithms(directory)
-        saved = _snapshot(model, optimizer)
+        saved = snapshot(model, optimizer)
         train_steps(model, optimizer, range(1, 2))  # the live state moves on
         data_file = sorted(directory.glob("__*.distcp"))[-1]
         original = data_file.read_bytes()
         dist.barrier()
-        _damage(data_file, "flip")  # same size: only the checksum can tell
+        damage(data_file, "flip")  # same size: only the checksum can tell
         _refused_unchanged(model, optimizer, directory, rf"file '{data_file.name}' does not match its checksum \(corrupted\)")
         if rank == 0:
             data_file.write_bytes(original)
         dist.barrier()
-        _damage(data_file, "truncate")
+        damage(data_file, "truncate")
         _refused_unchanged(model, optimizer, directory, rf"file '{data_file.name}' has \d+ bytes, the manifest records")
         if rank == 0:
             data_file.write_bytes(original)
         dist.barrier()
         load_checkpoint(directory, model, optimizer)  # restored: verifies and loads the saved state
-        now = _snapshot(model, optimizer)
+        now = snapshot(model, optimizer)
         assert_same_tensors(now["model"], saved["model"], "model after load")
         assert_same_tensors(now["optim"], saved["optim"], "optimizer after load")
 
@@ -119,18 +118,18 @@ def _crc32_checkpoint_loads_where_xxhash_is_installed(rank: int, world_size: int
         save_checkpoint(directory, model, optimizer)  # a manifest as every older version wrote it
     assert files_module._xxhash is not None
     assert _manifest_algorithms(directory) == {"crc32"}
-    saved = _snapshot(model, optimizer)
+    saved = snapshot(model, optimizer)
     train_steps(model, optimizer, range(1, 2))
     data_file = sorted(directory.glob("__*.distcp"))[0]
     original = data_file.read_bytes()
     dist.barrier()
-    _damage(data_file, "flip")  # still checked, in crc32
+    damage(data_file, "flip")  # still checked, in crc32
     _refused_unchanged(model, optimizer, directory, rf"file '{data_file.name}' does not match its checksum")
     if rank == 0:
         data_file.write_bytes(original)
     dist.barrier()
     load_checkpoint(directory, model, optimizer)
-    now = _snapshot(model, optimizer)
+    now = snapshot(model, optimizer)
     assert_same_tensors(now["model"], saved["model"], "model after load")
     assert_same_tensors(now["optim"], saved["optim"], "optimizer after load")
 

@@ -27,12 +27,19 @@ from composable_shard import (
 )
 from composable_shard.state_dict.checkpoint import dcp_to_torch_save, torch_save_to_dcp
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .models import TinyGPT
-from .test_state_dict import FULL, FULL_RANK0, BufferedGPT, assert_same_tensors, perturbed, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT, TinyGPT
+from tests.support.state_dicts import (
+    FULL,
+    FULL_RANK0,
+    assert_same_tensors,
+    make_optimizer,
+    perturbed,
+    shard,
+    train_steps,
+)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _save_trained(rank: int, world_size: int, directory: str) -> tuple[dict[str, Any], dict[str, Any]]:

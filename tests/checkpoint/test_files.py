@@ -25,9 +25,9 @@ import composable_shard.state_dict.files as files
 from composable_shard import CheckpointError, load_checkpoint, save_checkpoint
 from composable_shard.state_dict.files import SwitchedButNotDurable, clear_staging, switch_into_place
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, make_optimizer, shard, train_steps
 
 
 _REAL_RMTREE = shutil.rmtree

@@ -32,9 +32,9 @@ from composable_shard import (
 from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.range_tensor import HAS_DCP_TENSOR_PROTOCOL
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, make_optimizer, shard, train_steps
 
 
 def _leaves(state: Any) -> list[Any]:

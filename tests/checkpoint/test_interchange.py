@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as torch_state_dict
 import torch.nn as nn
@@ -28,32 +27,17 @@ from composable_shard import (
     set_optimizer_state_dict,
 )
 
-from .harness import run_distributed
-from .models import TinyGPT
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, make_optimizer, shard, shard_with_fsdp2, train_steps
 
 TORCH_FULL = torch_state_dict.StateDictOptions(full_state_dict=True)
-
-
-def _fsdp2(model: nn.Module) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    try:
-        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-    except ImportError:  # older torch (2.4): FSDP2 under its earlier name
-        from torch.distributed._composable.fsdp import fully_shard as fsdp2_fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fsdp2_fully_shard(block, mesh=mesh)
-    fsdp2_fully_shard(model, mesh=mesh)
-    return model
 
 
 def _build(stack: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = TinyGPT()
-    model = _fsdp2(model) if stack == "fsdp2" else shard(model, "manual")
+    model = shard_with_fsdp2(model) if stack == "fsdp2" else shard(model, "manual")
     return model, make_optimizer("adamw", model)
 
 

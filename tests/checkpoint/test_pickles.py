@@ -10,7 +10,7 @@ never runs (no marker file) and the model and optimizer are unchanged. With
 ``trusted=True`` the same payload does run (so it is a real one). Plain
 extra states round-trip, user types are admitted through
 ``safe_globals`` / ``torch.serialization``, and a checkpoint written by an
-earlier version (tests/fixtures) still loads exactly."""
+earlier version (tests/checkpoint/fixtures) still loads exactly."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ from composable_shard.state_dict.files import MANIFEST_NAME, file_record, verify
 from composable_shard.state_dict.reader import DirectFileSystemReader
 from composable_shard.state_dict.safe_pickle import UnsafeCheckpointError
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, make_optimizer, shard, train_steps
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -210,7 +210,7 @@ def _convert_script() -> Any:
     """scripts/convert_checkpoint.py as a module (its main takes argv)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", Path(__file__).parents[1] / "scripts" / "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", Path(__file__).parents[2] / "scripts" / "convert_checkpoint.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -41,11 +41,9 @@ from composable_shard import get_model_state_dict, get_optimizer_state_dict
 from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.reader import DirectFileSystemReader
 
-from .harness import run_distributed
-from .models import TinyGPT
-from .test_checkpoint_interchange import _fsdp2
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT
+from tests.support.state_dicts import make_optimizer, shard, shard_with_fsdp2, train_steps
 
 STACKS = ("composable_shard", "fsdp2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,7 +116,7 @@ def _load_with_both(make: Callable[[], Any], path: str, what: str, **reader_kwar
 def _model_and_state(stack: str, dtype: torch.dtype, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], Any]]:
     torch.manual_seed(seed)
     model = TinyGPT().to(dtype)
-    model = _fsdp2(model) if stack == "fsdp2" else shard(model, "manual")
+    model = shard_with_fsdp2(model) if stack == "fsdp2" else shard(model, "manual")
     optimizer = make_optimizer("adamw", model)
 
     def state() -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import composable_shard.state_dict.checkpoint as checkpoint_module
@@ -33,9 +32,18 @@ from composable_shard import (
 from composable_shard.state_dict.checkpoint import MANIFEST_NAME
 from composable_shard.state_dict import RangeShardedTensor
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, full_params, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import (
+    FULL,
+    assert_same_tensors,
+    damage,
+    full_params,
+    make_optimizer,
+    shard,
+    snapshot,
+    train_steps,
+)
 
 SAVED_AT_STEP = 2
 MORE_STEPS = 3
@@ -94,32 +102,6 @@ def test_checkpoint_saved_at_4_resumes_at_2_and_1_like_uninterrupted_training(tm
 
 
 # ------------------------------------------------------------------ safety
-def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {
-        "model": get_model_state_dict(model, options=FULL),
-        # Each parameter's state names sorted: a loaded optimizer's order follows the checkpoint.
-        "optim": {
-            fqn: dict(sorted(values.items()))
-            for fqn, values in get_optimizer_state_dict(model, optimizer, options=FULL)["state"].items()
-        },
-    }
-
-
-def _damage(path: Path, how: str) -> None:
-    """Rank 0 damages a file; every rank waits for it."""
-    if dist.get_rank() == 0:
-        if how == "truncate":
-            with open(path, "r+b") as stream:
-                stream.truncate(path.stat().st_size // 2)
-        elif how == "flip":
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
-        else:
-            path.unlink()
-    dist.barrier()
-
-
 def _damaged_checkpoints_are_refused(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     model = shard(BufferedGPT(), "manual")
@@ -128,37 +110,37 @@ def _damaged_checkpoints_are_refused(rank: int, world_size: int, root: str) -> N
     directory = Path(root) / "ckpt"
     save_checkpoint(directory, model, optimizer)
     train_steps(model, optimizer, range(1, 2))  # the model moves on from the checkpoint
-    before = _snapshot(model, optimizer)
+    before = snapshot(model, optimizer)
     data_file = sorted(directory.glob("__*.distcp"))[-1]
 
     def refused(error: type[BaseException], match: str) -> None:
         with pytest.raises(error, match=match):
             load_checkpoint(directory, model, optimizer)
-        now = _snapshot(model, optimizer)
+        now = snapshot(model, optimizer)
         assert_same_tensors(now["model"], before["model"], f"model after refused load ({match})")
         assert_same_tensors(now["optim"], before["optim"], f"optimizer after refused load ({match})")
 
-    _damage(data_file, "truncate")
+    damage(data_file, "truncate")
     refused(CheckpointError, rf"file '{data_file.name}' has \d+ bytes, the manifest records \d+ \(truncated")
     save_checkpoint(directory, model, optimizer)  # overwrite: replaced in one switch
     assert not directory.with_name("ckpt.partial").exists() and not directory.with_name("ckpt.previous").exists()
-    _damage(data_file, "flip")
+    damage(data_file, "flip")
     refused(CheckpointError, rf"file '{data_file.name}' does not match its checksum \(corrupted\)")
     save_checkpoint(directory, model, optimizer)
-    _damage(directory / ".metadata", "truncate")
+    damage(directory / ".metadata", "truncate")
     refused(CheckpointError, r"file '.metadata' has \d+ bytes")
-    _damage(directory / MANIFEST_NAME, "delete")  # unverifiable: DCP's own read fails, we say so
+    damage(directory / MANIFEST_NAME, "delete")  # unverifiable: DCP's own read fails, we say so
     refused(CheckpointError, "cannot read the checkpoint's metadata")
     save_checkpoint(directory, model, optimizer)
-    _damage(directory / MANIFEST_NAME, "delete")
-    _damage(data_file, "truncate")
+    damage(directory / MANIFEST_NAME, "delete")
+    damage(data_file, "truncate")
     refused(CheckpointError, "reading the checkpoint failed .*The model and optimizer were not changed")
     with pytest.raises(CheckpointError, match="no checkpoint directory at"):
         load_checkpoint(Path(root) / "nowhere", model)
 
     # A save that fails half-way leaves the previous checkpoint whole.
     save_checkpoint(directory, model, optimizer)
-    saved = _snapshot(model, optimizer)
+    saved = snapshot(model, optimizer)
     train_steps(model, optimizer, range(2, 3))
     real_save = checkpoint_module.dcp.save
 
@@ -174,7 +156,7 @@ def _damaged_checkpoints_are_refused(rank: int, world_size: int, root: str) -> N
         checkpoint_module.dcp.save = real_save  # type: ignore[assignment]
     assert directory.with_name("ckpt.partial").exists()
     load_checkpoint(directory, model, optimizer)
-    now = _snapshot(model, optimizer)
+    now = snapshot(model, optimizer)
     assert_same_tensors(now["model"], saved["model"], "model from the checkpoint before the failed save")
     assert_same_tensors(now["optim"], saved["optim"], "optimizer from the checkpoint before the failed save")
     save_checkpoint(directory, model, optimizer)  # the next save cleans up
@@ -206,10 +188,10 @@ def _foreign_checkpoints_are_refused(rank: int, world_size: int, root: str) -> N
         model = shard(build(), "manual")
         optimizer = make_optimizer("adamw", model)
         train_steps(model, optimizer, range(1))
-        before = _snapshot(model, optimizer)
+        before = snapshot(model, optimizer)
         with pytest.raises(StateDictError, match=match):
             load_checkpoint(directory, model, optimizer)
-        now = _snapshot(model, optimizer)
+        now = snapshot(model, optimizer)
         assert_same_tensors(now["model"], before["model"], f"model after refusing ({match})")
         assert_same_tensors(now["optim"], before["optim"], f"optimizer after refusing ({match})")
         train_steps(model, optimizer, range(1, 2))
@@ -258,7 +240,7 @@ def _loads_in_place(rank: int, world_size: int, root: str) -> None:
     manifest = json.loads((Path(directory) / MANIFEST_NAME).read_text())
     for name, record in manifest["files"].items():
         assert record == real_record(Path(directory) / name), name
-    saved = _snapshot(model, optimizer)
+    saved = snapshot(model, optimizer)
     train_steps(model, optimizer, range(2, 3))  # the live state moves on
     shard_ptrs = {key: value.local.data_ptr() for key, value in get_model_state_dict(model).items() if isinstance(value, RangeShardedTensor) and value.local.numel()}
     state_ptrs = {(id(p), key): value.data_ptr() for p, values in optimizer.state.items() for key, value in values.items() if key != "step" and value.numel()}
@@ -280,7 +262,7 @@ def _loads_in_place(rank: int, world_size: int, root: str) -> None:
     assert read_into == shard_ptrs
     now_ptrs = {(id(p), key): value.data_ptr() for p, values in optimizer.state.items() for key, value in values.items() if key != "step" and value.numel()}
     assert now_ptrs == state_ptrs
-    now = _snapshot(model, optimizer)
+    now = snapshot(model, optimizer)
     assert_same_tensors(now["model"], saved["model"], "model loaded in place")
     assert_same_tensors(now["optim"], saved["optim"], "optimizer loaded in place")
     train_steps(model, optimizer, range(2, 3))

@@ -28,9 +28,9 @@ from composable_shard import (
 )
 from composable_shard.state import unit_states_under
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, full_params, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, full_params, make_optimizer, shard, train_steps
 
 FIRST_SAVE, SECOND_SAVE, END = 2, 3, 5
 

@@ -5,7 +5,7 @@ loads as it is into the unsharded model and into FSDP2 (which leaves a
 scalar parameter unsharded); tied aliases are written once (the alias's
 metadata points at the canonical name's bytes) and still read under both
 names by any DCP reader. Checkpoints with the old ``(1,)`` shape still load
-(tests/test_checkpoint_pickles.py loads one written by an earlier version)."""
+(tests/checkpoint/test_pickles.py loads one written by an earlier version)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch.distributed.checkpoint.state_dict as torch_state_dict
 
 from composable_shard import get_model_state_dict, load_checkpoint, save_checkpoint
 
-from .harness import run_distributed
-from .test_optim_state_dict import make_optimizer
-from .test_state_dict import FULL, BufferedGPT, assert_same_tensors, shard, train_steps
+from tests.support.harness_pool import run_distributed
+from tests.support.models import BufferedGPT
+from tests.support.state_dicts import FULL, assert_same_tensors, make_optimizer, shard, train_steps
 
 
 def _metadata(directory: Path) -> object:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from . import fault_job
-from .ports import free_ports
+from tests.support import fault_job
+from tests.support.ports import free_ports
 # The group's timeout in every job (init_process_group's ``timeout``).
 _GROUP_TIMEOUT_S = 12.0
 # A dead peer must be noticed well before the group's timeout through shared
@@ -102,7 +102,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
     # interpreter per rank would cost seconds of CPU each); without threads,
     # unlike this one.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tests.fault_job"])
+    context.set_forkserver_preload(["tests.support.fault_job"])
     started = {
         name: _start(context, name, fault, switch, port, root / re.sub(r"\W+", "_", name))
         for (name, fault, switch), port in zip(plan, free_ports(len(plan)))

@@ -1,7 +1,7 @@
 """A multi-node torchrun job: two torchrun agents on 127.0.0.1 ("nodes" 0 and
 1), two processes each, hybrid sharding with the shard group inside a node
 and the replicate group across nodes, derived from torchrun's environment
-(tests/multinode_job.py), in parity with a single-process reference."""
+(tests/support/multinode_job.py), in parity with a single-process reference."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .ports import free_ports
+from tests.support.ports import free_ports
 
 NODES = 2
 PROCS_PER_NODE = 2
 TIMEOUT_S = 240.0
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(node_rank: int, port: int, out_dir: Path, log: Path) -> subprocess.Popen:
@@ -27,7 +27,7 @@ def _torchrun(node_rank: int, port: int, out_dir: Path, log: Path) -> subprocess
         "--nproc_per_node", str(PROCS_PER_NODE),
         "--master_addr", "127.0.0.1",
         "--master_port", str(port),
-        str(REPO_ROOT / "tests" / "multinode_job.py"),
+        str(REPO_ROOT / "tests" / "support" / "multinode_job.py"),
         str(out_dir),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

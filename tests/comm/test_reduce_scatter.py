@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from composable_shard import comm
 
-from .harness import run_distributed, world_sizes
+from tests.support.harness_pool import run_distributed, world_sizes
 
 
 def _both_methods_give_the_reduce_scatter(rank: int, world_size: int) -> None:

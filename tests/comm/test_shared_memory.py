@@ -25,10 +25,9 @@ from composable_shard.comm import shared_memory
 from composable_shard.comm.shared_memory import SLOTS
 from composable_shard.comm.transport import ENV_SWITCH
 
-from .harness import run_distributed
-from .models import TinyGPT
-from .parity import Parity, run_parity
-from .test_parity_strategies import _shard_manually
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT
+from tests.support.parity import Parity, run_parity, shard_manually
 
 
 def _inputs(rank: int, world_size: int, numel: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
@@ -286,7 +285,7 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
             # A group decides its transport once (with the switch as it is then).
             group = dist.new_group(list(range(world_size)))
             for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-                shard = _shard_manually(strategy, forward_prefetch=True, process_group=group)
+                shard = shard_manually(strategy, forward_prefetch=True, process_group=group)
                 run_parity(Parity(build=TinyGPT, shard=shard, steps=3))
             assert transport.uses_shared_memory(group, "cpu") == (switch == "1")
         finally:
@@ -295,7 +294,7 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
     with _slots_of(512):
         group = dist.new_group(list(range(world_size)))
         assert transport.shared_memory_of(group) is not None
-    shard = _shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True, process_group=group)
+    shard = shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True, process_group=group)
     run_parity(Parity(build=TinyGPT, shard=shard, steps=3))
 
 
@@ -383,7 +382,7 @@ def _fall_back_when_dev_shm_is_small(rank: int, world_size: int) -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                shard = _shard_manually(ShardingStrategy.FULL_SHARD, process_group=group)
+                shard = shard_manually(ShardingStrategy.FULL_SHARD, process_group=group)
                 run_parity(Parity(build=TinyGPT, shard=shard, steps=2))
         finally:
             os.statvfs, os.posix_fallocate = real_statvfs, real_fallocate

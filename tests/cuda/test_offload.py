@@ -41,41 +41,16 @@ from composable_shard import (
 )
 from composable_shard.state import unit_states_under
 
-from .harness import requires_cuda, requires_gpus, run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full, run_parity
-from .test_cpu_offload import _accumulate_and_clip
+from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
+from tests.support.mixed_precision import cast_all
+from tests.support.models import Block, TinyGPT, batch, big_gpt, lm_loss
+from tests.support.offload import accumulate_and_clip, cuda_device
+from tests.support.parity import Parity, assert_resharded, compare_full, run_parity
 
 OFFLOAD = CPUOffload(offload_params=True)
 BF16 = torch.bfloat16
 FP32 = torch.float32
 FULL = StateDictOptions(full_state_dict=True)
-
-_WIDE = 1024
-
-
-class _WideGPT(TinyGPT):
-    """TinyGPT with three 1024-wide blocks (8.4M parameters, 32 MiB in fp32
-    each): every block's upload or copy takes milliseconds, while the 8 x 6
-    token batch computes in microseconds. Embeddings start small (std 0.02)
-    so that the tied head's logits stay of order one."""
-
-    def __init__(self) -> None:
-        super().__init__(n_blocks=0, dim=_WIDE)
-        self.blocks = nn.ModuleList([Block(_WIDE, 4 * _WIDE) for _ in range(3)])
-        with torch.no_grad():
-            self.tok_emb.weight.normal_(0.0, 0.02)
-
-
-def _big_gpt() -> nn.Module:
-    return _WideGPT()
-
-
-def _device(rank: int) -> torch.device:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    return device
-
 
 def _shard_by_blocks(model: nn.Module, **kwargs: object) -> None:
     fully_shard(model, policy={Block}, **kwargs)
@@ -84,7 +59,7 @@ def _shard_by_blocks(model: nn.Module, **kwargs: object) -> None:
 # ------------------------------------------------------------ fp32 offload
 def _offloaded_fp32_matches_reference(rank: int, world_size: int, strategy: ShardingStrategy) -> None:
     shard = functools.partial(_shard_by_blocks, strategy=strategy, cpu_offload=OFFLOAD)
-    losses = run_parity(Parity(build=_big_gpt, shard=shard, device=_device(rank), steps=4))
+    losses = run_parity(Parity(build=big_gpt, shard=shard, device=cuda_device(rank), steps=4))
     assert all(torch.isfinite(torch.tensor(losses))), losses
 
 
@@ -101,12 +76,6 @@ def test_offloaded_no_shard_model_on_two_gpus_matches_reference_every_step() -> 
 
 
 # ----------------------------------------------------- bf16 (and offload)
-def _cast_all(master: nn.Module, dtype: torch.dtype) -> nn.Module:
-    compute = copy.deepcopy(master)
-    compute._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
-    return compute
-
-
 def _fp32_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     loss = lm_loss(model(inputs).float(), targets)
     loss.backward()
@@ -115,16 +84,16 @@ def _fp32_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) ->
 
 def _low_precision_parity(rank: int, world_size: int, strategy: ShardingStrategy, offload: bool) -> None:
     """bf16 compute with fp32 master weights and reduction, against the
-    low-precision data-parallel reference of tests/test_mixed_precision.py
+    low-precision data-parallel reference of tests/support/mixed_precision.py
     ([Note: the low-precision reference]) run on the same GPU: the
     reference's fp32 master weights are set to the sharded model's before
     each step, each rank's slice of the batch runs on a bf16 copy of them,
     and the slices' fp32 gradients are averaged. At shard size 1 both run the
     same bf16 kernels on the same values, so the tolerances are fp32
     round-off."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     master = copy.deepcopy(model)
     policy = MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)
     _shard_by_blocks(model, strategy=strategy, mixed_precision=policy, cpu_offload=OFFLOAD if offload else None)
@@ -141,7 +110,7 @@ def _low_precision_parity(rank: int, world_size: int, strategy: ShardingStrategy
         reference_loss = torch.zeros((), device=device)
         reference_grads = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
         for r in range(world_size):
-            compute = _cast_all(master, BF16)
+            compute = cast_all(master, BF16)
             local = slice(r * per_rank, (r + 1) * per_rank)
             reference_loss += _fp32_loss(compute, inputs[local], targets[local])
             for name, param in compute.named_parameters():
@@ -194,14 +163,14 @@ def test_bf16_no_shard_model_on_two_gpus_matches_low_precision_reference(offload
 
 # --------------------------------------------- accumulation and clipping
 def _offload_accumulates_and_clips(rank: int, world_size: int, use_no_sync: bool) -> None:
-    step = functools.partial(_accumulate_and_clip, use_no_sync=use_no_sync)
+    step = functools.partial(accumulate_and_clip, use_no_sync=use_no_sync)
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
         shard = functools.partial(_shard_by_blocks, strategy=strategy, cpu_offload=OFFLOAD)
         run_parity(
             Parity(
-                build=_big_gpt,
+                build=big_gpt,
                 shard=shard,
-                device=_device(rank),
+                device=cuda_device(rank),
                 step_fn=step,
                 reference_step_fn=step,
                 make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
@@ -228,7 +197,7 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.dev
 
 
 def _offload_state_dicts_round_trip(rank: int, world_size: int) -> None:
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     reference = copy.deepcopy(model)

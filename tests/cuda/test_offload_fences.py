@@ -1,7 +1,7 @@
 """CUDA: the fences and the host's wait around CPU offload, with negative
 controls, and the offload and bf16 paths at two GPUs. Skipped where no GPU
-is present (CI); tests/test_scheduler_cuda_offload.py and
-tests/test_scheduler_cuda_lanes.py check the same rules on CPU.
+is present (CI); tests/scheduler/test_cuda_offload.py and
+tests/scheduler/test_cuda_lanes.py check the same rules on CPU.
 
 The race tests train with ``backward(); optimizer.step()`` and nothing in
 between — no loss printed, no ``unshard_params`` — and compare with the
@@ -50,10 +50,11 @@ from composable_shard.scheduler import CudaStreamLane, InFlight, Scheduler
 from composable_shard.runtime import lazy_init
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import requires_cuda, requires_gpus, run_distributed
-from .models import Block, batch, lm_loss
-from .parity import hybrid_groups
-from .test_cuda_offload import _big_gpt, _cast_all, _device
+from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
+from tests.support.mixed_precision import cast_all
+from tests.support.models import Block, batch, big_gpt, lm_loss
+from tests.support.offload import cuda_device
+from tests.support.parity import hybrid_groups
 
 OFFLOAD = CPUOffload(offload_params=True)
 BF16 = torch.bfloat16
@@ -145,9 +146,9 @@ def _offload_race(rank: int, world_size: int, mutation: str, user_stream: bool) 
     before the reductions, then the largest difference from a single-GPU
     reference trained the same way. With ``user_stream``, forward and
     backward run under a stream the user made current."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(_STEPS):
@@ -194,9 +195,9 @@ def test_offload_race_test_fails_with_a_guard_patched_out(mutation: str) -> None
 def _download_streams(rank: int, world_size: int) -> list[bool]:
     """For every gradient download of one offloaded step: whether it ran on
     the reduction lane's stream (and not on compute)."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     fully_shard(model, policy={Block}, cpu_offload=OFFLOAD)
     scheduler = lazy_init(get_state(model)).scheduler
     lane_stream = scheduler.reduce_scatter_lane.stream  # type: ignore[attr-defined]
@@ -228,13 +229,13 @@ def _bf16_under_user_stream(rank: int, world_size: int) -> float:
     """bf16 compute (no offload) with forward and backward under a user
     stream; the optimizer steps on the device after the user's
     ``wait_stream`` (PyTorch's rule for using a tensor on another stream)."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     master = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(master.parameters(), lr=0.1)
     for step in range(_STEPS):
-        compute = _cast_all(master, BF16)
+        compute = cast_all(master, BF16)
         inputs, targets = (t.to(device) for t in batch(step))
         lm_loss(compute(inputs).float(), targets).backward()
         for param, compute_param in zip(master.parameters(), compute.parameters()):
@@ -269,9 +270,9 @@ def _rebuilt_offloaded_grads_are_pinned_and_accumulate(rank: int, world_size: in
     tiling of the flat gradient: the next backward rebuilds it into pinned
     memory, uploads it, adds and downloads without blocking, and the result
     stays the ``.grad`` storage (pinned) for the steps after."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     reference = copy.deepcopy(model)
     fully_shard(model, policy={Block}, cpu_offload=OFFLOAD)
     for step in range(3):
@@ -308,16 +309,16 @@ def _shard_two_gpus(model: nn.Module, strategy: ShardingStrategy, offload: bool,
 
 
 def _two_gpu_parity(rank: int, world_size: int, strategy: ShardingStrategy, offload: bool, bf16: bool, use_no_sync: bool) -> None:
-    """Against the data-parallel reference of tests/test_cuda_offload.py's
+    """Against the data-parallel reference of tests/cuda/test_offload.py's
     ``_low_precision_parity`` (every rank's slice run on a copy of the
     master weights in the compute dtype, gradients averaged in fp32), on the
     same GPU, step by step. With ``use_no_sync`` each step is two
     micro-batches, the first under ``no_sync``: the sharded model sums them
     unsharded in the compute dtype, as the reference's compute copy does."""
-    device = _device(rank)
+    device = cuda_device(rank)
     dtype = BF16 if bf16 else FP32
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     master = copy.deepcopy(model)
     _shard_two_gpus(model, strategy, offload, bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -333,7 +334,7 @@ def _two_gpu_parity(rank: int, world_size: int, strategy: ShardingStrategy, offl
         inputs, targets = (t.to(device) for t in batch(step))
         reference_grads = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
         for r in range(world_size):
-            compute = _cast_all(master, dtype)
+            compute = cast_all(master, dtype)
             rank_inputs, rank_targets = (t[r * per_rank : (r + 1) * per_rank] for t in (inputs, targets))
             for micro in range(micro_batches):
                 part = slice(micro * per_rank // micro_batches, (micro + 1) * per_rank // micro_batches)
@@ -386,9 +387,9 @@ def test_two_gpus_match_reference_every_step(strategy: ShardingStrategy, offload
 def _two_gpu_race(rank: int, world_size: int, mutation: str) -> float:
     """The offload race at two GPUs (FULL_SHARD: reduce-scatters, then
     downloads on the reduction lane), ``backward(); step()`` only."""
-    device = _device(rank)
+    device = cuda_device(rank)
     torch.manual_seed(0)
-    model = _big_gpt().to(device)
+    model = big_gpt().to(device)
     reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     per_rank = 8 // world_size

@@ -10,9 +10,9 @@ import torch.nn as nn
 
 from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, fully_shard
 
-from .harness import requires_cuda, requires_gpus, run_distributed
-from .models import TinyGPT
-from .parity import Parity, run_parity
+from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
+from tests.support.models import TinyGPT
+from tests.support.parity import Parity, run_parity
 
 
 def _cuda_parity(rank: int, world_size: int) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import hf_models  # noqa: F401  (sets HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE here too)
+from tests.support import hf_models  # noqa: F401  (sets HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE here too)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "finetune_lora.py"
 SMALL = {
     "--steps": 3,

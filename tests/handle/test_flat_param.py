@@ -17,7 +17,7 @@ from composable_shard.comm import ShardGroups
 from composable_shard.flat_layout import ALIGNMENT_BYTES, ParamOwner, compute_layout
 from composable_shard.flat_param import FlatParamHandle, FlatParamSource
 
-from .harness import run_distributed, world_sizes
+from tests.support.harness_pool import run_distributed, world_sizes
 
 _SHAPES = [(), (0,), (1,), (3,), (7,), (5, 3), (2, 3, 4), (0, 4), (1, 1, 1), (13,), (4, 4)]
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16]

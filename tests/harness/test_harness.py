@@ -1,4 +1,4 @@
-"""Owns: tests of the multi-process harness itself (tests/harness.py): ranks, collectives,
+"""Owns: tests of the multi-process harness itself (tests/support/harness_pool.py): ranks, collectives,
 return values, remote tracebacks, hangs, timeouts, pool reuse and state reset.
 
 Knows nothing of: composable_shard.
@@ -17,15 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import harness_pool
-from tests.harness import (
-    DistributedTestError,
-    requires_cuda,
-    requires_gpus,
-    run_distributed,
-    run_subtests,
-    world_sizes,
-)
+from tests.support import harness_pool
+from tests.support.harness_pool import DistributedTestError, requires_cuda, requires_gpus, run_distributed, world_sizes
+from tests.support.harness_worker import run_subtests
 
 # ---------------------------------------------------------------------------------------
 # Functions run on the workers.

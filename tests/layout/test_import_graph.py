@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "composable_shard"
+PACKAGE = Path(__file__).resolve().parents[2] / "composable_shard"
 
 
 def _module_name(path: Path) -> str:

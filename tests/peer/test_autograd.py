@@ -1,5 +1,5 @@
 """Ports of FSDP2's test_fully_shard_autograd.py scenarios (see
-tests/PEER_SCENARIOS.md): gradients reach every unit, in parity with one
+tests/peer/SCENARIOS.md): gradients reach every unit, in parity with one
 process, when some forward output or some unit takes no part in the loss,
 and when units pass activations to each other inside lists, tuples,
 namedtuples and dicts."""
@@ -14,27 +14,12 @@ import torch.nn as nn
 
 from composable_shard import ShardingStrategy, fully_shard
 
-from .harness import run_distributed
-from .peer_parity import mean_square, train_in_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TwoHeads
+from tests.support.peer_parity import mean_square, train_in_parity
 
 DIM = 12
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
-
-
-class TwoHeads(nn.Module):
-    """Two linears on the same input; the second may be left out of forward."""
-
-    def __init__(self, use_second: bool = True) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(DIM, DIM)
-        self.lin2 = nn.Linear(DIM, DIM)
-        self.use_second = use_second
-
-    def forward(self, x: torch.Tensor) -> Any:
-        first = torch.relu(self.lin1(x))
-        if not self.use_second:
-            return first
-        return first, torch.relu(self.lin2(x))
 
 
 class _StepCounter:

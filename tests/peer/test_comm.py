@@ -1,5 +1,5 @@
 """Ports of FSDP2's test_fully_shard_comm.py scenarios that are about what
-backward does, not about its internals (see tests/PEER_SCENARIOS.md), in
+backward does, not about its internals (see tests/peer/SCENARIOS.md), in
 parity with one process: two forwards before one backward, with every
 activation-checkpointing form; two backwards through different branches
 of one forward (``retain_graph``); units holding a submodule that never runs;
@@ -18,11 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from composable_shard import ShardingStrategy, fully_shard, unshard_params
 
-from .harness import run_distributed
-from .models import MLP
-from .parity import Parity, assert_resharded, compare_full
-from .peer_parity import float_batch, local_slice, mean_square, train_in_parity
-from .test_peer_autograd import TwoHeads
+from tests.support.harness_pool import run_distributed
+from tests.support.models import MLP, TwoHeads
+from tests.support.parity import Parity, assert_resharded, compare_full
+from tests.support.peer_parity import float_batch, local_slice, mean_square, train_in_parity
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 

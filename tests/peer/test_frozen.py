@@ -1,5 +1,5 @@
 """Ports of FSDP2's test_fully_shard_frozen.py scenarios (see
-tests/PEER_SCENARIOS.md), in parity with one process: only biases trained
+tests/peer/SCENARIOS.md), in parity with one process: only biases trained
 (frozen and trainable parameters in one unit, with and without activation
 checkpointing; only the trainable part is reduced); frozen and trainable
 units interleaved, each its own root, with a forward under ``no_grad``
@@ -19,11 +19,11 @@ from torch.distributed._composable import checkpoint
 from composable_shard import ShardingStrategy, fully_shard
 from composable_shard.state import unit_states_under
 
-from .harness import run_distributed
-from .models import MLP
-from .peer_parity import float_batch, local_slice, train_in_parity
-from .parity import Parity, assert_resharded, compare_full
-from .test_no_sync import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy
+from tests.support.harness_pool import run_distributed
+from tests.support.models import MLP
+from tests.support.parity import Parity, assert_resharded, compare_full
+from tests.support.peer_parity import float_batch, local_slice, train_in_parity
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 

@@ -16,9 +16,9 @@ import composable_shard as cs
 from composable_shard import runtime
 from composable_shard.state import get_state
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, lm_loss
-from .plan_measure import cpu_peak_above_start
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, lm_loss
+from tests.support.plan_measure import cpu_peak_above_start
 
 # Blocks dominate: eight of 0.5 MB, a root of 20 KB, activations of a few KB.
 DIM, VOCAB, BATCH, SEQ, N_BLOCKS = 128, 32, 2, 6, 8

@@ -1,7 +1,7 @@
 """Ports of FSDP2's test_fully_shard_mixed_precision.py scenarios (see
-tests/PEER_SCENARIOS.md): fp16 compute and reduction, fp32 compute with a
+tests/peer/SCENARIOS.md): fp16 compute and reduction, fp32 compute with a
 bf16 reduction, and a bf16 model with a bf16 policy, each against the
-low-precision data-parallel reference of test_mixed_precision.py; gradient
+low-precision data-parallel reference of tests/support/mixed_precision.py; gradient
 accumulation under ``no_sync`` with bf16 compute and fp32 reduction; the
 inputs each unit sees under per-unit policies and external inputs; norm
 modules as their own units; a dataclass input cast by the root."""
@@ -18,21 +18,21 @@ import torch.nn as nn
 
 from composable_shard import MixedPrecision, fully_shard, no_sync, unshard_params
 
-from .harness import run_distributed
-from .models import TinyGPT, batch
-from .test_mixed_precision import (
+from tests.support.comm_spies import CollectiveSpy
+from tests.support.harness_pool import run_distributed
+from tests.support.mixed_precision import (
     BF16,
     FP32,
-    _by_policy,
-    _Case,
-    _cast_all,
-    _fp32_loss_step,
-    _reference_step,
-    _run_mixed_precision_parity,
-    _sgd,
-    _tolerances,
+    PrecisionCase,
+    by_policy,
+    cast_all,
+    fp32_loss_step,
+    reference_step,
+    run_mixed_precision_parity,
+    sgd,
+    tolerances,
 )
-from .test_no_sync import CollectiveSpy
+from tests.support.models import TinyGPT, batch
 
 FP16 = torch.float16
 
@@ -41,23 +41,23 @@ def _bf16_initialised_gpt() -> nn.Module:
     return TinyGPT().to(BF16)
 
 
-def _low_precision_cases() -> list[_Case]:
+def _low_precision_cases() -> list[PrecisionCase]:
     return [
-        _Case(
+        PrecisionCase(
             "fp16 compute and reduce",
             TinyGPT,
-            _by_policy(mixed_precision=MixedPrecision(param_dtype=FP16)),
-            make_compute=functools.partial(_cast_all, dtype=FP16),
-            make_optimizer=_sgd,
+            by_policy(mixed_precision=MixedPrecision(param_dtype=FP16)),
+            make_compute=functools.partial(cast_all, dtype=FP16),
+            make_optimizer=sgd,
             exact_reduction=False,
             reduce_dtypes={FP16},
         ),
-        _Case(
+        PrecisionCase(
             "fp32 compute, bf16 reduce",
             TinyGPT,
-            _by_policy(mixed_precision=MixedPrecision(reduce_dtype=BF16)),
-            make_compute=functools.partial(_cast_all, dtype=FP32),
-            make_optimizer=_sgd,
+            by_policy(mixed_precision=MixedPrecision(reduce_dtype=BF16)),
+            make_compute=functools.partial(cast_all, dtype=FP32),
+            make_optimizer=sgd,
             exact_reduction=False,
             reduce_dtypes={BF16},
         ),
@@ -66,7 +66,7 @@ def _low_precision_cases() -> list[_Case]:
 
 def _low_precision_cases_match_reference(rank: int, world_size: int) -> None:
     for case in _low_precision_cases():
-        _run_mixed_precision_parity(case, rank, world_size)
+        run_mixed_precision_parity(case, rank, world_size)
     # A model initialised in bf16 under a bf16 policy reduces in bf16 (its
     # own dtype; nothing is clamped to fp32).
     model = _bf16_initialised_gpt()
@@ -74,7 +74,7 @@ def _low_precision_cases_match_reference(rank: int, world_size: int) -> None:
     spy = CollectiveSpy()
     inputs, targets = batch(0)
     with spy.watching():
-        _fp32_loss_step(model, inputs[rank::world_size], targets[rank::world_size])
+        fp32_loss_step(model, inputs[rank::world_size], targets[rank::world_size])
     assert spy.dtypes("reduce_scatter") == {BF16}, spy.dtypes("reduce_scatter")
     assert all(p.dtype == BF16 and p.grad.dtype == BF16 for p in model.parameters())
 
@@ -90,7 +90,7 @@ def _accumulation_with_fp32_reduction(rank: int, world_size: int) -> None:
     compute dtype, as composable_shard.no_sync documents; FSDP2 accumulates
     in the reduce dtype)."""
     policy = MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)
-    case = _Case("no_sync bf16/fp32", TinyGPT, _by_policy(mixed_precision=policy), exact_reduction=False)
+    case = PrecisionCase("no_sync bf16/fp32", TinyGPT, by_policy(mixed_precision=policy), exact_reduction=False)
     torch.manual_seed(0)
     model = TinyGPT()
     master = copy.deepcopy(model)
@@ -103,17 +103,17 @@ def _accumulation_with_fp32_reduction(rank: int, world_size: int) -> None:
         summed: dict[str, torch.Tensor] = {}
         for micro in range(micro_batches):
             inputs, targets = batch(10 * step + micro)
-            _, grads = _reference_step(master, case, inputs, targets, world_size)
+            _, grads = reference_step(master, case, inputs, targets, world_size)
             for name, grad in grads.items():
                 summed[name] = summed.get(name, 0) + grad
             local = slice(rank * inputs.shape[0] // world_size, (rank + 1) * inputs.shape[0] // world_size)
             with no_sync(model) if micro < micro_batches - 1 else contextlib.nullcontext():
-                _fp32_loss_step(model, inputs[local], targets[local])
+                fp32_loss_step(model, inputs[local], targets[local])
         with unshard_params(model, with_grads=True, writeback=False):
             for name, param in model.named_parameters():
                 assert param.grad.dtype == FP32
                 expected = summed[name]
-                torch.testing.assert_close(param.grad, expected, **_tolerances(case, expected), msg=lambda m: f"step {step} {name}: {m}")
+                torch.testing.assert_close(param.grad, expected, **tolerances(case, expected), msg=lambda m: f"step {step} {name}: {m}")
         for param in model.parameters():
             param.grad = None
 

@@ -1,5 +1,5 @@
 """Ports of FSDP2's test_fully_shard_state_dict.py and the applicable parts
-of test_fully_shard_init.py (see tests/PEER_SCENARIOS.md): state dicts of
+of test_fully_shard_init.py (see tests/peer/SCENARIOS.md): state dicts of
 small, unevenly sharded nested models (ranks holding nothing of some
 parameters) give the unsharded model's values, load new values in place into
 the shards, and do not change across a forward whose units stay gathered;
@@ -25,8 +25,8 @@ from composable_shard import (
 )
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import run_distributed
-from .models import MLP
+from tests.support.harness_pool import run_distributed
+from tests.support.models import MLP
 
 
 def _nested(dim: int) -> nn.Module:

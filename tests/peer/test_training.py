@@ -1,5 +1,5 @@
 """Ports of FSDP2's test_fully_shard_training.py and test_fully_shard_init.py
-training scenarios (see tests/PEER_SCENARIOS.md), each in parity with one
+training scenarios (see tests/peer/SCENARIOS.md), each in parity with one
 process: one unit with uneven shapes; several units with delayed
 collectives; forward and backward through a non-root unit; a unit run twice
 per forward; a module listed twice and parameters shared across modules;
@@ -22,11 +22,11 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from composable_shard import ShardingStrategy, comm, fully_shard, no_sync, register_forward_method
 from composable_shard.state import get_state
 
-from .harness import run_distributed
-from .models import MLP
-from .parity import Parity, assert_resharded, compare_full, hybrid_groups
-from .peer_parity import float_batch, local_slice, mean_square, train_in_parity
-from .test_no_sync import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy
+from tests.support.harness_pool import run_distributed
+from tests.support.models import MLP
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups
+from tests.support.peer_parity import float_batch, local_slice, mean_square, train_in_parity
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 

@@ -9,7 +9,7 @@ import torch
 
 import composable_shard as cs
 
-from .models import Block, TinyGPT
+from tests.support.models import Block, TinyGPT
 
 
 def _meta_gpt(n_layers: int) -> TinyGPT:

@@ -22,11 +22,11 @@ import composable_shard as cs
 from composable_shard import ShardingStrategy
 from composable_shard.plan.memory import FlatParamPlan, StepPeak, UnitPlan, step_peak
 
-from .harness import requires_cuda, run_distributed, world_sizes
-from .models import Block, LoRABlock, LoRAGPT, TinyGPT
-from .plan_measure import CASES, _wide_gpt, cpu_peak_above_start, fake_pg_plan, measure_case
+from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
+from tests.support.models import Block, LoRABlock, LoRAGPT, TinyGPT
+from tests.support.plan_measure import CASES, _wide_gpt, cpu_peak_above_start, fake_pg_plan, measure_case
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PEAK_TOLERANCE = 0.05
 
 
@@ -69,7 +69,7 @@ def test_plan_equals_allocated_bytes_with_gloo(world_size: int) -> None:
 def _fake_pg_records(world_sizes: list[int], *, device: str = "cpu") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PLAN_MEASURE_DEVICE": device}
     completed = subprocess.run(
-        [sys.executable, "-m", "tests.plan_measure", *map(str, world_sizes)],
+        [sys.executable, "-m", "tests.support.plan_measure", *map(str, world_sizes)],
         cwd=ROOT,
         env=env,
         capture_output=True,

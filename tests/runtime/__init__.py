@@ -1,1 +1,2 @@
-"""Tests of the runtime: hook order, lifecycle, entry points between steps, errors,\ninitialisation, ignored states, and the model's lifetime."""
+"""Tests of the runtime: hook order, lifecycle, entry points between steps, errors,
+initialisation, ignored states, and the model's lifetime."""

@@ -15,9 +15,9 @@ import torch.nn as nn
 from composable_shard import fully_shard, is_fully_sharded, unshard_params
 from composable_shard.state import unit_states_under
 
-from .harness import requires_cuda, run_distributed
-from .models import Block, TinyGPT, batch
-from .parity import Parity, compare_full, plain_step, run_parity
+from tests.support.harness_pool import requires_cuda, run_distributed
+from tests.support.models import Block, TinyGPT, batch
+from tests.support.parity import Parity, compare_full, plain_step, run_parity
 
 
 def _init_gpt(module: nn.Module) -> None:

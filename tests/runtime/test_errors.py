@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from composable_shard import CustomPolicy, ModuleWrapPolicy, fully_shard, is_fully_sharded, unshard_params
 
-from .harness import requires_cuda, run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full
+from tests.support.harness_pool import requires_cuda, run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, assert_resharded, compare_full
 
 
 def _shard_blocks_and_root(model: nn.Module) -> None:

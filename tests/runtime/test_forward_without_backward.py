@@ -36,9 +36,9 @@ from composable_shard.state_dict import (
     set_model_state_dict,
 )
 
-from .harness import requires_cuda, requires_gpus, run_distributed
-from .models import TinyGPT, batch, lm_loss
-from .parity import Parity, adamw, assert_resharded, compare_full, hybrid_groups
+from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, adamw, assert_resharded, compare_full, hybrid_groups
 
 Shard = Callable[[nn.Module], None]
 

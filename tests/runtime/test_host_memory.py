@@ -17,9 +17,9 @@ import composable_shard as cs
 from composable_shard import host_memory
 from composable_shard.state import get_state
 
-from .harness import run_distributed
-from .models import TinyGPT
-from .parity import Parity, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT
+from tests.support.parity import Parity, run_parity
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

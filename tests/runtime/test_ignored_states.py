@@ -16,9 +16,9 @@ import torch.nn as nn
 from composable_shard import MixedPrecision, clip_grad_norm_, fully_shard, is_fully_sharded, unshard_params
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch
-from .parity import Parity, assert_resharded, compare_full, plain_step
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch
+from tests.support.parity import Parity, assert_resharded, compare_full, plain_step
 
 
 def _ignored_states_stay_local(rank: int, world_size: int) -> None:

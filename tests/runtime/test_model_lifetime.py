@@ -19,10 +19,10 @@ import torch
 from composable_shard import fully_shard
 from composable_shard.state import unit_states_under
 
-from .harness import run_distributed
-from .models import TinyGPT, batch, lm_loss
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model_freed_after(rank: int, world_size: int, steps: int) -> bool:

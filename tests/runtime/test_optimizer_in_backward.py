@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from composable_shard import CPUOffload, MixedPrecision, fully_shard, no_sync, unshard_params
 
-from .harness import run_distributed
-from .models import TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, assert_resharded, compare_full
 
 
 def _per_param_adamw(model: nn.Module) -> dict[nn.Parameter, torch.optim.Optimizer]:
@@ -111,7 +111,7 @@ def test_optimizer_in_backward_matches_reference_with_and_without_no_sync() -> N
 def _optimizer_in_backward_under_mixed_precision(rank: int, world_size: int) -> None:
     """bf16 compute, fp32 reduction: stepping from the hooks gives the same
     parameters as stepping after backward (itself tested against a reference
-    in test_mixed_precision.py)."""
+    in tests/training/test_mixed_precision.py)."""
     local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(0)

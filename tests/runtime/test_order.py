@@ -17,8 +17,8 @@ from composable_shard import BackwardPrefetch, fully_shard
 from composable_shard.flat_param import FlatParamHandle
 from composable_shard.state import unit_states_under
 
-from .harness import run_distributed
-from .models import TinyGPT, batch, lm_loss
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
 
 
 @contextlib.contextmanager

@@ -19,9 +19,9 @@ import torch.nn as nn
 from composable_shard import fully_shard
 from composable_shard.nested_tensors import scan_output
 
-from .harness import run_distributed
-from .models import VOCAB, Block
-from .parity import Parity, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.models import VOCAB, Block
+from tests.support.parity import Parity, run_parity
 
 
 @dataclasses.dataclass

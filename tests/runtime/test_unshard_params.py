@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unshard_params
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step
 
 
 def _local(rank: int, world_size: int) -> slice:

@@ -14,7 +14,7 @@ from composable_shard import comm
 from composable_shard.comm import PendingCollective, ShardGroups
 from composable_shard.scheduler import Scheduler
 
-from .harness import requires_cuda, run_distributed, world_sizes
+from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
 
 
 def _collectives_are_right_and_warning_free(rank: int, world_size: int) -> None:

@@ -1,6 +1,6 @@
 """The CUDA lanes, checked on CPU: ``CudaStreamLane``, the scheduler and the
 runtime run against a recording stand-in for ``torch.cuda``'s streams and
-events (tests/fake_cuda.py), which applies CUDA's stream-ordering rules and
+events (tests/support/fake_cuda.py), which applies CUDA's stream-ordering rules and
 reports every unordered pair of conflicting accesses — what would be a data
 race on a GPU. CI has no GPU; these tests are what guards
 [Note: lane fences], [Note: what a lane waits for] and [Note: buffer
@@ -28,9 +28,9 @@ from composable_shard.runtime import lazy_init
 from composable_shard.scheduler import CudaStreamLane, Scheduler
 from composable_shard.state import get_state, unit_states_under
 
-from .fake_cuda import FakeCuda, Op, happens_before
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
+from tests.support.fake_cuda import FakeCuda, Op, happens_before
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 
 _CUDA = torch.device("cuda", 0)  # only a label: nothing touches a device
 
@@ -112,7 +112,7 @@ def test_scheduler_host_wait_orders_downloads_before_host_reads() -> None:
 
         def on_done(reduced: PendingCollective) -> None:
             # A finish on compute (no finish_on_lane): offloaded ones run on
-            # the reduction lane, tests/test_scheduler_cuda_offload.py.
+            # the reduction lane, tests/scheduler/test_cuda_offload.py.
             op = cuda.launch("download")
             memory.access("reduced", op, write=False)
             memory.access("host gradient", op, write=True)
@@ -169,7 +169,7 @@ class _Recorder:
     the unsharded buffers, reductions on the reduce lane, a download after
     each finish on compute (the handles are not offloaded, so the scheduler
     finishes them there; offloaded finishes run on the reduction lane:
-    tests/test_scheduler_cuda_offload.py), and the real frees of the unsharded
+    tests/scheduler/test_cuda_offload.py), and the real frees of the unsharded
     buffers, which the scheduler may hold back) and records the lanes'
     issues."""
 

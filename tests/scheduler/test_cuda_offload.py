@@ -1,5 +1,5 @@
 """CPU offload's gradient downloads under CUDA's stream rules, checked on
-CPU with the recording stand-in of tests/fake_cuda.py (CI has no GPU).
+CPU with the recording stand-in of tests/support/fake_cuda.py (CI has no GPU).
 
 What these guard (issue 23, finding 2; "The host is a third party" in
 [Note: lane fences], composable_shard/scheduler.py): an offloaded
@@ -35,9 +35,9 @@ from composable_shard.runtime import lazy_init
 from composable_shard.scheduler import CudaStreamLane, Scheduler
 from composable_shard.state import get_state, unit_states_under
 
-from .fake_cuda import FakeCuda, Op, happens_before
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
+from tests.support.fake_cuda import FakeCuda, Op, happens_before
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 
 _CUDA = torch.device("cuda", 0)  # only a label: nothing touches a device
 

@@ -8,7 +8,7 @@ each time a buffer is used (forward views built, buffer freed, reduced
 gradient finished, gradients read after backward), that every issue that
 touched it was waited on. On CPU the lane's copies run synchronously, so a
 missing fence does not corrupt results here; on CUDA it is a data race (see
-tests/test_cuda_offload.py for the GPU reproductions).
+tests/cuda/test_offload.py for the GPU reproductions).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from composable_shard.runtime import lazy_init
 from composable_shard.scheduler import CpuLane, InFlight, Lane, Scheduler
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 
 
 class RecordingLane:

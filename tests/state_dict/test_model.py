@@ -1,10 +1,7 @@
 """Model state dicts of a sharded tree: full and sharded forms of
 ``get_model_state_dict`` / ``set_model_state_dict``, ``module.state_dict()`` /
 ``load_state_dict()`` through the state-dict hooks, strict key checking,
-shape mismatches, buffers, and the sharded representation's boxes.
-
-Also the shared helpers of the checkpoint tests (models with buffers, ways to
-shard, full-state comparisons)."""
+shape mismatches, buffers, and the sharded representation's boxes."""
 
 from __future__ import annotations
 
@@ -12,22 +9,14 @@ import copy
 import math
 import random
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 
-import composable_shard.comm as comm_module
 from composable_shard import (
-    MixedPrecision,
-    ModuleWrapPolicy,
-    ShardingStrategy,
     StateDictError,
     StateDictOptions,
-    fully_shard,
     get_model_state_dict,
     set_model_state_dict,
     unshard_params,
@@ -36,146 +25,10 @@ from composable_shard.state import unit_states_under
 from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.shards import is_sharded_tensor, range_boxes, stored_shape
 
-from .harness import run_distributed, world_sizes
-from .models import DIM, Block, LoRAGPT, TinyGPT, batch, lm_loss
-from .parity import hybrid_groups
-
-FULL = StateDictOptions(full_state_dict=True)
-FULL_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-# ---------------------------------------------------------------- helpers
-class _Counter(nn.Module):
-    """A module with extra state (a step counter) besides its tensors."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def get_extra_state(self) -> Any:
-        return {"count": self.count}
-
-    def set_extra_state(self, state: Any) -> None:
-        self.count = state["count"]
-
-
-class BufferedGPT(TinyGPT):
-    """TinyGPT with persistent and non-persistent buffers, extra state and a
-    0-dim parameter (a learned temperature)."""
-
-    def __init__(self, n_blocks: int = 3, dim: int = DIM) -> None:
-        super().__init__(n_blocks=n_blocks, dim=dim)
-        self.temperature = nn.Parameter(torch.tensor(1.25))
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
-        self.register_buffer("cache", torch.zeros(3), persistent=False)
-        for block in self.blocks:
-            block.register_buffer("seen", torch.arange(4.0))
-        self.counter = _Counter()
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return super().forward(idx) * self.temperature
-
-
-def shard(model: nn.Module, how: str) -> nn.Module:
-    """Shard ``model`` one of several ways (names used by every test)."""
-    if how == "manual":
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-    elif how == "policy":
-        fully_shard(model, policy=ModuleWrapPolicy({Block}))
-    elif how == "root_only":
-        fully_shard(model)
-    elif how == "no_shard":
-        for block in model.blocks:
-            fully_shard(block, strategy=ShardingStrategy.NO_SHARD)
-        fully_shard(model, strategy=ShardingStrategy.NO_SHARD)
-    elif how == "hybrid":
-        groups = hybrid_groups(dist.get_world_size())
-        for block in model.blocks:
-            fully_shard(block, strategy=ShardingStrategy.HYBRID_SHARD, process_group=groups)
-        fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD, process_group=groups)
-    elif how == "mixed":  # bf16 compute and buffers: state dicts keep the original dtypes
-        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
-        for block in model.blocks:
-            fully_shard(block, mixed_precision=policy)
-        fully_shard(model, mixed_precision=policy)
-    elif how == "ignored":
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model, ignored_states=[model.norm])
-    else:
-        raise ValueError(how)
-    return model
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value (collective), by canonical name."""
-    with unshard_params(model, writeback=False):
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_same_tensors(actual: dict[str, Any], expected: dict[str, Any], what: str, *, atol: float = 0.0) -> None:
-    assert list(actual) == list(expected), f"{what}: keys {list(actual)} != {list(expected)}"
-    for key, value in expected.items():
-        got = actual[key]
-        if isinstance(value, dict) and isinstance(got, dict):
-            assert_same_tensors(got, value, f"{what} {key}", atol=atol)
-        elif isinstance(value, torch.Tensor):
-            assert isinstance(got, torch.Tensor) and got.shape == value.shape, (what, key, got, value.shape)
-            torch.testing.assert_close(got, value, atol=atol, rtol=0 if atol == 0 else 1e-5, msg=lambda m: f"{what} {key}: {m}")
-        else:
-            assert got == value, (what, key, got, value)
-
-
-def perturbed(state_dict: dict[str, Any], delta: float) -> dict[str, Any]:
-    return {
-        k: v + delta if isinstance(v, torch.Tensor) and v.is_floating_point() else copy.deepcopy(v)
-        for k, v in state_dict.items()
-    }
-
-
-def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, global_batch: int = 8) -> list[float]:
-    """Data-parallel steps on this rank's slice of each global batch."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in steps:
-        inputs, targets = batch(step, global_batch)
-        local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
-        loss = lm_loss(model(inputs[local]), targets[local])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-class CommSpy:
-    """Counts calls of composable_shard.comm's collectives (calls through)."""
-
-    NAMES = ("all_gather_into", "reduce_scatter", "all_reduce", "all_reduce_max", "broadcast", "broadcast_object",
-             "all_gather_object")
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.saved: dict[str, Callable[..., Any]] = {}
-
-    def __enter__(self) -> "CommSpy":
-        for name in self.NAMES:
-            original = getattr(comm_module, name)
-            self.saved[name] = original
-
-            def spy(*args: Any, _name: str = name, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                self.calls.append(_name)
-                return _original(*args, **kwargs)
-
-            setattr(comm_module, name, spy)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self.saved.items():
-            setattr(comm_module, name, original)
-
+from tests.support.comm_spies import CommSpy
+from tests.support.harness_pool import run_distributed, world_sizes
+from tests.support.models import DIM, BufferedGPT, LoRAGPT, batch, lm_loss
+from tests.support.state_dicts import FULL, FULL_RANK0, assert_same_tensors, full_params, perturbed, shard, train_steps
 
 # -------------------------------------------------------- sharded boxes
 def test_range_boxes_tile_the_range_in_flat_order() -> None:

@@ -26,25 +26,19 @@ from composable_shard import (
 )
 from composable_shard.state_dict.shards import is_sharded_tensor
 
-from .harness import run_distributed, world_sizes
-from .models import batch, lm_loss
-from .test_state_dict import FULL, FULL_RANK0, BufferedGPT, CommSpy, assert_same_tensors, full_params, shard, train_steps
-
-
-def _decays(name: str) -> bool:
-    return name.endswith("weight") and "norm" not in name
-
-
-def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with a decay and a no-decay group, or SGD with momentum."""
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    # By name: sharded parameters are 1-D, so their dim() says nothing.
-    decay = [p for name, p in model.named_parameters() if _decays(name)]
-    no_decay = [p for name, p in model.named_parameters() if not _decays(name)]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
-    )
+from tests.support.comm_spies import CommSpy
+from tests.support.harness_pool import run_distributed, world_sizes
+from tests.support.models import BufferedGPT, batch, lm_loss
+from tests.support.state_dicts import (
+    FULL,
+    FULL_RANK0,
+    assert_same_tensors,
+    decays,
+    full_params,
+    make_optimizer,
+    shard,
+    train_steps,
+)
 
 
 def _reference_after(kind: str, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -96,7 +90,7 @@ def _optimizer_round_trips(rank: int, world_size: int, root: str) -> None:
             # Full: the single-process optimizer's state, by parameter name.
             full = get_optimizer_state_dict(model, optimizer, options=FULL)
             names = [name for name, _ in model.named_parameters()]
-            grouped = [n for n in names if _decays(n)] + [n for n in names if not _decays(n)]
+            grouped = [n for n in names if decays(n)] + [n for n in names if not decays(n)]
             assert [fqn for group in full["param_groups"] for fqn in group["params"]] == (grouped if kind == "adamw" else names)
             assert full["param_groups"][0]["lr"] == optimizer.param_groups[0]["lr"]
             expected = _named_reference_state(reference, reference_optimizer)

@@ -1,9 +1,9 @@
 """One rank of a small training job (TinyGPT, FULL_SHARD, parity against
 the single-process reference) whose rank 1 can die or stop at a chosen
-point: what ``test_comm_failures.py`` runs in fresh processes, since a
+point: what ``tests/comm/test_failures.py`` runs in fresh processes, since a
 killed rank cannot be a warm harness worker.
 
-Run: python -m tests.fault_job RANK WORLD_SIZE PORT FAULT TIMEOUT_S, or
+Run: python -m tests.support.fault_job RANK WORLD_SIZE PORT FAULT TIMEOUT_S, or
 ``run`` as a process's target (the tests fork it from a forkserver that
 imported torch once).
 FAULT: ``none``; ``setup`` (rank 1 dies while the group sets up its
@@ -39,8 +39,7 @@ from composable_shard.comm import shared_memory
 from composable_shard.comm.shared_memory import SLOTS, HostSharedMemory
 
 from .models import TinyGPT
-from .parity import Parity, plain_step, run_parity
-from .test_parity_strategies import _shard_manually
+from .parity import Parity, plain_step, run_parity, shard_manually
 
 _STEP = [-1]  # the step this rank is in
 
@@ -128,7 +127,7 @@ def main(rank: int, world_size: int, port: int, fault: str, timeout_s: float) ->
     )
     if rank == 1 and fault != "none":
         _arm(fault)
-    parity = Parity(build=TinyGPT, shard=_shard_manually(ShardingStrategy.FULL_SHARD), steps=2, step_fn=_counting_step)
+    parity = Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), steps=2, step_fn=_counting_step)
     try:
         run_parity(parity)
     except Exception as error:

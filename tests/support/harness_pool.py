@@ -1,5 +1,5 @@
 """Owns: the pytest side of the multi-process harness — running one test function on N
-ranks, each a warm worker process (tests/harness_worker.py) with a real
+ranks, each a warm worker process (tests/support/harness_worker.py) with a real
 ``torch.distributed`` process group, and turning any rank's failure or hang into one
 clear error in the pytest process; the warm pools and their lifetime; the skip markers.
 
@@ -8,7 +8,7 @@ return values and tracebacks); what a worker does with a call (harness_worker.py
 
 Public names: ``run_distributed``, ``shutdown_pools``, ``DistributedTestError``,
 ``WORLD_SIZES``, ``world_sizes``, ``requires_cuda``, ``requires_gpus``,
-``DEFAULT_TIMEOUT_S``. Tests import them from ``tests.harness``.
+``DEFAULT_TIMEOUT_S``. Tests import them from here (``tests.support.harness_pool``).
 
 [Note: warm worker pools]
 Starting torch in a spawned process costs 1-2 s of CPU, and the suite runs on two
@@ -86,7 +86,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # must be on workers' sys.path for `tests.*`
+REPO_ROOT = Path(__file__).resolve().parents[2]  # must be on workers' sys.path for `tests.*`
 
 WORLD_SIZES: tuple[int, ...] = (1, 2, 4)
 world_sizes = pytest.mark.parametrize("world_size", WORLD_SIZES)

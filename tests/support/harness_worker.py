@@ -4,12 +4,12 @@ return value or traceback); the messages between the pytest process and its work
 ``run_subtests`` (called inside a worker); the group check run after a failure.
 
 Knows nothing of: composable_shard; pools, time limits and errors shown to pytest
-(tests/harness_pool.py).
+(tests/support/harness_pool.py).
 
 Public names: ``run_subtests``. For harness_pool.py only: the messages ``_Call``,
 ``_Reply``, ``_WorkerSpec``, the entry point ``_worker_main`` and ``_check_group``.
 
-See [Note: warm worker pools] and [Note: worker output] in tests/harness_pool.py.
+See [Note: warm worker pools] and [Note: worker output] in tests/support/harness_pool.py.
 """
 
 from __future__ import annotations

@@ -3,16 +3,16 @@ of several "nodes" that derives its hybrid sharding groups from the
 environment torchrun sets and trains in parity with a single-process
 reference.
 
-Knows nothing of: how the nodes were started (tests/test_multinode.py runs
+Knows nothing of: how the nodes were started (tests/comm/test_multinode.py runs
 two torchrun agents on 127.0.0.1; on real machines the same script runs
 under one torchrun per machine).
 
 Run (one line per node)::
 
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr HOST --master_port P \\
-        tests/multinode_job.py OUT_DIR
+        tests/support/multinode_job.py OUT_DIR
     torchrun --nnodes 2 --node_rank 1 --nproc_per_node 2 --master_addr HOST --master_port P \\
-        tests/multinode_job.py OUT_DIR
+        tests/support/multinode_job.py OUT_DIR
 
 Each rank writes ``OUT_DIR/rank<R>.json``: its groups and the losses of every
 sub-case. Any mismatch with the reference raises, so torchrun exits non-zero.
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and `composable_shard` from the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests` and `composable_shard` from the checkout
 
 from composable_shard import ShardingStrategy, fully_shard  # noqa: E402
-from tests.models import TinyGPT  # noqa: E402
-from tests.parity import Parity, run_parity  # noqa: E402
+from tests.support.models import TinyGPT  # noqa: E402
+from tests.support.parity import Parity, run_parity  # noqa: E402
 
 
 def node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

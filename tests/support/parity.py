@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import unshard_params
+from composable_shard import ShardingStrategy, fully_shard, unshard_params
 from composable_shard.state import unit_states_under
 
 from .models import batch, lm_loss
@@ -140,3 +140,14 @@ def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup
         if rank % shard_size == offset:
             replicate_group = group
     return shard_group, replicate_group  # type: ignore[return-value]  # this rank is in one of each
+
+
+def shard_manually(strategy: ShardingStrategy, **kwargs: object):
+    """How to shard a TinyGPT: each block, then the root, all with ``strategy``."""
+
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fully_shard(block, strategy=strategy, **kwargs)
+        fully_shard(model, strategy=strategy, **kwargs)
+
+    return shard

@@ -5,7 +5,7 @@ and full parameters compared after every step, ``zero_grad`` alternating
 between setting to None and zeroing (as FSDP2's tests do).
 
 Knows nothing of: which scenario is under test (callers pass how to build,
-shard, run forward and compute the loss). See tests/PEER_SCENARIOS.md.
+shard, run forward and compute the loss). See tests/peer/SCENARIOS.md.
 """
 
 from __future__ import annotations

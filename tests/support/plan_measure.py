@@ -7,7 +7,7 @@ Knows nothing of: how the plan computes its numbers (it only calls
 ``composable_shard.plan`` and ``describe``).
 
 Runs in a harness worker (real gloo groups) or, as ``python -m
-tests.plan_measure W [W ...]``, in a process of its own with PyTorch's fake
+tests.support.plan_measure W [W ...]``, in a process of its own with PyTorch's fake
 process group (every collective a no-op, so memory is real but values are
 not), printing one JSON line per (world size, rank, case).
 """

@@ -24,9 +24,9 @@ from composable_shard import (
     unshard_params,
 )
 
-from .harness import run_distributed
-from .models import Block, LoRAGPT, TinyGPT, batch, lm_loss
-from .parity import Parity, hybrid_groups, plain_step, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, LoRAGPT, TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, hybrid_groups, plain_step, run_parity
 
 NORM_TYPES = (2.0, math.inf, 1.0, 3.0, 0.5)
 

@@ -24,10 +24,10 @@ import torch.nn as nn
 
 from composable_shard import fully_shard
 
-from .harness import run_distributed
-from .hf_models import decoder_layers, hf_step, tiny_llama
-from .models import TinyGPT
-from .parity import Parity, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.hf_models import decoder_layers, hf_step, tiny_llama
+from tests.support.models import TinyGPT
+from tests.support.parity import Parity, run_parity
 
 # Graph breaks dynamo reports over a parity run at 2 ranks (torch 2.13.0),
 # per case. Each comes from our hooks: the asynchronous all-gather, the wait

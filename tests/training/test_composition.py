@@ -11,37 +11,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from composable_shard import fully_shard, unshard_params
 
-from .harness import run_distributed
-from .models import Block, LoRAGPT, TinyGPT, lm_loss
-from .parity import Parity, assert_resharded, plain_step, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, LoRAGPT, TinyGPT, function_checkpoint_gpt, lm_loss
+from tests.support.parity import Parity, assert_resharded, plain_step, run_parity
 
 
 def _shard_blocks_and_root(model: nn.Module) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-
-
-class _FunctionCheckpointGPT(TinyGPT):
-    """Calls torch.utils.checkpoint.checkpoint on each block."""
-
-    use_reentrant = False
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.use_reentrant)
-        return self.head(self.norm(x))
-
-
-def _function_checkpoint_gpt(use_reentrant: bool) -> nn.Module:
-    model = _FunctionCheckpointGPT()
-    model.use_reentrant = use_reentrant
-    return model
 
 
 def _wrapper_checkpoint_gpt() -> nn.Module:
@@ -80,8 +61,8 @@ def _counting_hooks(step_fn):
 
 def _checkpointing_matches_reference(rank: int, world_size: int) -> None:
     cases = {
-        "checkpoint(use_reentrant=False)": (functools.partial(_function_checkpoint_gpt, False), _shard_blocks_and_root),
-        "checkpoint(use_reentrant=True)": (functools.partial(_function_checkpoint_gpt, True), _shard_blocks_and_root),
+        "checkpoint(use_reentrant=False)": (functools.partial(function_checkpoint_gpt, False), _shard_blocks_and_root),
+        "checkpoint(use_reentrant=True)": (functools.partial(function_checkpoint_gpt, True), _shard_blocks_and_root),
         "checkpoint_wrapper": (_wrapper_checkpoint_gpt, _shard_blocks_and_root),
         "_composable.checkpoint": (TinyGPT, _shard_with_composable_checkpoint),
     }
@@ -173,7 +154,7 @@ def _frozen_parameters_are_freed_before_backward_ends(rank: int, world_size: int
 
 
 def batch_for(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .models import batch
+    from tests.support.models import batch
 
     inputs, targets = batch(0)
     per_rank = inputs.shape[0] // world_size

@@ -4,11 +4,10 @@ with no_sync and clip_grad_norm_); with a GPU, shards and sharded gradients
 live on CPU (pinned) between uses, the optimizer steps on CPU and training
 matches a reference on the GPU (skipped without one). Larger offloaded
 models, mixed precision, accumulation and state dicts on the GPU:
-tests/test_cuda_offload.py."""
+tests/cuda/test_offload.py."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -18,15 +17,14 @@ from composable_shard import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
-    clip_grad_norm_,
     fully_shard,
-    no_sync,
 )
 from composable_shard.state import unit_states_under
 
-from .harness import requires_cuda, run_distributed
-from .models import Block, TinyGPT, lm_loss
-from .parity import Parity, plain_step, run_parity
+from tests.support.harness_pool import requires_cuda, run_distributed
+from tests.support.models import Block, TinyGPT, lm_loss
+from tests.support.offload import accumulate_and_clip
+from tests.support.parity import Parity, plain_step, run_parity
 
 OFFLOAD = CPUOffload(offload_params=True)
 
@@ -38,27 +36,6 @@ def _shard(strategy: ShardingStrategy, **kwargs: object):
     return shard
 
 
-def _accumulate_and_clip(
-    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, use_no_sync: bool = True
-) -> torch.Tensor:
-    """Two micro-batches (the first under no_sync for the sharded model,
-    unless ``use_no_sync`` is False: then its reduced gradient is accumulated
-    with the second's), then clipping to a small norm. The unsharded
-    reference runs the same without no_sync."""
-    half = inputs.shape[0] // 2
-    sharded = any(True for _ in unit_states_under(model))
-    with no_sync(model) if sharded and use_no_sync else contextlib.nullcontext():
-        first = lm_loss(model(inputs[:half]), targets[:half])
-        first.backward()
-    second = lm_loss(model(inputs[half:]), targets[half:])
-    second.backward()
-    if sharded:
-        clip_grad_norm_(model, 0.1)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-    return ((first + second) / 2).detach()
-
-
 def _offload_on_cpu_is_a_no_op(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         run_parity(Parity(build=TinyGPT, shard=_shard(strategy)))
@@ -66,8 +43,8 @@ def _offload_on_cpu_is_a_no_op(rank: int, world_size: int) -> None:
         Parity(
             build=TinyGPT,
             shard=_shard(ShardingStrategy.FULL_SHARD),
-            step_fn=_accumulate_and_clip,
-            reference_step_fn=_accumulate_and_clip,
+            step_fn=accumulate_and_clip,
+            reference_step_fn=accumulate_and_clip,
             make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
         )
     )
@@ -117,8 +94,8 @@ def _offload_to_cpu_from_gpu(rank: int, world_size: int) -> None:
             build=TinyGPT,
             shard=_shard(ShardingStrategy.FULL_SHARD),
             device=device,
-            step_fn=_accumulate_and_clip,
-            reference_step_fn=_accumulate_and_clip,
+            step_fn=accumulate_and_clip,
+            reference_step_fn=accumulate_and_clip,
             make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
         )
     )

@@ -13,10 +13,10 @@ import torch.nn as nn
 
 from composable_shard import StateDictOptions, fully_shard, get_model_state_dict
 
-from .harness import run_distributed
-from .hf_models import decoder_layers, hf_step, tiny_gpt2, tiny_llama, tiny_lora_llama
-from .models import batch
-from .parity import Parity, adamw, run_parity
+from tests.support.harness_pool import run_distributed
+from tests.support.hf_models import decoder_layers, hf_step, tiny_gpt2, tiny_llama, tiny_lora_llama
+from tests.support.models import batch
+from tests.support.parity import Parity, adamw, run_parity
 
 
 def _shard_layers_and_root(model: nn.Module) -> None:

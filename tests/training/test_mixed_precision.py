@@ -28,34 +28,29 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from composable_shard import CustomPolicy, MixedPrecision, ShardingStrategy, fully_shard, unshard_params
+from composable_shard import CustomPolicy, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.runtime import in_backward
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.state import get_state
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
-from .parity import assert_resharded
-from .test_no_sync import CollectiveSpy
-
-BF16 = torch.bfloat16
-FP32 = torch.float32
-
-
-def _fp32_loss_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 on the (maybe bf16) logits."""
-    loss = lm_loss(model(inputs).float(), targets)
-    loss.backward()
-    return loss.detach()
-
+from tests.support.harness_pool import run_distributed
+from tests.support.mixed_precision import (
+    BF16,
+    FP32,
+    PrecisionCase,
+    by_policy,
+    cast_all,
+    fp32_loss_step,
+    run_mixed_precision_parity,
+    sgd,
+)
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 
 def _autocast_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=BF16):
@@ -65,122 +60,7 @@ def _autocast_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return loss.detach()
 
 
-def _cast_all(master: nn.Module, dtype: torch.dtype = BF16, keep_fp32: tuple[type[nn.Module], ...] = ()) -> nn.Module:
-    """A copy of ``master`` with floating-point tensors in ``dtype``, except
-    the own tensors of ``keep_fp32`` modules (never rounded through bf16)."""
-    compute = copy.deepcopy(master)
-    for module in compute.modules():
-        if not isinstance(module, keep_fp32):
-            module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
-    return compute
-
-
-def _sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-@dataclass
-class _Case:
-    name: str
-    build: Callable[[], nn.Module]
-    shard: Callable[[nn.Module], object]
-    # The reference's compute copy of the fp32 master weights.
-    make_compute: Callable[[nn.Module], nn.Module] = _cast_all
-    step_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _fp32_loss_step
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adamw
-    # Gradients reduced in fp32 (tight) or bf16 (bf16 rounding of the sum).
-    exact_reduction: bool = True
-    grad_dtype: torch.dtype = FP32
-    # Dtypes the reductions must use (spy on composable_shard.comm).
-    reduce_dtypes: set[torch.dtype] = field(default_factory=lambda: {FP32})
-    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = batch
-    steps: int = 3
-
-
-def _reference_step(master: nn.Module, case: _Case, inputs: torch.Tensor, targets: torch.Tensor, world_size: int):
-    """Loss and fp32 gradients of data-parallel low-precision training
-    (see [Note: the low-precision reference])."""
-    total_loss = torch.zeros((), dtype=FP32)
-    grads = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
-    for rank in range(world_size):
-        local = slice(rank * inputs.shape[0] // world_size, (rank + 1) * inputs.shape[0] // world_size)
-        compute = case.make_compute(master)
-        total_loss += case.step_fn(compute, inputs[local], targets[local]).float()
-        for name, param in compute.named_parameters():
-            if param.grad is not None:
-                grads[name] += param.grad.float()
-    return total_loss / world_size, {name: grad / world_size for name, grad in grads.items()}
-
-
-def _tolerances(case: _Case, expected: torch.Tensor) -> dict[str, float]:
-    if case.exact_reduction and case.grad_dtype == FP32:
-        return dict(atol=2e-6, rtol=2e-5)
-    scale = expected.abs().max().item()
-    return dict(atol=2**-7 * scale + 1e-7, rtol=2**-7)
-
-
-def _run_mixed_precision_parity(case: _Case, rank: int, world_size: int) -> nn.Module:
-    torch.manual_seed(0)
-    model = case.build()
-    master = copy.deepcopy(model)
-    case.shard(model)
-    for _, state in unit_states_under(model):
-        for handle in state.handles:
-            assert handle.sharded_flat_param.dtype == FP32, f"{case.name}: the master shard must stay fp32"
-    optimizer, reference_optimizer = case.make_optimizer(model), case.make_optimizer(master)
-    for step in range(case.steps):
-        when = f"{case.name}, step {step}"
-        with unshard_params(model, writeback=False), torch.no_grad():
-            for param, master_param in zip(model.parameters(), master.parameters()):
-                master_param.copy_(param)
-        inputs, targets = case.make_batch(step)
-        reference_loss, reference_grads = _reference_step(master, case, inputs, targets, world_size)
-        local = slice(rank * inputs.shape[0] // world_size, (rank + 1) * inputs.shape[0] // world_size)
-        spy = CollectiveSpy()
-        with spy.watching():
-            loss = case.step_fn(model, inputs[local], targets[local]).float()
-        reductions = spy.dtypes("reduce_scatter") | spy.dtypes("all_reduce")
-        if world_size > 1:
-            assert reductions == case.reduce_dtypes, f"{when}: reduced in {reductions}, expected {case.reduce_dtypes}"
-        dist.all_reduce(loss)
-        torch.testing.assert_close(loss / world_size, reference_loss, atol=2e-6, rtol=2e-6, msg=lambda m: f"{when}, loss: {m}")
-        assert_resharded(model)
-        for name, param in model.named_parameters():
-            assert param.dtype == FP32, f"{when}: {name} is {param.dtype} outside forward"
-            if param.grad is not None:
-                assert param.grad.dtype == case.grad_dtype, f"{when}: grad of {name} is {param.grad.dtype}"
-        with unshard_params(model, with_grads=True, writeback=False):
-            for name, param in model.named_parameters():
-                expected = reference_grads[name]
-                torch.testing.assert_close(
-                    param.grad.float(), expected, **_tolerances(case, expected), msg=lambda m: f"{when}, grad of {name}: {m}"
-                )
-        for name, master_param in master.named_parameters():
-            master_param.grad = reference_grads[name]
-        if case.grad_dtype != FP32:  # an optimizer that takes low-precision grads: upcast first
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.grad = param.grad.float()
-        optimizer.step()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        with unshard_params(model, writeback=False):
-            for (name, param), master_param in zip(model.named_parameters(), master.parameters()):
-                tolerance = dict(atol=2e-6, rtol=2e-5) if case.exact_reduction else dict(atol=2e-3, rtol=0.0)
-                torch.testing.assert_close(param, master_param, **tolerance, msg=lambda m: f"{when}, {name} after step: {m}")
-    return model
-
-
 # ------------------------------------------------------------------ cases
-def _by_policy(**kwargs: object) -> Callable[[nn.Module], None]:
-    return lambda model: fully_shard(model, policy={Block}, **kwargs)
-
-
 def _norms_in_fp32(mixed_precision: MixedPrecision) -> Callable[[nn.Module], None]:
     """The issue's recipe: blocks in bf16, LayerNorms as their own fp32 units."""
 
@@ -245,38 +125,38 @@ def _cast_forward_inputs_of_each_unit(model: nn.Module) -> None:
 _BF16_FP32_REDUCE = MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)
 
 
-def _cases() -> list[_Case]:
+def _cases() -> list[PrecisionCase]:
     return [
-        _Case("bf16 compute, fp32 reduce", TinyGPT, _by_policy(mixed_precision=_BF16_FP32_REDUCE)),
-        _Case(
+        PrecisionCase("bf16 compute, fp32 reduce", TinyGPT, by_policy(mixed_precision=_BF16_FP32_REDUCE)),
+        PrecisionCase(
             "bf16 compute, fp32 reduce, NO_SHARD",
             TinyGPT,
-            _by_policy(mixed_precision=_BF16_FP32_REDUCE, strategy=ShardingStrategy.NO_SHARD),
+            by_policy(mixed_precision=_BF16_FP32_REDUCE, strategy=ShardingStrategy.NO_SHARD),
         ),
-        _Case(
+        PrecisionCase(
             "bf16 compute and reduce (reduce_dtype defaults to param_dtype)",
             TinyGPT,
-            _by_policy(mixed_precision=MixedPrecision(param_dtype=BF16)),
-            make_optimizer=_sgd,
+            by_policy(mixed_precision=MixedPrecision(param_dtype=BF16)),
+            make_optimizer=sgd,
             exact_reduction=False,
             reduce_dtypes={BF16},
         ),
-        _Case(
+        PrecisionCase(
             "keep_low_precision_grads",
             TinyGPT,
-            _by_policy(mixed_precision=MixedPrecision(param_dtype=BF16, reduce_dtype=BF16, keep_low_precision_grads=True)),
-            make_optimizer=_sgd,
+            by_policy(mixed_precision=MixedPrecision(param_dtype=BF16, reduce_dtype=BF16, keep_low_precision_grads=True)),
+            make_optimizer=sgd,
             exact_reduction=False,
             grad_dtype=BF16,
             reduce_dtypes={BF16},
         ),
-        _Case(
+        PrecisionCase(
             "CustomPolicy: LayerNorms in fp32",
             TinyGPT,
             _norms_in_fp32(_BF16_FP32_REDUCE),
-            make_compute=functools.partial(_cast_all, keep_fp32=(nn.LayerNorm,)),
+            make_compute=functools.partial(cast_all, keep_fp32=(nn.LayerNorm,)),
         ),
-        _Case(
+        PrecisionCase(
             "cast_forward_inputs into bf16 blocks under an fp32 root",
             _FloatBlocks,
             _cast_forward_inputs_of_each_unit,
@@ -289,7 +169,7 @@ def _cases() -> list[_Case]:
 
 def _mixed_precision_matches_low_precision_reference(rank: int, world_size: int) -> None:
     for case in _cases():
-        _run_mixed_precision_parity(case, rank, world_size)
+        run_mixed_precision_parity(case, rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -315,7 +195,7 @@ def _compute_dtypes_and_master_copy(rank: int, world_size: int) -> None:
     record: list[tuple[str, torch.dtype, torch.dtype]] = []
     _record_dtypes(model, record)
     inputs, targets = batch(0)
-    _fp32_loss_step(model, inputs, targets)
+    fp32_loss_step(model, inputs, targets)
     seen = {name: (weight, arg) for name, weight, arg in record}
     assert seen["blocks.0.fc_in"] == (BF16, BF16), seen
     assert seen["head"] == (BF16, BF16), seen  # the tied head is gathered in bf16 with the root
@@ -421,26 +301,26 @@ def _checkpointed_gpt(use_reentrant: bool | None) -> nn.Module:
 def _autocast_matches_reference(rank: int, world_size: int) -> None:
     shard_blocks = lambda model: fully_shard(model, policy={_ProbeBlock})  # noqa: E731
     for use_reentrant in (None, False, True):
-        case = _Case(
+        case = PrecisionCase(
             f"autocast(bf16), checkpoint use_reentrant={use_reentrant}",
             functools.partial(_checkpointed_gpt, use_reentrant),
             shard_blocks,
             make_compute=copy.deepcopy,
             step_fn=_autocast_step,
         )
-        model = _run_mixed_precision_parity(case, rank, world_size)
+        model = run_mixed_precision_parity(case, rank, world_size)
         sharded_block = model.blocks[1].probe
         # Every forward, first run and re-run alike, ran under bf16 autocast.
         assert sharded_block and all(entry[1:] == (True, BF16, BF16) for entry in sharded_block), sharded_block
         reruns = [entry for entry in sharded_block if entry[0]]
         assert len(reruns) == (0 if use_reentrant is None else len(sharded_block) // 2), sharded_block
     # autocast on top of bf16 mixed precision.
-    _run_mixed_precision_parity(
-        _Case(
+    run_mixed_precision_parity(
+        PrecisionCase(
             "autocast over MixedPrecision(bf16), non-reentrant checkpoint",
             functools.partial(_checkpointed_gpt, False),
             lambda model: fully_shard(model, policy={_ProbeBlock}, mixed_precision=_BF16_FP32_REDUCE),
-            make_compute=_cast_all,
+            make_compute=cast_all,
             step_fn=_autocast_step,
         ),
         rank,

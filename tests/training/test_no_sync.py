@@ -5,65 +5,21 @@ strategy; a spy on ``composable_shard.comm`` counts the collectives."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import inspect
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard import ShardingStrategy, comm, fully_shard, no_sync
+from composable_shard import ShardingStrategy, fully_shard, no_sync
 from composable_shard.state import unit_states_under
 
-from .harness import run_distributed
-from .models import TinyGPT, batch, lm_loss
-from .parity import Parity, assert_resharded, compare_full
-
-# Every function composable_shard.comm defines (only it calls torch.distributed).
-COMM_FUNCTIONS = tuple(
-    name for name, value in vars(comm).items() if inspect.isfunction(value) and value.__module__ == comm.__name__
-)
-
-
-class CollectiveSpy:
-    """Wraps every ``composable_shard.comm`` collective with a function that
-    records (name, dtypes of its tensor arguments) and calls through."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
-        # (name, numel of the first tensor argument: a reduce-scatter's output).
-        self.sizes: list[tuple[str, int]] = []
-
-    def counts(self) -> collections.Counter[str]:
-        return collections.Counter(name for name, _ in self.calls)
-
-    def dtypes(self, name: str) -> set[torch.dtype]:
-        return {dtype for called, dtypes in self.calls if called == name for dtype in dtypes}
-
-    def _wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            self.calls.append((name, tuple(a.dtype for a in tensors)))
-            if tensors:
-                self.sizes.append((name, tensors[0].numel()))
-            return function(*args, **kwargs)
-
-        return spy
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[CollectiveSpy]:
-        originals = {name: getattr(comm, name) for name in COMM_FUNCTIONS}
-        for name, function in originals.items():
-            setattr(comm, name, self._wrap(name, function))
-        try:
-            yield self
-        finally:
-            for name, function in originals.items():
-                setattr(comm, name, function)
-
+from tests.support.comm_spies import CollectiveSpy
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, assert_resharded, compare_full
 
 def _shard(strategy: ShardingStrategy) -> Callable[[nn.Module], None]:
     def shard(model: nn.Module) -> None:

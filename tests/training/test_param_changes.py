@@ -37,12 +37,12 @@ from composable_shard import (
 )
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import run_distributed, run_subtests, world_sizes
-from .models import TinyGPT, batch, lm_loss
-from .parity import assert_resharded, plain_step
-from .test_mixed_precision import _Case, _reference_step
-from .test_parity_composition import _function_checkpoint_gpt
-from .test_no_sync import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy
+from tests.support.harness_pool import run_distributed, world_sizes
+from tests.support.harness_worker import run_subtests
+from tests.support.mixed_precision import PrecisionCase, reference_step
+from tests.support.models import TinyGPT, batch, function_checkpoint_gpt, lm_loss
+from tests.support.parity import assert_resharded, plain_step
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 BF16_FP32_REDUCE = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -52,7 +52,7 @@ def _build(use_reentrant: bool | None = None) -> nn.Module:
     """TinyGPT with ``blocks.2.norm`` frozen before sharding, so that block 2
     has a flat parameter grouped frozen by ``fully_shard``; with
     ``use_reentrant`` set, its blocks run under activation checkpointing."""
-    model = TinyGPT() if use_reentrant is None else _function_checkpoint_gpt(use_reentrant)
+    model = TinyGPT() if use_reentrant is None else function_checkpoint_gpt(use_reentrant)
     model.blocks[2].norm.requires_grad_(False)
     return model
 
@@ -118,7 +118,7 @@ class _Reference:
         self.model = copy.deepcopy(model)
         self.mixed_precision = mixed_precision
         self.world_size = world_size
-        self.case = _Case("reference", TinyGPT, lambda m: None)
+        self.case = PrecisionCase("reference", TinyGPT, lambda m: None)
         self.tolerance = dict(atol=2e-6, rtol=2e-5)
 
     def step(self, sharded: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class _Reference:
         with unshard_params(sharded, writeback=False), torch.no_grad():
             for param, master in zip(sharded.parameters(), self.model.parameters()):
                 master.copy_(param)
-        loss, grads = _reference_step(self.model, self.case, inputs, targets, self.world_size)
+        loss, grads = reference_step(self.model, self.case, inputs, targets, self.world_size)
         for name, master in self.model.named_parameters():
             master.grad = grads[name] if master.requires_grad else None
         return loss

@@ -17,26 +17,17 @@ from composable_shard import (
     is_fully_sharded,
 )
 
-from .harness import run_distributed
-from .models import Block, TinyGPT
-from .parity import Parity, hybrid_groups, run_parity
-
-
-def _shard_manually(strategy: ShardingStrategy, **kwargs: object):
-    def shard(model: nn.Module) -> None:
-        for block in model.blocks:
-            fully_shard(block, strategy=strategy, **kwargs)
-        fully_shard(model, strategy=strategy, **kwargs)
-
-    return shard
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT
+from tests.support.parity import Parity, hybrid_groups, run_parity, shard_manually
 
 
 def _strategies_match_reference(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-        run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy)))
+        run_parity(Parity(build=TinyGPT, shard=shard_manually(strategy)))
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
         shard_group, replicate_group = hybrid_groups(world_size)
-        run_parity(Parity(build=TinyGPT, shard=_shard_manually(strategy, process_group=(shard_group, replicate_group))))
+        run_parity(Parity(build=TinyGPT, shard=shard_manually(strategy, process_group=(shard_group, replicate_group))))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -48,9 +39,9 @@ def _hybrid_mesh_matches_reference(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    run_parity(Parity(build=TinyGPT, shard=_shard_manually(ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)))
+    run_parity(Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)))
     mesh_1d = init_device_mesh("cpu", (world_size,))
-    run_parity(Parity(build=TinyGPT, shard=_shard_manually(ShardingStrategy.FULL_SHARD, device_mesh=mesh_1d)))
+    run_parity(Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD, device_mesh=mesh_1d)))
 
 
 def test_hybrid_shard_over_a_2d_device_mesh_matches_reference() -> None:
@@ -126,7 +117,7 @@ def _prefetch_options_match_reference(rank: int, world_size: int) -> None:
         dict(backward_prefetch=None, limit_all_gathers=False),
         dict(forward_prefetch=True, limit_all_gathers=False),
     ):
-        run_parity(Parity(build=TinyGPT, shard=_shard_manually(ShardingStrategy.FULL_SHARD, **kwargs), steps=3))
+        run_parity(Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD, **kwargs), steps=3))
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -147,7 +138,7 @@ class _ReorderingGPT(TinyGPT):
 
 
 def _changing_order_matches_reference(rank: int, world_size: int) -> None:
-    from .parity import plain_step
+    from tests.support.parity import plain_step
 
     def step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model.reverse = not model.reverse
@@ -156,7 +147,7 @@ def _changing_order_matches_reference(rank: int, world_size: int) -> None:
     run_parity(
         Parity(
             build=_ReorderingGPT,
-            shard=_shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True),
+            shard=shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True),
             step_fn=step,
             reference_step_fn=step,
             steps=4,
@@ -169,7 +160,7 @@ def test_forward_order_change_between_iterations_stays_correct() -> None:
 
 
 def _sharding_at_world_size_one_matches_reference(rank: int, world_size: int) -> None:
-    run_parity(Parity(build=TinyGPT, shard=_shard_manually(ShardingStrategy.FULL_SHARD)))
+    run_parity(Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD)))
 
 
 def test_world_size_one_matches_reference() -> None:
