@@ -15,7 +15,6 @@ import torch
 
 from composable_shard import comm
 
-
 # Every function composable_shard.comm defines (only it calls torch.distributed).
 COMM_FUNCTIONS = tuple(
     name for name, value in vars(comm).items() if inspect.isfunction(value) and value.__module__ == comm.__name__

@@ -40,6 +40,7 @@ def accumulate_and_clip(
 
 
 def cuda_device(rank: int) -> torch.device:
+    """This rank's GPU, made the current device."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     return device
