@@ -15,7 +15,7 @@
 #   --reuse       use DIR/torch-VERSION as it is when its torch is VERSION (made by --keep, or by
 #                 hand with the pins below), instead of making it again.
 #   PYTHON=...    the interpreter the environments are made from (default python3).
-#   PYTEST_ARGS   extra pytest arguments (e.g. "-x" or "tests/test_plan.py").
+#   PYTEST_ARGS   extra pytest arguments (e.g. "-x" or "tests/plan/test_plan.py").
 #
 # Versions are exact (2.6.0, not 2.6). The test extra is pinned to releases that
 # work with each torch: transformers >= 5 needs torch >= 2.6, so older torch gets

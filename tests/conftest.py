@@ -1,7 +1,7 @@
 """Owns: session-wide pytest wiring: stopping the harness's warm worker pools when the
 session ends.
 
-Knows nothing of: composable_shard; what the pools run (see ``tests/harness.py``).
+Knows nothing of: composable_shard; what the pools run (see ``tests/support/harness_pool.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import shutdown_pools
+from tests.support.harness_pool import shutdown_pools
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,7 +11,7 @@ Public names: ``Overlap``, ``union``, ``comm_overlap``, ``device_intervals``,
 
 The arithmetic (``union``, ``comm_overlap``) is plain interval algebra on
 ``(stream, start, end)`` triples, tested on CPU with synthetic intervals
-(tests/test_bench_overlap.py). Lane time is the measure of the union of
+(tests/bench/test_overlap.py). Lane time is the measure of the union of
 every lane's intervals (two lanes busy at once count once); overlapped time
 is the measure of its intersection with the union of compute's intervals.
 Per lane, the same against compute alone.

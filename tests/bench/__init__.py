@@ -1,0 +1,1 @@
+"""Tests of scripts/bench.py's parts (the largest-size search, the overlap report)."""

@@ -1,0 +1,1 @@
+"""Tests on a real GPU (NCCL, streams, offload fences); skipped where no GPU is present."""

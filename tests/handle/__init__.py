@@ -1,0 +1,1 @@
+"""Tests of the flat-parameter handle library on its own, without hooks."""

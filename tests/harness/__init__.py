@@ -1,0 +1,1 @@
+"""Tests of the multi-process test harness itself (tests/support/harness_pool.py)."""

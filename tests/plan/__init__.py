@@ -1,0 +1,1 @@
+"""Tests of the sharding plan and its capacity search."""

@@ -1,0 +1,193 @@
+"""Bad use raises at once with a message naming the module or parameter and
+what to do, and leaves the model usable (it still trains like the
+reference)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from composable_shard import CustomPolicy, ModuleWrapPolicy, fully_shard, is_fully_sharded, unshard_params
+
+from tests.support.harness_pool import requires_cuda, run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, assert_resharded, compare_full
+
+
+def _shard_blocks_and_root(model: nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _train_step_matches(model: nn.Module, reference: nn.Module, rank: int, world_size: int, step: int = 0) -> None:
+    """One training step of both models, then full parameters compared."""
+    inputs, targets = batch(step)
+    per_rank = inputs.shape[0] // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    lm_loss(model(inputs[local]), targets[local]).backward()
+    lm_loss(reference(inputs), targets).backward()
+    for module in (model, reference):
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.grad is not None:
+                    param -= 0.1 * param.grad
+                    param.grad = None
+    assert_resharded(model)
+    compare_full(model, reference, Parity(build=TinyGPT, shard=_shard_blocks_and_root), "after the error", grads=False)
+
+
+def _sharding_twice_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    fully_shard(model.blocks[0])
+    with pytest.raises(ValueError, match=r"fully_shard\(Block\): this module is already sharded"):
+        fully_shard(model.blocks[0])
+    fully_shard(model, policy=ModuleWrapPolicy({Block}))
+    with pytest.raises(ValueError, match="already sharded"):
+        fully_shard(model.blocks[1])  # made a unit by the policy
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def _shared_parameter_between_units_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    fully_shard(model.tok_emb)  # the embedding is tied to the head outside it
+    with pytest.raises(ValueError, match=r"parameter 'head.weight' is the same tensor as a parameter of the already sharded unit 'tok_emb'"):
+        fully_shard(model)
+    assert not is_fully_sharded(model)
+    # Nothing of the failed call stuck: the root and blocks are untouched.
+    for name, param in model.named_parameters():
+        if not name.startswith(("tok_emb", "head")):
+            assert param.shape == shapes[name], name
+
+
+def _bad_arguments_raise(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="use_orig_params=False is not supported"):
+        fully_shard(model, use_orig_params=False)
+    with pytest.raises(TypeError, match="policy must be a Policy or a set of module classes"):
+        fully_shard(model, policy=[Block])
+    with pytest.raises(ValueError, match=r"overrides for Block name \['sync_module_states'\]"):
+        fully_shard(model, policy=CustomPolicy(lambda m: {"sync_module_states": True} if isinstance(m, Block) else False))
+    with pytest.raises(TypeError, match="ignored_states holds a str"):
+        fully_shard(model, ignored_states=["blocks.0"])
+    assert not any(is_fully_sharded(m) for m in model.modules())
+    assert all(p.shape == q.shape for p, q in zip(model.parameters(), reference.parameters()))
+    _shard_blocks_and_root(model)
+    with pytest.raises(ValueError, match="rank0_only=True with writeback=True is not supported"):
+        with unshard_params(model, rank0_only=True):
+            pass
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def _input_on_wrong_device_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard_blocks_and_root(model)
+    inputs, _ = batch(0)
+    with pytest.raises(ValueError, match=r"fully_shard\(<root>\): got an input on meta, but the module computes on cpu"):
+        model(inputs.to("meta"))
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def _changed_size_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard_blocks_and_root(model)
+    weight = model.blocks[1].fc_in.weight
+    local = weight.data
+    weight.data = torch.zeros(5, 5)
+    with pytest.raises(ValueError, match=r"parameter 'blocks.1.fc_in.weight' changed size behind the shards: it holds shape \(5, 5\)"):
+        model(batch(0)[0])
+    weight.data = local  # what the message asks: put back a tensor of the right size
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def _forward_during_unfinished_backward_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard_blocks_and_root(model)
+    inputs, targets = batch(0)
+    logits = model(inputs[: 8 // world_size])
+
+    def fail(grad: torch.Tensor) -> None:
+        raise KeyError("interrupted backward")
+
+    logits.register_hook(fail)
+    with pytest.raises(KeyError, match="interrupted backward"):
+        lm_loss(logits, targets[: 8 // world_size]).backward()
+    with pytest.raises(RuntimeError, match=r"forward called while the previous backward has not finished .* the model has been reset"):
+        model(inputs)
+    model.zero_grad(set_to_none=True)
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def _unshard_params_inside_forward_raises(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard_blocks_and_root(model)
+    seen: list[str] = []
+
+    def summon(module: nn.Module, args: tuple) -> None:
+        with pytest.raises(RuntimeError, match=r"unshard_params: called inside forward or backward"):
+            with unshard_params(model):
+                pass
+        seen.append("checked")
+
+    handle = model.blocks[0].register_forward_pre_hook(summon)
+    model(batch(0)[0][:2])
+    handle.remove()
+    assert seen == ["checked"]
+    _train_step_matches(model, reference, rank, world_size)
+
+
+_CASES = {
+    "twice": _sharding_twice_raises,
+    "shared": _shared_parameter_between_units_raises,
+    "arguments": _bad_arguments_raise,
+    "input_device": _input_on_wrong_device_raises,
+    "changed_size": _changed_size_raises,
+    "unfinished_backward": _forward_during_unfinished_backward_raises,
+    "unshard_in_forward": _unshard_params_inside_forward_raises,
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_bad_use_raises_a_clear_error_and_model_still_trains(case: str) -> None:
+    run_distributed(_CASES[case], 2)
+
+
+def _params_on_different_devices_raise(rank: int, world_size: int) -> None:
+    model = TinyGPT()
+    model.blocks.cuda(rank)
+    devices = {name: str(param.device) for name, param in model.named_parameters(remove_duplicate=False)}
+    with pytest.raises(ValueError, match=r"fully_shard\(TinyGPT\): parameters are on different devices") as info:
+        fully_shard(model)
+    # Whichever parameter is found first on each device is named (the order
+    # is the model's, not part of the contract): one on the CPU, one on the
+    # GPU, each with its own device.
+    named = re.findall(r"'([\w.]+)' on (cpu|cuda:\d+)", str(info.value))
+    assert len(named) == 2, str(info.value)
+    assert {device.split(":")[0] for _, device in named} == {"cpu", "cuda"}, str(info.value)
+    for name, device in named:
+        assert devices.get(name) == device, f"{name} is on {devices.get(name)}, the message says {device}"
+    assert "Move the module to one device" in str(info.value)
+    assert not is_fully_sharded(model)
+
+
+@requires_cuda
+def test_parameters_on_different_devices_raise() -> None:
+    run_distributed(_params_on_different_devices_raise, 1, backend="nccl")

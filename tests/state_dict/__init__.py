@@ -1,0 +1,1 @@
+"""Tests of model and optimizer state dicts of a sharded tree."""

@@ -1,0 +1,85 @@
+"""Owns: spies on ``composable_shard.comm``'s collectives that tests install to
+count calls, dtypes and sizes (both call through to the real collectives).
+
+Knows nothing of: what the tests assert about the calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+
+from composable_shard import comm
+
+# Every function composable_shard.comm defines (only it calls torch.distributed).
+COMM_FUNCTIONS = tuple(
+    name for name, value in vars(comm).items() if inspect.isfunction(value) and value.__module__ == comm.__name__
+)
+
+
+class CollectiveSpy:
+    """Wraps every ``composable_shard.comm`` collective with a function that
+    records (name, dtypes of its tensor arguments) and calls through."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
+        # (name, numel of the first tensor argument: a reduce-scatter's output).
+        self.sizes: list[tuple[str, int]] = []
+
+    def counts(self) -> collections.Counter[str]:
+        return collections.Counter(name for name, _ in self.calls)
+
+    def dtypes(self, name: str) -> set[torch.dtype]:
+        return {dtype for called, dtypes in self.calls if called == name for dtype in dtypes}
+
+    def _wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((name, tuple(a.dtype for a in tensors)))
+            if tensors:
+                self.sizes.append((name, tensors[0].numel()))
+            return function(*args, **kwargs)
+
+        return spy
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[CollectiveSpy]:
+        originals = {name: getattr(comm, name) for name in COMM_FUNCTIONS}
+        for name, function in originals.items():
+            setattr(comm, name, self._wrap(name, function))
+        try:
+            yield self
+        finally:
+            for name, function in originals.items():
+                setattr(comm, name, function)
+
+
+class CommSpy:
+    """Counts calls of composable_shard.comm's collectives (calls through)."""
+
+    NAMES = ("all_gather_into", "reduce_scatter", "all_reduce", "all_reduce_max", "broadcast", "broadcast_object",
+             "all_gather_object")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.saved: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> "CommSpy":
+        for name in self.NAMES:
+            original = getattr(comm, name)
+            self.saved[name] = original
+
+            def spy(*args: Any, _name: str = name, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                self.calls.append(_name)
+                return _original(*args, **kwargs)
+
+            setattr(comm, name, spy)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self.saved.items():
+            setattr(comm, name, original)

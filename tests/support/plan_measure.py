@@ -1,0 +1,217 @@
+"""Owns: building the planned-vs-allocated cases of the plan tests and
+measuring what ``fully_shard`` and ``torch.optim`` really allocate (storages
+of the parameters, gradients and optimizer state; the step's peak from the
+CPU allocator's profile, or the CUDA allocator).
+
+Knows nothing of: how the plan computes its numbers (it only calls
+``composable_shard.plan`` and ``describe``).
+
+Runs in a harness worker (real gloo groups) or, as ``python -m
+tests.support.plan_measure W [W ...]``, in a process of its own with PyTorch's fake
+process group (every collective a no-op, so memory is real but values are
+not), printing one JSON line per (world size, rank, case).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import composable_shard as cs
+from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy
+
+from .models import Block, LoRABlock, TinyGPT, lm_loss
+
+# Wide enough that parameters, not Python objects, dominate the profile.
+DIM, VOCAB, BATCH, SEQ = 128, 512, 2, 6
+
+
+def _wide_gpt() -> nn.Module:
+    return TinyGPT(n_blocks=4, dim=DIM, vocab=VOCAB)
+
+
+def _lora_gpt() -> nn.Module:
+    """LoRAGPT's layout (frozen base weights beside trainable low-rank
+    factors), at the wide width."""
+    model = TinyGPT(n_blocks=0, dim=DIM, vocab=VOCAB)
+    model.blocks = nn.ModuleList([LoRABlock(DIM) for _ in range(3)])
+    model.register_buffer("causal_mask", torch.ones(SEQ, SEQ).tril())  # unsharded: every rank holds it
+    return model
+
+
+def _manual(model: nn.Module, **kwargs: Any) -> None:
+    for block in model.blocks:  # type: ignore[union-attr]
+        cs.fully_shard(block, **kwargs)
+
+
+# name -> (model builder, plan/fully_shard kwargs, optimizer kind, manual pre-sharding)
+CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
+    "full_shard": (_wide_gpt, {"policy": {Block}}, "adamw", False),
+    "shard_grad_op": (_wide_gpt, {"policy": {Block}, "strategy": ShardingStrategy.SHARD_GRAD_OP}, "adamw", False),
+    "no_shard": (_wide_gpt, {"policy": {Block}, "strategy": ShardingStrategy.NO_SHARD}, "adam", False),
+    "prefetch": (
+        _wide_gpt,
+        {"policy": {Block}, "forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+        "adamw",
+        False,
+    ),
+    "manual_units": (_wide_gpt, {}, "adamw", True),
+    "frozen_lora": (_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
+    "sgd_momentum": (_wide_gpt, {"policy": {Block}}, "sgd", False),
+    "bf16_compute": (
+        _wide_gpt,
+        {"policy": {Block}, "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        "adamw",
+        False,
+    ),
+}
+
+_PLAN_ONLY = {"forward_prefetch", "backward_prefetch"}
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def unique_storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped)."""
+    seen: dict[tuple[int, int], int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def cpu_peak_above_start(fn: Callable[[], None]) -> int:
+    """Peak of the CPU allocator's running total above its value when ``fn``
+    starts, from the profiler's allocation and free events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") -> dict[str, Any]:
+    """Plan ``name`` for this rank, shard it, train two steps and return
+    the plan's numbers beside the allocated ones."""
+    build, kwargs, kind, manual = CASES[name]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build()
+    shard_kwargs = {k: v for k, v in kwargs.items() if k not in _PLAN_ONLY}
+    prefetch = {k: v for k, v in kwargs.items() if k in _PLAN_ONLY}
+    if manual:
+        _manual(model)
+    # Activations are measured on an unsharded model only: with manual units
+    # already sharded the plan has none, and the peak is not compared.
+    inputs = {} if manual else {"input_shape": (BATCH, SEQ)}
+    planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **inputs, **kwargs)
+    cs.fully_shard(model, **shard_kwargs, **prefetch)
+    described = cs.describe(model, optimizer=kind)
+    optimizer = _optimizer(kind, model)
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator).to(device)
+
+    def step() -> None:
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+
+    optimizer.zero_grad(set_to_none=True)
+    step()
+    params = unique_storage_bytes(model.parameters())
+    grads = unique_storage_bytes(p.grad for p in model.parameters())
+    optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    buffers = unique_storage_bytes(model.buffers())
+    optimizer.zero_grad(set_to_none=True)
+    # Earlier cases' models are garbage cycles (module <-> unit state) until
+    # the collector runs: were it to free one during the measured step, those
+    # frees would lower the measured peak. Collect now, and not during the step.
+    gc.collect()
+    gc.disable()
+    try:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = params + optim + buffers + torch.cuda.max_memory_allocated() - start
+        else:
+            peak = params + optim + buffers + cpu_peak_above_start(step)
+    finally:
+        gc.enable()
+    return {
+        "case": name,
+        "rank": rank,
+        "world_size": world_size,
+        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
+        "planned": dict(planned.rank_bytes),
+        "described": dict(described.rank_bytes),
+        "plan_table": _without_source(str(planned)),
+        "describe_table": _without_source(str(described)),
+        "peak_moment": planned.peak_moment,
+        "peak_comparable": not manual,
+    }
+
+
+def _without_source(table: str) -> str:
+    """The table down to the step's worst moment (only a plan given an input
+    measures activations, which can move that moment), source label blanked."""
+    kept = table.split("\n  worst moment")[0]
+    return kept.replace("(plan)", "(...)").replace("(fully_shard)", "(...)")
+
+
+# Cases measured on every (world size, rank); all of CASES run on rank 0 of
+# the smallest and largest world size (two cores: keep the test short).
+FAKE_PG_SUBSET = ("full_shard", "frozen_lora", "bf16_compute")
+
+
+def fake_pg_plan(world_sizes: list[int]) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(world size, rank, cases) that ``main`` measures."""
+    runs = []
+    for world_size in world_sizes:
+        for rank in sorted({0, world_size - 1}):
+            every = rank == 0 and world_size in (min(world_sizes), max(world_sizes))
+            runs.append((world_size, rank, tuple(CASES) if every else FAKE_PG_SUBSET))
+    return runs
+
+
+def main(world_sizes: list[int]) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = os.environ.get("PLAN_MEASURE_DEVICE", "cpu")
+    for world_size, rank, cases in fake_pg_plan(world_sizes):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            for name in cases:
+                print(json.dumps(measure_case(name, rank, world_size, device=device)), flush=True)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main([int(arg) for arg in sys.argv[1:]])
