@@ -65,3 +65,25 @@ def test_a_cell_holding_a_pipe_is_escaped_and_rows_must_match_the_header() -> No
         "| a | b |", "|---|---:|", "| x\\|y | 1 |"]
     with pytest.raises(ValueError, match="a row has 1 cells, the header 2"):
         markdown_table(["a", "b"], [["x"]])
+
+
+def test_largest_table_in_markdown_holds_the_plain_tables_cells(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.largest import Prediction, Search, _print_table
+    from bench.trials import TrialResult
+
+    def trial(n: int, status: str, peak: float | None) -> tuple[int, TrialResult]:
+        return n, TrialResult("composable_shard", n, status, 0, 12.0, peak_rise_mb=peak)
+
+    search = Search(3, [trial(1, "fits", 300.0), trial(4, "out of memory", None), trial(3, "fits", 512.5)])
+    prediction = Prediction(n_layer=4, plan_budget_bytes=2**30, slope_bytes=2**20)
+    tables = []
+    for markdown in (False, True):
+        args = parse_args(["--config", "largest", "--modes", "composable_shard", "--n-embd", "64", "--n-head", "2"]
+                          + (["--markdown"] if markdown else []))
+        _print_table(args, {"composable_shard": search}, prediction, 3 * 2**30, "pretended")
+        tables.append(capsys.readouterr().out)
+    plain_row = next(line for line in tables[0].splitlines() if line.startswith("composable_shard "))
+    lines = _table_lines(tables[1])
+    assert _cells(lines[0])[:2] == ["mode", "largest"] and len(lines) == 3
+    assert _cells(lines[2]) == plain_row.split()
+    assert _cells(lines[2])[1:4:2] == ["3", "512.5"]
