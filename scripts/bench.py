@@ -11,6 +11,7 @@ Run::
     python scripts/bench.py --config largest --memory-budget 3   # ... pretending the machine has 3 GiB
     python scripts/bench.py --config gpt-326m --modes composable_shard,fsdp1,fsdp2 --rounds 1 --steps 2 --warmup 1  # 16 x 1280
     python scripts/bench.py --rounds 5 --steps 6             # 5 rounds of 6 timed steps per mode
+    python scripts/bench.py --markdown                       # the result tables as Markdown (docs/benchmarks.md)
     python scripts/bench.py --device cuda --world-size 8 --mixed-precision bf16
     python scripts/bench.py --device cuda --simulate-world-size 64 --cpu-offload --mixed-precision bf16
     python scripts/bench.py --device cuda --simulate-world-size 8 --overlap-report   # lanes vs compute, per step

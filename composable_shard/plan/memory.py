@@ -11,43 +11,31 @@ Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
 ``OPTIMIZERS``. Activations are measured in ``activations.py``.
 
 [Note: the step the plan replays]
-The plan assumes the usual loop ``zero_grad(set_to_none=True)``, forward,
-backward, ``optimizer.step()`` after the first step (optimizer state exists).
-Forward runs the units in module pre-order; a unit's ancestors stay gathered
-while it runs; the root and the unit that runs last stay gathered from their
-forward to their backward (as ``runtime._post_forward`` does from the second
-step on); ``SHARD_GRAD_OP`` units stay gathered until
-their backward; forward prefetch gathers the next unit early. On CUDA the post-forward of
-a unit holds its buffer until the next all-gather allocated its own
-(``holds_freed_buffer``; [Note: what a lane waits for] in scheduler.py):
-when that next unit was not prefetched, the moment of its allocation has
-both buffers, with the activations live as its forward starts. Backward runs in
-reverse: the unit's gathered parameters, its ancestors', the unit
-``BACKWARD_PRE`` prefetches, its unsharded gradient (the per-parameter pieces
-and the padded flat gradient they are concatenated into exist together for a
-moment), the gradients of its ancestors' parameters used after it (held by
-autograd until the ancestor's flat gradient is complete), one reduction in
-flight (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``; through shared memory only
-its output: the padded gradient is copied out and freed when the reduction
-is issued) and the sharded gradients
-reduced so far. On CPU the prefetch of ``BACKWARD_PRE`` comes where
-``BACKWARD_POST``'s does ([Note: backward prefetch on CPU] in runtime.py):
-after the unit's reduction is issued and its parameters are freed, beside
-the reduction in flight; and a unit's pre-backward finishes the reduction in
-flight when that still holds its padded gradient (not shared memory). An all-gather through gloo's messages (CPU without
-shared memory) also holds gloo's flat copy of its whole output until it
-completes. Forward order is taken to be module registration order: an
-ancestor's parameters registered after the unit (a GPT's final norm and head)
-have their gradients before its backward. ``optimizer.step()`` holds every
-sharded gradient plus the optimizer's temporaries. The worst of these moments
-is the plan's peak.
+The plan assumes the usual loop (``zero_grad(set_to_none=True)``, forward,
+backward, ``optimizer.step()``, optimizer state already there) and replays
+the runtime's order; its worst moment is the plan's peak.
 
-The plan counts live tensors. On CPU a rank's resident set follows them
-because the backward gives the C heap's free pages back ([Note: trimming the
-host heap in backward] in host_memory.py); with that switched off
-(``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0``) glibc keeps freed chunks resident
-and the measured peak was 11-13% above the plan (GPTs of 24-64 blocks of
-width 1,280, 2 ranks).
+- Forward: units in module pre-order (taken to be registration order), each
+  with its ancestors gathered; the root and the last unit stay gathered
+  until their backward, ``SHARD_GRAD_OP`` units too; forward prefetch
+  gathers the next unit early. On CUDA a unit's freed buffer is held until
+  the next all-gather allocated its own (``holds_freed_buffer``), so an
+  unprefetched next unit briefly has both.
+- Backward, in reverse: the unit's and its ancestors' gathered parameters,
+  the ``BACKWARD_PRE`` prefetch (on CPU it comes after the unit's reduction
+  is issued, as ``BACKWARD_POST``), the unit's per-parameter and padded flat
+  gradients together for a moment, ancestors' gradients autograd holds
+  until their flat gradient completes, one reduction in flight
+  (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``; through shared memory only its
+  output), gloo's flat copy of an all-gather's output (CPU without shared
+  memory), and the sharded gradients reduced so far.
+- ``optimizer.step()``: every sharded gradient plus the optimizer's
+  temporaries.
+
+The plan counts live tensors; on CPU the resident set follows them because
+the backward trims the C heap ([Note: trimming the host heap in backward]
+in host_memory.py). Pinned by tests/test_plan.py (the plan against the
+allocator's bytes and the step's profiled peak).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ and lays each flat parameter out with ``flat_layout.compute_layout``: the
 functions ``fully_shard`` calls (see [Note: one copy of the unit rules]).
 ``describe`` reads the layouts ``fully_shard`` built. Both feed the same
 ``_assemble``, so ``plan(model, ...) == describe(sharded model)`` whenever the
-arguments match, and the tests compare both with what the allocator holds.
+arguments match. Pinned by tests/test_plan.py, which compares both with what
+the allocator holds.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ above it::
                   compute, per profiled step (interval arithmetic + profiler)
     memory.py     the memory pass (each mode in fresh processes)
     report.py     collecting the ranks' records, the printed table
+    markdown.py   --markdown: a table as Markdown, the same cells
     trials.py     --config largest: one trial (one mode, one n_layer) in
                   fresh processes, and the memory watchdog that stops it
     largest.py    --config largest: the budget, the plan's prediction, the

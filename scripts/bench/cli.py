@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CUDA only: after the timing pass, profile --overlap-steps steps of every mode on rank 0's "
                         "device and print, per step, how much of the lanes' (non-compute streams') device time "
                         "overlaps compute (see bench/overlap.py)")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the result tables as Markdown (the same numbers; docs/benchmarks.md is made of them)")
     p.add_argument("--overlap-steps", type=int, default=3, help="profiled steps per mode for --overlap-report")
     search_group = p.add_argument_group("--config largest (the search for the largest n_layer that trains)")
     search_group.add_argument("--memory-budget", type=float, default=None, metavar="GIB",

@@ -44,6 +44,7 @@ from typing import Protocol
 import torch
 from gpt import GPT, Block, GPTConfig
 
+from .markdown import markdown_table
 from .trials import MB, TrialResult, mem_available_bytes, run_trial
 
 logger = logging.getLogger("bench")
@@ -286,14 +287,23 @@ def main(args: argparse.Namespace) -> int:
 def _print_table(args: argparse.Namespace, searches: dict[str, Search], prediction: Prediction, budget: int,
                  how: str) -> None:
     print(f"\nlargest n_layer that trains (width {args.n_embd}; budget {budget / GiB:.2f} GiB: {how})")
-    print(f"{'mode':<17} {'largest':>7} {'params':>9} {'peak/rank MB':>12} {'first not fitting':>17} "
-          f"{'trials':>6} {'trial s (median)':>16}")
+    header = ["mode", "largest", "params", "peak/rank MB", "first not fitting", "trials", "trial s (median)"]
+    rows = []
     for mode, search in searches.items():
         at_limit = [o for n, o in search.trials if n == search.limit and o.fits]
         peak = f"{at_limit[0].peak_rise_mb:,.1f}" if at_limit else "-"
         times = [o.seconds for _, o in search.trials if isinstance(o, TrialResult)]
-        print(f"{mode:<17} {search.limit:>7} {_params(args, search.limit):>8,.1f}M {peak:>12} "
-              f"{search.first_failed or '-':>17} {len(search.trials):>6} {statistics.median(times) if times else 0:>16.0f}")
+        rows.append([mode, f"{search.limit}", f"{_params(args, search.limit):,.1f}M", peak,
+                     f"{search.first_failed or '-'}", f"{len(search.trials)}",
+                     f"{statistics.median(times) if times else 0:.0f}"])
+    if args.markdown:
+        print()
+        print(markdown_table(header, rows, right_aligned=set(range(1, len(header)))))
+        print()
+    else:
+        widths = [17, 7, 9, 12, 17, 6, 16]
+        for row in [header, *rows]:
+            print(" ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths))))
     print(f"plan's prediction for composable_shard: {prediction.n_layer} blocks "
           f"(measured {searches['composable_shard'].limit if 'composable_shard' in searches else '-'})")
     print("peak/rank: RSS high-water rise per rank after the processes' setup, largest over ranks (ours counts its "

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .configs import CONFIGS
+from .markdown import markdown_table
 from .peers import PEERS, bf16_enabled
 
 LOSS_RTOL = 1e-4  # fp32 agreement required between modes (relative)
@@ -102,8 +103,9 @@ def _plan_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str 
 
 
 def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
-    """Prints the tables; returns whether the losses agree (always true in
-    bf16 or simulated)."""
+    """Prints the tables (as Markdown with ``--markdown``: the same cells,
+    notes as a list); returns whether the losses agree (always true in bf16
+    or simulated)."""
     reference = "single" if "single" in results else args.modes[0]
     ref = results[reference]
     cs_ms = statistics.median(results["composable_shard"].step_ms) if "composable_shard" in results else None
@@ -118,17 +120,15 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         f"{'on' if args.activation_checkpointing else 'off'}{' | cpu offload' if args.cpu_offload else ''} "
         f"| {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps/mode | torch {torch.__version__}"
     )
-    rounds_header = " ".join(f"{'r' + str(r + 1):>7}" for r in range(args.rounds))
-    print(
-        f"{'mode':<17} {rounds_header} {'median ms':>9} {'tok/s':>8} {'cs/peer':>7} "
-        f"{'build ' + memory_unit:>15} {'peak ' + memory_unit:>14} {'final loss':>10} "
-        f"{'max|Δloss| vs ' + reference:>24} {'rel':>8}"
-    )
+    round_names = [f"r{r + 1}" for r in range(args.rounds)]
+    header = ["mode", *round_names, "median ms", "tok/s", "cs/peer", f"build {memory_unit}", f"peak {memory_unit}",
+              "final loss", f"max|Δloss| vs {reference}", "rel"]
+    rows: list[list[str]] = []
+    mismatched: list[bool] = []
     agree = True
     for mode in args.modes:
         res = results[mode]
         median_ms = statistics.median(res.step_ms)
-        rounds = " ".join(f"{statistics.median(ms):>7.1f}" for ms in res.round_ms)
         # Simulated: one rank's tokens; else the global batch, all ranks together.
         tokens = (per_rank_batch if args.simulated else args.batch_size) * args.block_size
         diff_txt, rel_txt, flagged = "-", "-", False
@@ -138,14 +138,30 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
             diff_txt, rel_txt = f"{diff:.2e}", f"{rel:.1e}"
             flagged = args.mixed_precision == "none" and rel > LOSS_RTOL
         agree = agree and not flagged
-        ratio = f"{cs_ms / median_ms:.2f}" if cs_ms is not None else "-"
-        build = f"{res.after_build_mb:.1f}" if res.after_build_mb is not None else "-"
-        peak = f"{res.peak_mb:.1f}" if res.peak_mb is not None else "-"
-        print(
-            f"{mode:<17} {rounds} {median_ms:>9.1f} {tokens / median_ms * 1000:>8.0f} {ratio:>7} "
-            f"{build:>15} {peak:>14} {res.losses[-1]:>10.5f} {diff_txt:>24} {rel_txt:>8}"
-            f"{'  MISMATCH' if flagged else ''}"
-        )
+        mismatched.append(flagged)
+        rows.append([
+            mode,
+            *(f"{statistics.median(ms):.1f}" for ms in res.round_ms),
+            f"{median_ms:.1f}",
+            f"{tokens / median_ms * 1000:.0f}",
+            f"{cs_ms / median_ms:.2f}" if cs_ms is not None else "-",
+            f"{res.after_build_mb:.1f}" if res.after_build_mb is not None else "-",
+            f"{res.peak_mb:.1f}" if res.peak_mb is not None else "-",
+            f"{res.losses[-1]:.5f}",
+            diff_txt,
+            rel_txt,
+        ])
+    if args.markdown:
+        marked = [[*row[:-1], row[-1] + (" MISMATCH" if flag else "")] for row, flag in zip(rows, mismatched)]
+        print()
+        print(markdown_table(header, marked, right_aligned=set(range(1, len(header)))))
+        print()
+    else:
+        widths = [17, *(7 for _ in round_names), 9, 8, 7, 15, 14, 10, 24, 8]
+        print(" ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(header, widths))))
+        for row, flag in zip(rows, mismatched):
+            line = " ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths)))
+            print(line + ("  MISMATCH" if flag else ""))
     notes = [
         "r1..rN: median step per round; median ms: over all rounds; cs/peer: composable_shard's median "
         "divided by the mode's (<1: composable_shard faster).",
@@ -174,5 +190,5 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     elif not args.simulated:
         notes.append(f"fp32: relative loss difference above {LOSS_RTOL:g} is flagged MISMATCH.")
     for note in notes:
-        print(note)
+        print(f"- {note}" if args.markdown else note)
     return agree
