@@ -16,8 +16,8 @@ from composable_shard import clip_grad_norm_, fully_shard, get_model_state_dict,
 from composable_shard.runtime import TreePhase, tree_phase
 from composable_shard.state import get_state, unit_states_under
 
-from .harness import run_distributed
-from .models import Block, TinyGPT, batch, lm_loss
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 
 
 def _phase(model: torch.nn.Module) -> TreePhase:
