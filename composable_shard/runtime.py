@@ -70,7 +70,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .api import BackwardPrefetch
-from .flat_param import FlatParamHandle
+from .handle import FlatParamHandle
 from .nested_tensors import map_tensors, scan_output
 from .scheduler import Scheduler
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState, raise_internal, unit_states_under

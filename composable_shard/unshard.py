@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from . import comm
-from .flat_param import FlatParamHandle, set_grad_of_other_dtype
+from .handle import FlatParamHandle, set_grad_of_other_dtype
 from .runtime import in_backward, reshard_held_units
 from .state import BETWEEN_STEPS, UnitState, get_state, unit_states_under
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..flat_layout import ParamInfo
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..runtime import in_backward, reshard_held_units
 from ..state import BETWEEN_STEPS, UnitState, unit_states_under
 from ..unshard import is_inside_unshard_params

@@ -41,7 +41,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from ..flat_layout import ParamInfo
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..runtime import in_backward, reshard_held_units
 from ..state import TrainingState, UnitState
 from .entries import is_shown_unsharded
