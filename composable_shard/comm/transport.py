@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import process_group
+from . import process_group, shared_memory
 from .shared_memory import (
     PLATFORM_SUPPORTED,
     HostSharedMemory,
-    bytes_per_rank,
     SharedMemoryUnavailable,
     SharedMemoryWork,
+    bytes_per_rank,
     prepare_for_compile,
 )
 
@@ -107,7 +107,12 @@ def _decide(group: ProcessGroup, nbytes: int) -> HostSharedMemory | None:
     transport = None
     if PLATFORM_SUPPORTED and dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group)):
         try:
-            transport = HostSharedMemory.connect(group, max(nbytes, _announced.get(group, 0)), wanted=switched_on())
+            transport = HostSharedMemory.connect(
+                group,
+                max(nbytes, _announced.get(group, 0)),
+                wanted=switched_on(),
+                slot_bytes=shared_memory.SLOT_BYTES,  # read now: the knob may be set until a group sets up
+            )
         except SharedMemoryUnavailable as unavailable:
             if unavailable.warn:
                 warnings.warn(
@@ -173,7 +178,7 @@ def shared_bytes_per_rank(largest_bytes: int) -> int:
     to ``largest_bytes`` per rank (its slots and header; bounded whatever
     the size: larger collectives stream through the slots). For memory
     plans, which know the sizes but no group."""
-    return bytes_per_rank(largest_bytes)
+    return bytes_per_rank(largest_bytes, shared_memory.SLOT_BYTES)
 
 
 def _live() -> list[HostSharedMemory]:
