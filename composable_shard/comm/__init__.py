@@ -87,7 +87,7 @@ def all_gather_into(
 ) -> Work | SharedMemoryWork | None:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank order).
     CPU tensors of a group on one host go through shared memory (see
-    [Note: shared-memory collectives] in comm/shared_memory.py)."""
+    [Note: shared-memory collectives] in comm/shared_memory/collectives.py)."""
     # Compiled code takes the group's one transport too, run eagerly (see
     # [Note: one transport per group] in comm/transport.py).
     if shard.device.type == "cpu" and torch.compiler.is_compiling():

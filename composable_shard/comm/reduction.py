@@ -18,9 +18,9 @@ the world size before the collective, the rest after it (powers of two
 divide without rounding). The casts are part of it: the sum runs in
 ``reduce_dtype`` and the mean is cast to ``grad_dtype`` on the device that
 reduced it. Pinned by test_gradient_reduction_is_the_mean_and_accumulates
-(tests/test_flat_param.py) and
+(test_flat_param.py) and
 test_mixed_precision_matches_a_low_precision_data_parallel_reference
-(tests/test_mixed_precision.py).
+(test_mixed_precision.py).
 """
 
 from __future__ import annotations

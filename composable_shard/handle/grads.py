@@ -17,9 +17,9 @@ would for an unsharded model. To accumulate, the flat gradient is recovered
 from those views when they still tile one storage as the layout says (the
 common case), else rebuilt from whatever the user left (assigned tensors
 copied, cleared ones zero). Pinned by
-test_gradient_reduction_is_the_mean_and_accumulates (tests/test_flat_param.py)
+test_gradient_reduction_is_the_mean_and_accumulates (test_flat_param.py)
 and test_no_sync_between_synchronised_backwards_and_nested_use
-(tests/test_no_sync.py).
+(test_no_sync.py).
 
 [Note: empty gradients on empty ranges]
 A parameter of which this rank holds no element gets an *empty* ``.grad``
@@ -31,7 +31,7 @@ saves. With an empty ``.grad`` every rank's optimizer steps every
 parameter, and the scalar state agrees across ranks whatever the layout.
 ``collect_user_grads`` and ``clip_grad_norm_`` ignore empty gradients.
 Pinned by test_frozen_empty_local_parts_and_low_precision_grads
-(tests/test_clip_grad_norm.py).
+(test_clip_grad_norm.py).
 
 [Note: CPU offload copies]
 With ``offload_params`` the fp32 shard lives in pinned host memory and only
@@ -58,8 +58,8 @@ every fence and download was enqueued; the optimizer and
 ``clip_grad_norm_`` run after that. Host writes to the shard (optimizer
 step, state-dict loads, write-back) happen after a backward, or after a
 forward that no backward follows, at whose end the runtime waits the same
-way. Pinned by tests/test_cuda_offload_fences.py and
-tests/test_scheduler_cuda_offload.py (CUDA).
+way. Pinned by test_cuda_offload_fences.py and
+test_scheduler_cuda_offload.py (CUDA).
 """
 
 from __future__ import annotations

@@ -38,12 +38,12 @@ step:
   mixed-precision policy set them. Part of a flat parameter cast alone would
   need a new grouping of the unit: refused, with what to do.
 
-Pinned by tests/test_parity_param_changes.py
+Pinned by test_parity_param_changes.py
 (test_requires_grad_changes_after_sharding_match_reference,
 test_float64_cast_after_sharding_trains_in_parity,
 test_cast_of_part_of_a_flat_parameter_is_refused_at_the_next_forward) and
 test_writeback_of_replaced_data_and_error_on_changed_size
-(tests/test_flat_param.py).
+(test_flat_param.py).
 """
 
 from __future__ import annotations
