@@ -326,9 +326,7 @@ class FlatParamHandle:
         and its backward the parameters are not the user's to edit)."""
         if self.shows_unsharded_views:
             return False
-        edits, requires_grad = writeback.find_user_edits(
-            self.layout, self.orig_params, self.sharded_flat_param, name_prefix=name_prefix
-        )
+        edits, requires_grad = writeback.find_user_edits(self, name_prefix=name_prefix)
         # A cast gives every parameter it changes new storage: only edited
         # parameters can have another dtype.
         cast = any(edit.param.dtype != self.layout.dtype for edit in edits)

@@ -6,8 +6,8 @@ Knows nothing of: how the flat parameter's storage is rebuilt for a change
 (``handle.storage`` applies what this finds), gradients' reduction,
 modules' training state, hooks, streams.
 
-Public names: ``UserEdit``, ``find_user_edits``, ``common_cast_dtype``,
-``check_requires_grad_change``.
+Public names: ``UserEdit``, ``ShardedParams``, ``find_user_edits``,
+``common_cast_dtype``, ``check_requires_grad_change``.
 
 [Note: changes to original parameters]
 Users change their parameters after ``fully_shard``; the handle's
@@ -48,14 +48,14 @@ test_writeback_of_replaced_data_and_error_on_changed_size
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..flat_layout import FlatParamLayout, ParamInfo
 
-__all__ = ["UserEdit", "find_user_edits", "common_cast_dtype", "check_requires_grad_change"]
+__all__ = ["UserEdit", "ShardedParams", "find_user_edits", "common_cast_dtype", "check_requires_grad_change"]
 
 
 class UserEdit(NamedTuple):
@@ -68,21 +68,28 @@ class UserEdit(NamedTuple):
     local: torch.Tensor | None
 
 
-def find_user_edits(
-    layout: FlatParamLayout,
-    orig_params: Sequence[nn.Parameter],
-    sharded_flat_param: torch.Tensor,
-    *,
-    name_prefix: str,
-) -> tuple[list[UserEdit], tuple[bool, ...]]:
+class ShardedParams(Protocol):
+    """What write-back reads of a handle."""
+
+    layout: FlatParamLayout
+    orig_params: tuple[nn.Parameter, ...]
+    sharded_flat_param: torch.Tensor
+
+
+def find_user_edits(handle: ShardedParams, *, name_prefix: str) -> tuple[list[UserEdit], tuple[bool, ...]]:
     """The parameters the user edited, and every parameter's
     ``requires_grad``: one pass, run every step. Raises on a replaced
     parameter object or a changed size; ``name_prefix`` (the unit's name and
-    a dot) completes parameter names in messages."""
+    a dot) completes parameter names in messages.
+
+    Takes the handle, not its tensors: under torch.compile (the root's
+    pre-forward runs here) a tensor argument is guarded by its shape, so
+    every handle would recompile this frame and break its graph again at the
+    storage check (test_compile.py records the breaks)."""
     edits: list[UserEdit] = []
     requires_grad: list[bool] = []
-    shard_ptr = sharded_flat_param.untyped_storage().data_ptr()
-    for info, param in zip(layout.params, orig_params):
+    shard_ptr = handle.sharded_flat_param.untyped_storage().data_ptr()
+    for info, param in zip(handle.layout.params, handle.orig_params):
         requires_grad.append(param.requires_grad)
         for owner in info.owners:
             if owner.module._parameters.get(owner.attr) is not param:
