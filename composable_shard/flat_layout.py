@@ -14,7 +14,8 @@ followed by tail padding so that its numel divides the shard group's size.
 Rank ``r`` of the shard group holds elements ``[r * shard_numel,
 (r + 1) * shard_numel)``. A parameter's local part is the intersection of its
 range with that window: one contiguous range of the flattened parameter, so
-ranks hold the parameter's elements in rank order.
+ranks hold the parameter's elements in rank order. Pinned by
+test_layout_of_a_small_module_is_stable (test_flat_param.py).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class FlatParamLayout:
     dtype: torch.dtype
     # The parameters' requires_grad when fully_shard grouped them; later
     # changes live in FlatParamHandle.param_requires_grad (see [Note: changes
-    # to original parameters] in flat_param.py).
+    # to original parameters] in handle/writeback.py).
     requires_grad: bool
     # Sizes of consecutive segments of the padded unsharded buffer: each
     # parameter's segment is preceded by its alignment padding (if any) and

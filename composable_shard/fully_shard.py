@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
-from .flat_param import FlatParamHandle, FlatParamSource
+from .handle import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks

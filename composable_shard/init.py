@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from . import comm
 from .api import MixedPrecision
-from .flat_param import FlatParamSource
+from .handle import FlatParamSource
 
 __all__ = ["check_materializable", "materialize_unit", "sync_unit_states", "cast_unit_buffers"]
 

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from .comm import PendingCollective, ShardGroups
-from .flat_param import FlatParamHandle
+from .handle import FlatParamHandle
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_layout import ParamOwner
-from .flat_param import FlatParamSource
+from .handle import FlatParamSource
 from .policy import Policy, UnitChoice, select_units
 from .state import UnitState, get_state, unit_states_under
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from . import comm
-from .flat_param import FlatParamHandle, set_grad_of_other_dtype
+from .handle import FlatParamHandle, set_grad_of_other_dtype
 from .runtime import enter_between_steps
 from .state import UnitState, get_state, unit_states_under
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 from composable_shard.comm import ShardGroups
 from composable_shard.comm import shared_memory, transport
 from composable_shard.flat_layout import ParamOwner
-from composable_shard.flat_param import FlatParamHandle, FlatParamSource
+from composable_shard.handle import FlatParamHandle, FlatParamSource
 
 
 def _seconds(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:

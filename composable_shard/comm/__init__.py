@@ -9,9 +9,12 @@ Collectives live in this folder, one file per concern:
 - ``transport.py``: which transport carries a collective (shared memory or
   the backend's messages), and which method reduces a gradient;
 - ``process_group.py``: the gloo/NCCL path, through ``torch.distributed``;
-- ``shared_memory.py``: the shared-memory transport between the processes
-  of one host;
-- ``groups.py``: the process groups of one unit (``ShardGroups``).
+- ``shared_memory/``: the shared-memory transport between the processes
+  of one host (its files, its slots and waits, its collectives);
+- ``groups.py``: the process groups of one unit (``ShardGroups``);
+- ``reduction.py``: a gradient reduction's settings and arithmetic (divide
+  factors, dtype casts), which ``reduce_grad`` and
+  ``finish_grad_reduction`` here run around the collectives.
 
 Only this folder calls ``torch.distributed`` collectives, and the rest of
 the package calls them through the functions defined here, so tests can
@@ -20,13 +23,16 @@ wrap this module to count or order them (a spy that calls through).
 Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``all_reduce``, ``all_reduce_max``, ``broadcast``, ``Work``,
-``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; for
-state dicts and checkpoints, ``broadcast_object`` and ``all_gather_object``.
+``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
+gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
+``finish_grad_reduction``; for state dicts and checkpoints,
+``broadcast_object`` and ``all_gather_object``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,7 @@ from torch.distributed import ProcessGroup
 from . import process_group, transport
 from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
+from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
 from .transport import expect_collective_bytes
 
@@ -53,13 +60,17 @@ __all__ = [
     "PendingCollective",
     "inputs_in_use",
     "expect_collective_bytes",
+    "GradReduceSettings",
+    "reduce_grad",
+    "finish_grad_reduction",
 ]
 
 # Work handle returned by asynchronous collectives (``None`` when synchronous).
 Work = dist.Work
 
 
-class PendingCollective(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class PendingCollective:
     """An issued collective and the tensors it reads or writes.
 
     Whoever holds this keeps ``output`` and ``inputs`` alive until the work is
@@ -76,7 +87,7 @@ def all_gather_into(
 ) -> Work | SharedMemoryWork | None:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank order).
     CPU tensors of a group on one host go through shared memory (see
-    [Note: shared-memory collectives] in comm/shared_memory.py)."""
+    [Note: shared-memory collectives] in comm/shared_memory/collectives.py)."""
     # Compiled code takes the group's one transport too, run eagerly (see
     # [Note: one transport per group] in comm/transport.py).
     if shard.device.type == "cpu" and torch.compiler.is_compiling():
@@ -149,6 +160,45 @@ def inputs_in_use(work: Any) -> bool:
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
     """Sum ``tensor`` in place over the group."""
     return process_group.all_reduce(tensor, group, async_op=async_op)
+
+
+def reduce_grad(unsharded_grad: torch.Tensor, settings: GradReduceSettings, *, async_op: bool) -> PendingCollective:
+    """Start reducing a padded unsharded gradient (see [Note: dividing
+    around the reduction] in comm/reduction.py): cast to the reduce dtype and
+    pre-divide, then reduce-scatter over the shard group or, unsharded,
+    all-reduce over the replicate group (none: nothing to wait for). Its
+    output is the summed shard; ``finish_grad_reduction`` makes the mean.
+
+    The pending collective keeps ``unsharded_grad`` alive: on CUDA the cast
+    reads it on the lane's stream, and compute (which allocated it) may
+    reuse its memory only after waiting on the fence ([Note: buffer
+    lifetimes across lanes] in scheduler.py)."""
+    computed_grad = unsharded_grad
+    summed_grad = prepare_for_sum(unsharded_grad, settings)
+    groups = settings.groups
+    if groups.is_sharded:
+        shard_numel = summed_grad.numel() // groups.shard_world_size
+        output = torch.empty(shard_numel, dtype=summed_grad.dtype, device=summed_grad.device)
+        work = reduce_scatter(output, summed_grad, groups.shard_group, async_op=async_op)
+        if not inputs_in_use(work):
+            # Copied out already (shared memory): the padded gradient is
+            # freed now rather than at the wait, one unit's less at peak.
+            return PendingCollective(work, output, ())
+        return PendingCollective(work, output, (summed_grad, computed_grad))
+    work = None
+    if groups.replicate_group is not None:
+        work = all_reduce(summed_grad, groups.replicate_group, async_op=async_op)
+    return PendingCollective(work, summed_grad, (computed_grad,))
+
+
+def finish_grad_reduction(reduced: PendingCollective, settings: GradReduceSettings) -> torch.Tensor:
+    """The mean gradient shard, in the gradient dtype, from a reduction whose
+    work was waited on: hybrid sharding first sums it over the replicate
+    group (synchronous), then the sum is post-divided and cast."""
+    summed_grad = reduced.output
+    if settings.groups.is_sharded and settings.groups.replicate_group is not None:
+        all_reduce(summed_grad, settings.groups.replicate_group, async_op=False)
+    return mean_of_sum(summed_grad, settings)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:

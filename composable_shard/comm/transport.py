@@ -24,12 +24,14 @@ not ``0``, all of them share one host's ``/dev/shm`` and process ids, and
 the largest collective the group announced up to the slot's fixed size
 (``expect_collective_bytes``, which every flat-parameter handle calls when
 it is built, before any collective; larger ones stream through the slots,
-see [Note: shared-memory collectives]); else
-the whole group uses the backend, with one warning on each rank where the
-ranks share a host but the files could not be made (no room, not
-writable). Under ``torch.compile`` a shared-memory collective runs outside
-the graph (``shared_memory.eagerly``: one graph break, where a gloo
-collective with ``async_op=True`` makes one too).
+see [Note: slots and waits] in comm/shared_memory/slots.py); else the whole
+group uses the backend, with one warning on each rank where the ranks share
+a host but the files could not be made (no room, not writable). Under
+``torch.compile`` a shared-memory collective runs outside the graph
+(``shared_memory.eagerly``: one graph break, where a gloo collective with
+``async_op=True`` makes one too). Pinned by test_comm_shared_memory.py
+(test_compiled_and_eager_ranks_use_the_groups_one_transport,
+test_group_with_one_rank_unable_falls_back_to_gloo_on_every_rank).
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import process_group
+from . import process_group, shared_memory
 from .shared_memory import (
     PLATFORM_SUPPORTED,
     HostSharedMemory,
-    bytes_per_rank,
     SharedMemoryUnavailable,
     SharedMemoryWork,
+    bytes_per_rank,
     prepare_for_compile,
 )
 
@@ -107,7 +109,12 @@ def _decide(group: ProcessGroup, nbytes: int) -> HostSharedMemory | None:
     transport = None
     if PLATFORM_SUPPORTED and dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group)):
         try:
-            transport = HostSharedMemory.connect(group, max(nbytes, _announced.get(group, 0)), wanted=switched_on())
+            transport = HostSharedMemory.connect(
+                group,
+                max(nbytes, _announced.get(group, 0)),
+                wanted=switched_on(),
+                slot_bytes=shared_memory.SLOT_BYTES,  # read now: the knob may be set until a group sets up
+            )
         except SharedMemoryUnavailable as unavailable:
             if unavailable.warn:
                 warnings.warn(
@@ -173,7 +180,7 @@ def shared_bytes_per_rank(largest_bytes: int) -> int:
     to ``largest_bytes`` per rank (its slots and header; bounded whatever
     the size: larger collectives stream through the slots). For memory
     plans, which know the sizes but no group."""
-    return bytes_per_rank(largest_bytes)
+    return bytes_per_rank(largest_bytes, shared_memory.SLOT_BYTES)
 
 
 def _live() -> list[HostSharedMemory]:
@@ -185,22 +192,16 @@ def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> st
 
     [Note: gradient collective per backend]
     NCCL (and any backend but gloo): a reduce-scatter, which moves each byte
-    once. gloo on CPU with every rank on one host: shared memory (measured in
-    [Note: shared-memory collectives], comm/shared_memory.py: about half the
-    time and CPU of the all-reduce below). Other gloo groups on CPU: an in-place all-reduce of the whole input, keeping this
-    rank's chunk. gloo's reduce-scatter copies its whole input before
+    once. gloo on CPU with every rank on one host: shared memory ([Note:
+    shared-memory collectives] in comm/shared_memory/collectives.py). Other
+    gloo groups on CPU: an in-place all-reduce of the whole input, keeping
+    this rank's chunk: gloo's reduce-scatter copies its whole input before
     reducing and reaches about half the bus bandwidth of its all-reduce, so
-    the all-reduce is faster although it moves twice the bytes. Measured with
-    ``scripts/bench_comm.py`` (world size 2, one thread per rank, 2 shared
-    cores under load, 40 calls each interleaved), all-reduce + chunk copy /
-    reduce-scatter median time: 0.92 at 1 MiB, 0.80 at 4 MiB, 0.81 at
-    16 MiB, although the all-reduce side also paid a full copy of its input
-    there; the handle's reduction on this path / raw reduce-scatter: 0.95,
-    0.79, 0.74. (An all-gather done as an all-reduce was slower at 1 and
-    4 MiB, so all-gathers stay all-gathers.) It costs no memory: the
-    padded gradient exists anyway and is freed after the reduction, and the
-    chunk is copied out of it (``ChunkOfAllReduce``), never kept as a view
-    that would hold the whole buffer alive.
+    the all-reduce is faster although it moves twice the bytes (measured:
+    docs/design/comm.md). It costs no memory: the padded gradient exists
+    anyway, and the chunk is copied out of it (``ChunkOfAllReduce``), never
+    kept as a view that would hold the whole buffer alive. Pinned by
+    test_comm_reduce_scatter.py.
     """
     if host_transport(input, group) is not None:
         return "shared_memory"

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..nested_tensors import scan_output
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard

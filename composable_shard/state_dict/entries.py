@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..flat_layout import ParamInfo
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..runtime import enter_between_steps
 from ..state import UnitState, unit_states_under
 from ..unshard import is_inside_unshard_params

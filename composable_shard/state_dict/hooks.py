@@ -41,7 +41,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from ..flat_layout import ParamInfo
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..runtime import enter_between_steps
 from ..state import UnitState
 from .entries import is_shown_unsharded

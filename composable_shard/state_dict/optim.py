@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .. import comm
-from ..flat_param import FlatParamHandle
+from ..handle import FlatParamHandle
 from ..state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of

@@ -327,7 +327,7 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
     group = dist.new_group(list(range(world_size)))
     shared = transport.shared_memory_of(group)
     assert shared is not None
-    fds = list(shared._fds) + list(shared._pidfds.values())
+    fds = list(shared.files.fds) + list(shared.files.pidfds.values())
     inodes = {str(os.fstat(fd).st_ino) for fd in fds}
 
     def mapped_files() -> list[str]:

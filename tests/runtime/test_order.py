@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from composable_shard import BackwardPrefetch, fully_shard
-from composable_shard.flat_param import FlatParamHandle
+from composable_shard.handle import FlatParamHandle
 from composable_shard.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed

@@ -23,7 +23,7 @@ import torch
 
 from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.comm import PendingCollective
-from composable_shard.flat_param import FlatParamHandle
+from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime import lazy_init
 from composable_shard.scheduler import CudaStreamLane, Scheduler
 from composable_shard.state import get_state, unit_states_under

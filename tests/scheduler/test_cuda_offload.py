@@ -30,7 +30,7 @@ import torch
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, no_sync
 from composable_shard.comm import PendingCollective
-from composable_shard.flat_param import FlatParamHandle
+from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime import lazy_init
 from composable_shard.scheduler import CudaStreamLane, Scheduler
 from composable_shard.state import get_state, unit_states_under

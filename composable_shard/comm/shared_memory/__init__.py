@@ -1,0 +1,50 @@
+"""Owns: the shared-memory transport between the processes of one host
+(all-gather and reduce-scatter through files in ``/dev/shm``), and its one
+knob, ``SLOT_BYTES``.
+
+Knows nothing of: the gloo/NCCL collectives, which collectives come here
+and when a group sets up (``comm.transport``), parameters, modules,
+streams.
+
+The folder, one noun per module, in import order:
+
+- ``eager.py``: the functions torch.compile runs eagerly (file I/O);
+- ``files.py``: the group's files: setup agreed by every rank, reservation,
+  mapping, removal ([Note: shared-memory setup]);
+- ``slots.py``: rounds, slots, waits for peers, liveness and timeouts,
+  ``SharedMemoryWork`` ([Note: slots and waits]);
+- ``collectives.py``: ``HostSharedMemory``: all-gather and reduce-scatter
+  as rounds ([Note: shared-memory collectives]).
+
+Public names: ``HostSharedMemory``, ``SharedMemoryWork``,
+``SharedMemoryUnavailable``, ``PLATFORM_SUPPORTED``, ``SLOTS``,
+``SLOT_BYTES``, ``slot_reservation``, ``bytes_per_rank``,
+``outside_graph``, ``eagerly``, ``prepare_for_compile``.
+"""
+
+from __future__ import annotations
+
+from .collectives import HostSharedMemory
+from .eager import eagerly, outside_graph
+from .files import PLATFORM_SUPPORTED, SLOTS, SharedMemoryUnavailable, bytes_per_rank, slot_reservation
+from .slots import SharedMemoryWork, prepare_for_compile
+
+__all__ = [
+    "HostSharedMemory",
+    "SharedMemoryWork",
+    "SharedMemoryUnavailable",
+    "PLATFORM_SUPPORTED",
+    "SLOTS",
+    "SLOT_BYTES",
+    "slot_reservation",
+    "bytes_per_rank",
+    "outside_graph",
+    "eagerly",
+    "prepare_for_compile",
+]
+
+# The most bytes one rank writes into one slot; an operation that moves more
+# streams through its slots in rounds. Read from here when a group sets up
+# (``comm.transport`` passes it; rank 0's value holds for the group), so
+# setting it before then changes the slots (docs/design/comm.md: why 2 MiB).
+SLOT_BYTES = 2 << 20

@@ -1,0 +1,26 @@
+"""Owns: one flat parameter: a group of a unit's parameters flattened into
+one sharded buffer, gathered for compute and reduced as one gradient.
+
+Knows nothing of: modules' training state, hooks, streams.
+
+The folder, one noun per module, in import order:
+
+- ``writeback.py``: what users changed on their parameters (values,
+  ``requires_grad``, a cast) and what is refused;
+- ``grads.py``: the sharded gradient once reduced: collected from what the
+  user left, accumulated (on the host when offloaded), shown as ``.grad``;
+- ``storage.py``: ``FlatParamHandle``, the buffers and the parameters'
+  views into them; it applies write-back, and reduces gradients through
+  ``comm.reduce_grad`` (the reduction's arithmetic lives in
+  ``comm/reduction.py``).
+
+Public names: ``FlatParamHandle``, ``FlatParamSource``,
+``set_grad_of_other_dtype``.
+"""
+
+from __future__ import annotations
+
+from .grads import set_grad_of_other_dtype
+from .storage import FlatParamHandle, FlatParamSource
+
+__all__ = ["FlatParamHandle", "FlatParamSource", "set_grad_of_other_dtype"]
