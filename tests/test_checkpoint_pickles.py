@@ -37,10 +37,15 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state_dict.convert import dcp_to_safetensors, dcp_to_torch_save
-from composable_shard.state_dict.files import MANIFEST_NAME, file_record, verify_checkpoint
-from composable_shard.state_dict.reader import DirectFileSystemReader
-from composable_shard.state_dict.safe_pickle import UnsafeCheckpointError
+from composable_shard.checkpoint import (
+    MANIFEST_NAME,
+    DirectFileSystemReader,
+    UnsafeCheckpointError,
+    dcp_to_safetensors,
+    dcp_to_torch_save,
+    verify_checkpoint,
+)
+from composable_shard.checkpoint.checksums import file_record
 
 from .harness import run_distributed
 from .test_optim_state_dict import make_optimizer

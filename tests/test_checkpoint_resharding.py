@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import composable_shard.state_dict.checkpoint as checkpoint_module
+import composable_shard.checkpoint.save_load as checkpoint_module
 from composable_shard import (
     CheckpointError,
     StateDictError,
@@ -30,7 +30,7 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state_dict.checkpoint import MANIFEST_NAME
+from composable_shard.checkpoint import MANIFEST_NAME
 from composable_shard.state_dict import RangeShardedTensor
 
 from .harness import run_distributed

@@ -45,7 +45,7 @@ from ..flat_param import FlatParamHandle
 from ..runtime import in_backward, reshard_held_units
 from ..state import TrainingState, UnitState
 from .entries import is_shown_unsharded
-from .shards import global_shape
+from .shards import global_shape, local_part, param_view
 
 __all__ = ["register_state_dict_hooks"]
 
@@ -56,26 +56,10 @@ def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
     """Attach the state-dict hooks to the unit's root module."""
     module = state.module
     return [
-        _register(module, "register_state_dict_post_hook", functools.partial(_post_state_dict, state)),
-        _register(module, "register_load_state_dict_pre_hook", functools.partial(_pre_load_state_dict, state)),
+        module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
+        module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
         module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
     ]
-
-
-# torch 2.4 has neither public name; its private registrations call the hook
-# with the same arguments (the load pre-hook only with ``with_module``), and
-# a state-dict hook returning None edits the state dict in place, as ours do.
-_PRIVATE_REGISTRATIONS = {
-    "register_state_dict_post_hook": ("_register_state_dict_hook", {}),
-    "register_load_state_dict_pre_hook": ("_register_load_state_dict_pre_hook", {"with_module": True}),
-}
-
-
-def _register(module: nn.Module, public_name: str, hook: Any) -> RemovableHandle:
-    if hasattr(module, public_name):
-        return getattr(module, public_name)(hook)
-    private_name, keywords = _PRIVATE_REGISTRATIONS[public_name]
-    return getattr(module, private_name)(hook, **keywords)
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
@@ -126,7 +110,7 @@ def _post_state_dict(
         full_flat = handle.gather_full_flat_param()  # collective over the shard group
         for info, keys in zip(handle.layout.params, keys_per_param):
             if keys:
-                value = full_flat[info.offset : info.offset + info.numel].view(info.shape).clone()
+                value = param_view(full_flat, info).clone()
                 state_dict.update((key, value) for key in keys)
         del full_flat
 
@@ -165,7 +149,7 @@ def _local_slice(key: str, value: Any, info: ParamInfo, param: nn.Parameter, err
             f"in current model is {tuple(info.shape)}."
         )
         return param.detach()  # copying a parameter onto itself changes nothing
-    return value.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+    return local_part(value, info)
 
 
 def _post_load_state_dict(state: UnitState, module: nn.Module, incompatible_keys: _IncompatibleKeys) -> None:

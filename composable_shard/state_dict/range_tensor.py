@@ -8,8 +8,6 @@ as it is.
 Knows nothing of: modules, units, optimizers, collectives (a value is built
 from one rank's 1-D range and the layout's ``RangeSharding``).
 
-Public names: ``RangeShardedTensor``, ``HAS_DCP_TENSOR_PROTOCOL``.
-
 [Note: DCP tensor protocol]
 ``torch.distributed.checkpoint`` asks every state-dict value that has them
 for three hooks, before its own ``isinstance`` checks for ShardedTensor and
@@ -43,16 +41,11 @@ staged copy of each attribute in). Any other tensor operation on it raises
 ``RuntimeError``: read it through ``set_model_state_dict`` /
 ``set_optimizer_state_dict``, or its ``local``.
 
-``HAS_DCP_TENSOR_PROTOCOL`` says whether the installed torch consults the
-hooks: the protocol module and the hook calls in DCP came in together
-(pytorch#127628, mid-2024). Where it is False the state dicts fall back to
-PyTorch's deprecated ShardedTensor (see shards.py) and its FutureWarnings
-are silenced around DCP calls.
+Pinned by tests/test_checkpoint_format.py and tests/test_state_dict.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
@@ -60,9 +53,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["RangeShardedTensor", "HAS_DCP_TENSOR_PROTOCOL"]
-
-HAS_DCP_TENSOR_PROTOCOL = importlib.util.find_spec("torch.distributed._checkpointable") is not None
+__all__ = ["RangeShardedTensor", "Box"]
 
 # (offsets, sizes, flat start) of one rectangular box of a flattened range.
 Box = tuple[tuple[int, ...], tuple[int, ...], int]
