@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable

@@ -37,6 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .checksums import file_record
 from .destinations import MODEL, OPTIM, saved_paths
@@ -76,7 +77,9 @@ def _read_state(directory: Path, roots: set[str] | None, trust: PickleTrust, ski
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
         try:
             reader = DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
-            dcp.load(state, storage_reader=reader, planner=DestinationLoadPlanner(tuple(sorted(fill, key=str))), no_dist=True)
+            # DCP's own single-process load, as format_utils.dcp_to_torch_save runs it (dcp.load would keep
+            # only the top-level keys it is given).
+            _load_state_dict(state, storage_reader=reader, planner=DestinationLoadPlanner(tuple(sorted(fill, key=str))), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a refusal is said as ours
             refusal = refusal_in(exc)
             if refusal is None:

@@ -164,6 +164,8 @@ def load_checkpoint(
     destination: dict[str, Any] = {MODEL: model_destination(entries, saved, strict, what, in_place=in_place)}
     # The rest (extra states and extra_state, step and hyperparameters) the planner fills from the metadata.
     fill = [(EXTRA,), *((MODEL, key) for key in entries.extra_states)]
+    if any(path[0] == EXTRA for path, _ in saved.values()):
+        destination[EXTRA] = {}  # dcp.load keeps only the top-level keys it is given
     options = StateDictOptions(strict=strict)
     if optimizer is not None:
         destination[OPTIM] = optim_destination(entries, optimizer, saved, strict, what, in_place=in_place)
@@ -201,9 +203,9 @@ def _optim_to_check(directory: Path, optim: dict[str, Any], what: str, trust: Pi
     groups = manifest_hints(directory).get("optim_param_groups")
     if isinstance(groups, list):
         return {"state": optim["state"], "param_groups": [{"params": list(names)} for names in groups]}
-    objects: dict[str, Any] = {}  # hyperparameters: a few bytes, read on their own
+    objects: dict[str, Any] = {OPTIM: {}}  # hyperparameters: a few bytes, read on their own
     _read(directory, objects, what, trust, in_place=False, planner=DestinationLoadPlanner(((OPTIM,),), objects_only=True))
-    return {"state": optim["state"], "param_groups": objects.get(OPTIM, {}).get("param_groups")}
+    return {"state": optim["state"], "param_groups": objects[OPTIM].get("param_groups")}
 
 
 def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:

@@ -14,10 +14,11 @@ The data pickle is unpickled by ``torch._weights_only_unpickler`` (what
 device, so nothing but a tensor description is built and a pickle that
 wants any other global raises ``pickle.UnpicklingError`` before it is
 called. ``torch.load(..., map_location="meta")`` gives the same description
-but costs about 3x per item in Python (docs/design/checkpoint.md), and an
-item is described on every load. The zip records are read through a view
-that serves the item's first and last 4 KiB (the headers, the pickle and
-the central directory) from memory. Pinned by
+at several times the cost per item in Python, and every load describes every
+item it reads, so the cost is the load's (docs/design/checkpoint.md). For
+the same reason a description is kept per data-pickle bytes (items of the
+same shape repeat), and the zip records are read through a view that serves
+the item's first and last 4 KiB from memory. Pinned by
 tests/test_checkpoint_reader.py.
 """
 
@@ -141,8 +142,31 @@ def describe_item(view: ItemView) -> SavedTensor:
             raise NotDescribed("another byte order")
     elif sys.byteorder != "little":
         raise NotDescribed("a checkpoint of unknown byte order")
+    data_pickle = archive.get_record("data.pkl")
+    described = _DESCRIBED.get(data_pickle)
+    if described is None:
+        described = _describe_pickle(data_pickle)
+        if len(_DESCRIBED) >= _DESCRIBED_MAX:
+            _DESCRIBED.clear()
+        _DESCRIBED[data_pickle] = described
+    dtype, key, storage_numel, storage_offset, size, stride = described
+    data_start = archive.get_record_offset(f"data/{key}")
+    storage_bytes = storage_numel * torch.empty((), dtype=dtype).element_size()
+    if data_start < 0 or data_start + storage_bytes > view.seek(0, io.SEEK_END):
+        raise NotDescribed("a storage record past the item's end")
+    return SavedTensor(dtype, storage_numel, storage_offset, size, stride, view.start + data_start)
+
+
+# A data pickle's bytes -> (dtype, storage key, storage numel, storage offset,
+# size, stride). The same bytes unpickle to the same plain tensor, and items
+# of the same shape repeat (every block of a model), so each is unpickled once.
+_DESCRIBED: dict[bytes, tuple[torch.dtype, str, int, int, tuple[int, ...], tuple[int, ...]]] = {}
+_DESCRIBED_MAX = 4096
+
+
+def _describe_pickle(data_pickle: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], tuple[int, ...]]:
     storages = _MetaStorages()
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data_pickle), encoding="utf-8")
     unpickler.persistent_load = storages  # type: ignore[attr-defined]  # as torch.load sets it
     try:
         tensor = unpickler.load()
@@ -150,19 +174,8 @@ def describe_item(view: ItemView) -> SavedTensor:
         raise NotDescribed(f"its pickle ({' '.join(str(exc).split())[:200]})", wants_global=True) from None
     if type(tensor) is not torch.Tensor or tensor.device.type != "meta" or len(storages.keys) != 1:
         raise NotDescribed("a pickle of something other than one plain tensor")
-    key = storages.keys[0]
-    data_start = archive.get_record_offset(f"data/{key}")
-    storage_bytes = tensor.untyped_storage().nbytes()
-    if data_start < 0 or data_start + storage_bytes > view.seek(0, io.SEEK_END):
-        raise NotDescribed("a storage record past the item's end")
-    return SavedTensor(
-        tensor.dtype,
-        storage_bytes // tensor.element_size(),
-        tensor.storage_offset(),
-        tuple(tensor.size()),
-        tuple(tensor.stride()),
-        view.start + data_start,
-    )
+    storage_numel = tensor.untyped_storage().nbytes() // tensor.element_size()
+    return tensor.dtype, storages.keys[0], storage_numel, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride())
 
 
 def box_span(saved: SavedTensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, bool] | None:
