@@ -355,12 +355,3 @@ def _read_exactly(stream: BinaryIO, offset: int, target: memoryview, path: str) 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The writable memory of a contiguous CPU tensor."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-@dataclasses.dataclass
-class _RefusedMetadata(Metadata):
-    """Stands for a ``.metadata`` this reader refused, so that ``dcp.load``
-    raises the refusal. See [Note: a refused .metadata reaches dcp.load's
-    caller]."""
-
-    refusal: CheckpointError | None = None

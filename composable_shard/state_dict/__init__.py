@@ -29,7 +29,7 @@ from .range_tensor import RangeShardedTensor
 from .checks import StateDictError
 from .model import get_model_state_dict, set_model_state_dict
 from .optim import get_optimizer_state_dict, set_optimizer_state_dict
-from ..checkpoint import CheckpointError, UnsafeCheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, DirectFileSystemReader, UnsafeCheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
     "get_model_state_dict",
@@ -43,4 +43,5 @@ __all__ = [
     "load_checkpoint",
     "CheckpointError",
     "UnsafeCheckpointError",
+    "DirectFileSystemReader",
 ]

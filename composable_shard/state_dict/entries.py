@@ -8,8 +8,6 @@ shared-module paths included), each sharded parameter's ranges on every rank
 Knows nothing of: state-dict values and their checks (``model``, ``optim``,
 ``checks``), optimizers, files.
 
-Public names: ``ModelEntries``, ``ShardedParamEntry``, ``model_entries``,
-``prepare_units``, ``is_shown_unsharded``, ``sharding_of``.
 """
 
 from __future__ import annotations

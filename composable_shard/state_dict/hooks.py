@@ -5,28 +5,16 @@ classes stay unchanged.
 
 Knows nothing of: DCP, optimizers, the training step's hooks.
 
-Public names: ``register_state_dict_hooks``.
-
 [Note: module state-dict hooks]
-``nn.Module.state_dict`` saves each module's ``_parameters`` (here: 1-D
-shards) and then runs the module's post-hooks once its whole subtree is
-saved. The post-hook of a unit root all-gathers each of its flat parameters
-(a collective: every rank calls ``state_dict``; the traversal order is the
-same on every rank) and replaces the shards under every name the unit's
-parameters go by — relative to the unit, below the ``prefix`` of this call —
-with full clones.
-
-``nn.Module.load_state_dict`` runs a module's pre-hooks before the module
-loads its own tensors and before it filters the dict for its children, so the
-pre-hook of a unit root can replace each full tensor in the dict with this
-rank's 1-D slice of it; ``_load_from_state_dict`` then ``copy_``s the slice
-into the parameter, which is a view of the shard: identity is kept and no
-collective runs. A full tensor of the wrong shape is reported in
-``error_msgs`` with the unsharded shapes (and replaced by the parameter's own
-data, so nothing is copied for it). With ``assign=True`` torch replaces the
-parameter objects; the post-hook copies their data into the shard and puts
-the original objects back. Inside ``unshard_params`` the parameters are full
-already and the hooks leave them to torch.
+A unit root's state-dict post-hook all-gathers each flat parameter (every
+rank calls ``state_dict``, in the same order) and puts full clones under
+every name its parameters go by below the call's prefix. Its load pre-hook
+runs before the module loads its tensors, so it replaces each full tensor
+with this rank's 1-D slice, which ``_load_from_state_dict`` copies into the
+shard view: identity kept, no collective; a wrong shape is reported in
+``error_msgs`` with the unsharded shapes. After ``assign=True`` the post-hook
+copies the assigned data into the shard and restores the original objects.
+Pinned by tests/test_state_dict.py.
 """
 
 from __future__ import annotations

@@ -10,9 +10,6 @@ and which units hold them (``entries``); how a bad argument or a state dict
 that does not fit is worded (``checks``); ``module.state_dict()`` /
 ``load_state_dict()`` go through ``hooks``.
 
-Public names: ``get_model_state_dict``, ``set_model_state_dict``,
-``empty_model_state_dict``, ``model_state_dict_views``.
-
 A full state dict holds plain tensors with the original names and shapes:
 every parameter (tied aliases and shared-module paths included, as
 ``nn.Module.state_dict`` names them), every persistent buffer and every extra

@@ -6,10 +6,6 @@ name, ``"param_groups"`` listing names under ``"params"``), full or sharded.
 Knows nothing of: files, the training step's hooks, how a model's names are
 found (``entries.model_entries``).
 
-Public names: ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
-``check_optimizer_state_dict``, ``OptimParam``, ``optimizer_params``, ``init_optimizer_state``,
-``is_param_shaped``.
-
 A per-parameter state tensor shaped like the (1-D, local) parameter is
 sharded exactly like the parameter: in a sharded state dict it is a
 RangeShardedTensor of the parameter's original shape (see [Note: sharded state
