@@ -84,22 +84,31 @@ class ItemView(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        self._position = max(0, base + offset)
+        # torch's zip reader seeks before every read: kept to plain arithmetic.
+        if whence == io.SEEK_SET:
+            self._position = offset
+        elif whence == io.SEEK_END:
+            self._position = self._length + offset
+        else:
+            self._position += offset
         return self._position
 
     def readinto(self, target: Any) -> int:
-        at = self._position
-        count = max(0, min(len(target), self._length - at))
-        if at + count <= len(self.head):
-            data = self.head[at : at + count]
+        at, head = self._position, self.head
+        count = min(len(target), self._length - at)
+        if count <= 0:
+            return 0
+        if at + count <= len(head):
+            target[:count] = head[at : at + count]
         elif at >= self._tail_start:
-            data = self._tail[at - self._tail_start : at - self._tail_start + count]
+            start = at - self._tail_start
+            target[:count] = self._tail[start : start + count]
         else:
             data = _pread(self._stream, self.start + at, count)
-        target[: len(data)] = data
-        self._position += len(data)
-        return len(data)
+            count = len(data)
+            target[:count] = data
+        self._position = at + count
+        return count
 
 
 def _pread(stream: BinaryIO, offset: int, length: int) -> bytes:
