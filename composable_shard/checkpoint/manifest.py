@@ -85,8 +85,8 @@ def write_manifest(
         "world_size": current_world_size(),
         "files": dict(sorted(files.items())),
         # For the converters: the model's keys in nn.Module.state_dict order,
-        # its 0-dim parameters stored with shape (1,) (earlier versions, and
-        # the ShardedTensor fallback; see stored_shape), and tied aliases ->
+        # its 0-dim parameters stored with shape (1,) (written by earlier
+        # versions; today's save writes none), and tied aliases ->
         # the canonical name of the same parameter (written once).
         "model_keys": model_keys,
         "scalar_params": scalar_params,

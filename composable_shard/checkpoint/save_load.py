@@ -60,6 +60,7 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
+
 # ------------------------------------------------------------------- save
 def save_checkpoint(
     path: str | os.PathLike[str],
