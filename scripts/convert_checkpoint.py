@@ -1,7 +1,7 @@
 """Convert between a sharded checkpoint directory and one file of full
 tensors: a ``torch.save`` file or a ``.safetensors`` file.
 
-Owns: the command line of ``composable_shard.state_dict.convert``
+Owns: the command line of ``composable_shard.checkpoint.convert``
 (``dcp_to_torch_save`` / ``torch_save_to_dcp`` / ``dcp_to_safetensors`` /
 ``safetensors_to_dcp``). Knows nothing of: how checkpoints are laid out (the
 library does).
@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from composable_shard.state_dict.convert import (  # noqa: E402
+from composable_shard.checkpoint.convert import (  # noqa: E402
     dcp_to_safetensors,
     dcp_to_torch_save,
     safetensors_to_dcp,

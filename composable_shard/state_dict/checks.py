@@ -6,9 +6,6 @@ a full state dict (``is_rank0``).
 
 Knows nothing of: units, flat parameters, state-dict values, optimizers,
 files; the callers name the function and the keys.
-
-Public names: ``StateDictError``, ``checked_options``, ``is_rank0``,
-``key_mismatch_message``, ``value_mismatch_message``.
 """
 
 from __future__ import annotations

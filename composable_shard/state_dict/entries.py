@@ -8,12 +8,11 @@ shared-module paths included), each sharded parameter's ranges on every rank
 Knows nothing of: state-dict values and their checks (``model``, ``optim``,
 ``checks``), optimizers, files.
 
-Public names: ``ModelEntries``, ``ShardedParamEntry``, ``model_entries``,
-``prepare_units``, ``is_shown_unsharded``, ``sharding_of``.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -147,7 +146,10 @@ def prepare_units(module: nn.Module, what: str) -> list[UnitState]:
     return units
 
 
-_GROUP_RANKS: dict[int, list[int]] = {}
+# Process group -> its global ranks. Keyed by the group itself, weakly: an
+# id() key could name a new group after the old one is destroyed, and a
+# strong key would keep destroyed groups alive.
+_GROUP_RANKS: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
 
 
 def sharding_of(entry: ShardedParamEntry) -> RangeSharding:
@@ -157,8 +159,7 @@ def sharding_of(entry: ShardedParamEntry) -> RangeSharding:
     if groups.shard_group is None:
         ranks = [rank]
     else:
-        key = id(groups.shard_group)
-        if key not in _GROUP_RANKS:
-            _GROUP_RANKS[key] = dist.get_process_group_ranks(groups.shard_group)
-        ranks = _GROUP_RANKS[key]
+        ranks = _GROUP_RANKS.get(groups.shard_group)
+        if ranks is None:
+            ranks = _GROUP_RANKS[groups.shard_group] = dist.get_process_group_ranks(groups.shard_group)
     return range_sharding(entry.info, entry.handle.layout, ranks, rank)

@@ -5,28 +5,16 @@ classes stay unchanged.
 
 Knows nothing of: DCP, optimizers, the training step's hooks.
 
-Public names: ``register_state_dict_hooks``.
-
 [Note: module state-dict hooks]
-``nn.Module.state_dict`` saves each module's ``_parameters`` (here: 1-D
-shards) and then runs the module's post-hooks once its whole subtree is
-saved. The post-hook of a unit root all-gathers each of its flat parameters
-(a collective: every rank calls ``state_dict``; the traversal order is the
-same on every rank) and replaces the shards under every name the unit's
-parameters go by — relative to the unit, below the ``prefix`` of this call —
-with full clones.
-
-``nn.Module.load_state_dict`` runs a module's pre-hooks before the module
-loads its own tensors and before it filters the dict for its children, so the
-pre-hook of a unit root can replace each full tensor in the dict with this
-rank's 1-D slice of it; ``_load_from_state_dict`` then ``copy_``s the slice
-into the parameter, which is a view of the shard: identity is kept and no
-collective runs. A full tensor of the wrong shape is reported in
-``error_msgs`` with the unsharded shapes (and replaced by the parameter's own
-data, so nothing is copied for it). With ``assign=True`` torch replaces the
-parameter objects; the post-hook copies their data into the shard and puts
-the original objects back. Inside ``unshard_params`` the parameters are full
-already and the hooks leave them to torch.
+A unit root's state-dict post-hook all-gathers each flat parameter (every
+rank calls ``state_dict``, in the same order) and puts full clones under
+every name its parameters go by below the call's prefix. Its load pre-hook
+runs before the module loads its tensors, so it replaces each full tensor
+with this rank's 1-D slice, which ``_load_from_state_dict`` copies into the
+shard view: identity kept, no collective; a wrong shape is reported in
+``error_msgs`` with the unsharded shapes. After ``assign=True`` the post-hook
+copies the assigned data into the shard and restores the original objects.
+Pinned by tests/test_state_dict.py.
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ from ..handle import FlatParamHandle
 from ..runtime import enter_between_steps
 from ..state import UnitState
 from .entries import is_shown_unsharded
-from .shards import global_shape
+from .shards import global_shape, local_part, param_view
 
 __all__ = ["register_state_dict_hooks"]
 
@@ -56,26 +44,10 @@ def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
     """Attach the state-dict hooks to the unit's root module."""
     module = state.module
     return [
-        _register(module, "register_state_dict_post_hook", functools.partial(_post_state_dict, state)),
-        _register(module, "register_load_state_dict_pre_hook", functools.partial(_pre_load_state_dict, state)),
+        module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
+        module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
         module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
     ]
-
-
-# torch 2.4 has neither public name; its private registrations call the hook
-# with the same arguments (the load pre-hook only with ``with_module``), and
-# a state-dict hook returning None edits the state dict in place, as ours do.
-_PRIVATE_REGISTRATIONS = {
-    "register_state_dict_post_hook": ("_register_state_dict_hook", {}),
-    "register_load_state_dict_pre_hook": ("_register_load_state_dict_pre_hook", {"with_module": True}),
-}
-
-
-def _register(module: nn.Module, public_name: str, hook: Any) -> RemovableHandle:
-    if hasattr(module, public_name):
-        return getattr(module, public_name)(hook)
-    private_name, keywords = _PRIVATE_REGISTRATIONS[public_name]
-    return getattr(module, private_name)(hook, **keywords)
 
 
 def _prepare(state: UnitState, handles: list[FlatParamHandle], what: str) -> None:
@@ -120,7 +92,7 @@ def _post_state_dict(
         full_flat = handle.gather_full_flat_param()  # collective over the shard group
         for info, keys in zip(handle.layout.params, keys_per_param):
             if keys:
-                value = full_flat[info.offset : info.offset + info.numel].view(info.shape).clone()
+                value = param_view(full_flat, info).clone()
                 state_dict.update((key, value) for key in keys)
         del full_flat
 
@@ -159,7 +131,7 @@ def _local_slice(key: str, value: Any, info: ParamInfo, param: nn.Parameter, err
             f"in current model is {tuple(info.shape)}."
         )
         return param.detach()  # copying a parameter onto itself changes nothing
-    return value.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+    return local_part(value, info)
 
 
 def _post_load_state_dict(state: UnitState, module: nn.Module, incompatible_keys: _IncompatibleKeys) -> None:

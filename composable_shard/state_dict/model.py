@@ -10,9 +10,6 @@ and which units hold them (``entries``); how a bad argument or a state dict
 that does not fit is worded (``checks``); ``module.state_dict()`` /
 ``load_state_dict()`` go through ``hooks``.
 
-Public names: ``get_model_state_dict``, ``set_model_state_dict``,
-``empty_model_state_dict``, ``model_state_dict_views``.
-
 A full state dict holds plain tensors with the original names and shapes:
 every parameter (tied aliases and shared-module paths included, as
 ``nn.Module.state_dict`` names them), every persistent buffer and every extra
@@ -38,7 +35,7 @@ from .. import comm
 from ..state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of
-from .shards import global_shape, range_source_error, read_range, sharded_tensor_of_range
+from .shards import global_shape, local_part, param_view, range_source_error, read_range, sharded_tensor_of_range
 
 __all__ = [
     "get_model_state_dict",
@@ -105,7 +102,7 @@ def _full_values(units: list[UnitState], entries: ModelEntries, options: StateDi
                 continue
             for entry in handle_entries:
                 info = entry.info
-                view = full_flat[info.offset : info.offset + info.numel].view(info.shape)
+                view = param_view(full_flat, info)
                 value = view.to("cpu", copy=True) if options.cpu_offload else view.clone()
                 values.update((key, value) for key in entry.keys)
             del full_flat  # one unit's gathered copy at a time
@@ -299,8 +296,7 @@ def _set_broadcast(
             if keys:
                 info = entry.info
                 full = _broadcast_tensor(state_dict, keys[-1], info.shape, entry.param.dtype, device)
-                local = full.reshape(-1)[info.local_start : info.local_start + info.local_numel]
-                entry.handle.local_shard_view(info).copy_(local)
+                entry.handle.local_shard_view(info).copy_(local_part(full, info))
         for tensors in (entries.plain_params, entries.buffers):
             for key, tensor in tensors.items():
                 if key in present:

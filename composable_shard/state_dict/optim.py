@@ -6,10 +6,6 @@ name, ``"param_groups"`` listing names under ``"params"``), full or sharded.
 Knows nothing of: files, the training step's hooks, how a model's names are
 found (``entries.model_entries``).
 
-Public names: ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
-``check_optimizer_state_dict``, ``OptimParam``, ``optimizer_params``, ``init_optimizer_state``,
-``is_param_shaped``.
-
 A per-parameter state tensor shaped like the (1-D, local) parameter is
 sharded exactly like the parameter: in a sharded state dict it is a
 RangeShardedTensor of the parameter's original shape (see [Note: sharded state
@@ -35,7 +31,15 @@ from ..handle import FlatParamHandle
 from ..state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of
-from .shards import global_shape, is_sharded_tensor, range_source_error, read_range, sharded_tensor_of_range
+from .shards import (
+    global_shape,
+    is_sharded_tensor,
+    local_part,
+    param_view,
+    range_source_error,
+    read_range,
+    sharded_tensor_of_range,
+)
 
 __all__ = [
     "get_optimizer_state_dict",
@@ -224,7 +228,7 @@ def _full_state(
                 for op in ops:
                     if merged[op.fqn].get(key, ("",))[0] == "sharded":
                         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
-                        view = full_flat[info.offset : info.offset + info.numel].view(info.shape)
+                        view = param_view(full_flat, info)
                         state[op.fqn][key] = view.to("cpu", copy=True) if options.cpu_offload else view.clone()
     return state if keep else {}
 
@@ -422,7 +426,7 @@ def _receive_broadcast(
             if isinstance(item, _TensorSpec):
                 full = _broadcast_full(state_dict, op, key, item)
                 info = op.entry.info  # type: ignore[union-attr]  # specs are for sharded parameters
-                state[op.fqn][key] = full.reshape(-1)[info.local_start : info.local_start + info.local_numel].clone()
+                state[op.fqn][key] = local_part(full, info).clone()
             else:
                 state[op.fqn][key] = item
     return state, skeleton["param_groups"]

@@ -8,51 +8,25 @@ as it is.
 Knows nothing of: modules, units, optimizers, collectives (a value is built
 from one rank's 1-D range and the layout's ``RangeSharding``).
 
-Public names: ``RangeShardedTensor``, ``HAS_DCP_TENSOR_PROTOCOL``.
-
 [Note: DCP tensor protocol]
-``torch.distributed.checkpoint`` asks every state-dict value that has them
-for three hooks, before its own ``isinstance`` checks for ShardedTensor and
-plain tensors (``planner_helpers._create_write_items`` /
-``_create_chunk_list``, ``utils.find_tensor_shard``); DTensor implements
-them, and the protocol is declared in ``torch.distributed._checkpointable``:
-
-- ``__create_write_items__(fqn, object)``: on save, one ``WriteItem`` of type
-  ``SHARD`` per box, indexed by (fqn, box offsets), carrying the box
-  (``ChunkStorageMetadata``), the dtype and the full size. The coordinator
-  merges every rank's items into the checkpoint metadata and drops duplicate
-  indices (replicas write a box once).
-- ``__create_chunk_list__()``: on load, this rank's boxes; DCP reads the
-  overlap of each with every saved chunk, whatever world size or sharding
-  (ours, FSDP2's DTensor rows, a plain tensor) wrote them.
-- ``__get_tensor_shard__(index)``: the box at ``index.offset`` as a plain
-  tensor (a view of the rank's range), which DCP reads from when saving and
-  writes into when loading, so loading into a state dict from
-  ``get_model_state_dict`` writes straight into the shards.
-
-DCP only reaches the shard lookup for values that are ``torch.Tensor``
-instances, and compares ``.size()`` with the saved size; so this is a wrapper
-subclass with the full shape and no storage of its own. A rank holding no
-element has no boxes: it writes and reads nothing for the key but still has
-it (so every rank's state dict has the same keys; DCP's load planner treats
-a key missing on one rank as a pre-2.4 checkpoint). No collective runs.
-
-``new_empty`` of its own shape gives the same range and boxes over a new
-``local``: ``dcp.async_save`` stages a state dict that way (then sets a
-staged copy of each attribute in). Any other tensor operation on it raises
-``RuntimeError``: read it through ``set_model_state_dict`` /
-``set_optimizer_state_dict``, or its ``local``.
-
-``HAS_DCP_TENSOR_PROTOCOL`` says whether the installed torch consults the
-hooks: the protocol module and the hook calls in DCP came in together
-(pytorch#127628, mid-2024). Where it is False the state dicts fall back to
-PyTorch's deprecated ShardedTensor (see shards.py) and its FutureWarnings
-are silenced around DCP calls.
+DCP asks a state-dict value for three hooks before its own type checks (the
+protocol DTensor implements, ``torch.distributed._checkpointable``):
+``__create_write_items__`` (on save, one SHARD item per box; the coordinator
+drops duplicate indices, so replicas write a box once),
+``__create_chunk_list__`` (on load, this rank's boxes; DCP reads the overlap
+with whatever chunks were saved) and ``__get_tensor_shard__`` (the box as a
+view of the rank's range, read when saving and written when loading, so a
+load writes straight into the shards). DCP only reaches them for
+``torch.Tensor`` instances and compares ``.size()``: hence a wrapper
+subclass of the full shape without storage. A rank with no element keeps
+the key with no boxes (every rank's state dict has the same keys).
+``new_empty`` of its own shape gives the same boxes over a new ``local``
+(``dcp.async_save`` stages that way); any other operation raises
+``RuntimeError``. Pinned by tests/test_checkpoint_format.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
@@ -60,9 +34,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["RangeShardedTensor", "HAS_DCP_TENSOR_PROTOCOL"]
-
-HAS_DCP_TENSOR_PROTOCOL = importlib.util.find_spec("torch.distributed._checkpointable") is not None
+__all__ = ["RangeShardedTensor", "Box"]
 
 # (offsets, sizes, flat start) of one rectangular box of a flattened range.
 Box = tuple[tuple[int, ...], tuple[int, ...], int]
@@ -182,10 +154,11 @@ def _owning_alias(view: torch.Tensor) -> torch.Tensor:
     bytes (to avoid writing the whole storage), and torch 2.13's writer keeps
     every tensor of a file alive until the file is done: for our boxes, views
     of the flat shard, that is a second copy of the rank's whole shard during
-    ``dcp.save`` (1.5 GB at 0.5B parameters on 2 ranks). An alias made through
+    ``dcp.save`` (a whole shard more at peak). An alias made through
     numpy has a storage of exactly the box's bytes, so DCP writes it as it is;
     it keeps the shard alive through the array it wraps, and writes into it
-    (a load) reach the shard."""
+    (a load) reach the shard. Measured by scripts/bench_checkpoint.py (save
+    peak; docs/design/checkpoint.md)."""
     if view.device.type != "cpu" or view.untyped_storage().nbytes() == view.numel() * view.element_size():
         return view
     carrier = _CARRIERS.get(view.element_size())

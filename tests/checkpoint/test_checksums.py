@@ -1,12 +1,12 @@
 """Checkpoint checksums in both algorithms (see [Note: checksum algorithms]
-in composable_shard/state_dict/files.py): xxh3_64 where ``xxhash`` is
+in composable_shard/checkpoint/checksums.py): xxh3_64 where ``xxhash`` is
 installed, CRC-32 otherwise. In both, a bit-flipped or truncated file is
 refused with the model and optimizer unchanged; a manifest in CRC-32 (every
 manifest written before xxh3_64) still verifies where ``xxhash`` is
 installed; an xxh3_64 checkpoint where ``xxhash`` is missing is refused with
 what to install, never loaded unverified.
 
-The CRC-32 path is forced in-process by setting ``files._xxhash = None``
+The CRC-32 path is forced in-process by setting ``checksums._xxhash = None``
 (restored afterwards: the harness's workers are reused)."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import composable_shard.state_dict.files as files_module
+import composable_shard.checkpoint.checksums as files_module
 from composable_shard import CheckpointError, load_checkpoint, save_checkpoint
-from composable_shard.state_dict.checkpoint import MANIFEST_NAME
+from composable_shard.checkpoint import MANIFEST_NAME
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT

@@ -1,6 +1,6 @@
 """Converting a sharded checkpoint directory to one ``torch.save`` file of the
 unsharded model (original names and shapes) and back, with no process
-group: ``composable_shard.state_dict.checkpoint.dcp_to_torch_save`` /
+group: ``composable_shard.checkpoint.dcp_to_torch_save`` /
 ``torch_save_to_dcp`` and their command line, ``scripts/convert_checkpoint.py``;
 and to one ``.safetensors`` file (tied weights stored once, as transformers
 writes them) that the unsharded model, ``safetensors`` and ``transformers``
@@ -25,7 +25,7 @@ from composable_shard import (
     load_checkpoint,
     save_checkpoint,
 )
-from composable_shard.state_dict.checkpoint import dcp_to_torch_save, torch_save_to_dcp
+from composable_shard.checkpoint import dcp_to_torch_save, torch_save_to_dcp
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT, TinyGPT

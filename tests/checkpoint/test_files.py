@@ -1,5 +1,5 @@
 """The switch of a new checkpoint directory into place
-(composable_shard/state_dict/files.py), with failures injected in-process:
+(composable_shard/checkpoint/switch.py, manifest.py), with failures injected in-process:
 the parent directory is synced right after the exchange (before the old
 checkpoint is deleted); an old checkpoint that cannot be deleted (an NFS
 ``.nfsXXXX`` file held open) is a warning, the save succeeds and the next
@@ -21,9 +21,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import composable_shard.state_dict.files as files
+import composable_shard.checkpoint.manifest as manifest
+import composable_shard.checkpoint.switch as switch
 from composable_shard import CheckpointError, load_checkpoint, save_checkpoint
-from composable_shard.state_dict.files import SwitchedButNotDurable, clear_staging, switch_into_place
+from composable_shard.checkpoint.errors import SwitchedButNotDurable
+from composable_shard.checkpoint.switch import clear_staging, switch_into_place
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT
@@ -81,8 +83,8 @@ def test_parent_is_synced_right_after_the_exchange_before_the_old_checkpoint_is_
 ) -> None:
     target, staging = _directory(tmp_path / "ckpt", "old"), _directory(tmp_path / "ckpt.partial", "new")
     events: list[tuple[str, str]] = []
-    real_fsync_dir, real_rmtree = files._fsync_dir, shutil.rmtree
-    monkeypatch.setattr(files, "_fsync_dir", lambda path: (events.append(("fsync", Path(path).name)), real_fsync_dir(path))[1])
+    real_fsync_dir, real_rmtree = switch.fsync_dir, shutil.rmtree
+    monkeypatch.setattr(switch, "fsync_dir", lambda path: (events.append(("fsync", Path(path).name)), real_fsync_dir(path))[1])
     monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (events.append(("rmtree", Path(path).name)), real_rmtree(path, *a, **k))[1])
     switch_into_place(staging, target)
     assert events == [("fsync", tmp_path.name), ("rmtree", "ckpt.partial")]
@@ -101,8 +103,8 @@ def test_failed_renameat2_is_logged_and_two_renames_switch_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     target, staging = _directory(tmp_path / "ckpt", "old"), _directory(tmp_path / "ckpt.partial", "new")
-    monkeypatch.setattr(files, "_libc_renameat2", lambda: _failing_renameat2(errno.EINVAL))
-    with caplog.at_level(logging.WARNING, logger=files.__name__):
+    monkeypatch.setattr(switch, "_libc_renameat2", lambda: _failing_renameat2(errno.EINVAL))
+    with caplog.at_level(logging.WARNING, logger=switch.__name__):
         switch_into_place(staging, target)
     assert "through two renames" in caplog.text and "EINVAL" in caplog.text, caplog.text
     assert (target / "data").read_text() == "new"
@@ -123,7 +125,7 @@ def test_failed_directory_fsync_is_an_error_saying_where_the_checkpoint_is(tmp_p
         switch_into_place(staging, target)
     assert (target / "data").read_text() == "new"
     with pytest.raises(OSError, match="Input/output error"):  # before a switch (the manifest's directory): raised as it is
-        files.write_manifest(_directory(tmp_path / "other", "x"), {}, [], [])
+        manifest.write_manifest(_directory(tmp_path / "other", "x"), {}, [], [])
     # A file system that cannot sync directories at all: nothing to lose, no error.
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EINVAL, "Invalid argument")))
     assert (staging / "data").read_text() == "old"  # kept until the next save clears it

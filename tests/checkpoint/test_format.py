@@ -30,7 +30,6 @@ from composable_shard import (
     set_optimizer_state_dict,
 )
 from composable_shard.state_dict import RangeShardedTensor
-from composable_shard.state_dict.range_tensor import HAS_DCP_TENSOR_PROTOCOL
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT
@@ -107,7 +106,6 @@ def _no_deprecated_parts(rank: int, world_size: int, root: str) -> None:
             train_steps(fresh, fresh_optimizer, range(2, 3))
 
 
-@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_saving_and_loading_raise_no_deprecation_warning(world_size: int, tmp_path: Path) -> None:
     run_distributed(_no_deprecated_parts, world_size, str(tmp_path))
@@ -154,43 +152,41 @@ def _boxes_tile_every_parameter(rank: int, world_size: int) -> None:
         value + 1
 
 
-@pytest.mark.skipif(not HAS_DCP_TENSOR_PROTOCOL, reason="this torch predates DCP's tensor protocol (ShardedTensor fallback)")
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_range_sharded_tensor_boxes_tile_every_parameter_once(world_size: int) -> None:
     run_distributed(_boxes_tile_every_parameter, world_size)
 
 
 def _legacy_fallback_round_trips(rank: int, world_size: int, root: str) -> None:
-    """Where torch predates the protocol, the same boxes travel as PyTorch's
-    ShardedTensor (simulated here by switching the flag); and checkpoints
-    written that way (as earlier versions did) load with the protocol."""
-    import composable_shard.state_dict.checkpoint as checkpoint_module
-    import composable_shard.state_dict.shards as shards_module
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    """Checkpoints that hold a 0-dim parameter with shape (1,) (earlier
+    versions, and the ShardedTensor fallback of torch releases before DCP's
+    tensor protocol, both wrote them so; simulated here by giving the 0-dim
+    parameter's sharding that shape), plain ``dcp.save`` or
+    ``save_checkpoint``, load through ``load_checkpoint``."""
+    import dataclasses
+
+    import composable_shard.state_dict.entries as entries_module
 
     torch.manual_seed(0)
     model = shard(BufferedGPT(), "manual")
     optimizer = make_optimizer("adamw", model)
     train_steps(model, optimizer, range(2))
     expected = {"model": get_model_state_dict(model, options=FULL), "optim": _sorted_state(model, optimizer)}
-    saved_flags = shards_module.HAS_DCP_TENSOR_PROTOCOL, checkpoint_module.HAS_DCP_TENSOR_PROTOCOL
-    shards_module.HAS_DCP_TENSOR_PROTOCOL = checkpoint_module.HAS_DCP_TENSOR_PROTOCOL = False
+    real_range_sharding = entries_module.range_sharding
+
+    def legacy_range_sharding(info: Any, *args: Any) -> Any:
+        sharding = real_range_sharding(info, *args)
+        return dataclasses.replace(sharding, shape=torch.Size([1])) if len(info.shape) == 0 else sharding
+
+    entries_module.range_sharding = legacy_range_sharding  # type: ignore[assignment]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's own deprecation notes
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-            assert isinstance(state["model"]["blocks.0.fc_in.weight"], ShardedTensor)
-            dcp.save(state, checkpoint_id=f"{root}/legacy")
-            save_checkpoint(f"{root}/legacy_safe", model, optimizer)
-            torch.manual_seed(1)
-            fresh = shard(BufferedGPT(), "policy")
-            fresh_optimizer = make_optimizer("adamw", fresh)
-            load_checkpoint(f"{root}/legacy_safe", fresh, fresh_optimizer)
-            assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], "legacy fallback")
-            assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], "legacy fallback optimizer")
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        assert state["model"]["temperature"].shape == (1,)
+        dcp.save(state, checkpoint_id=f"{root}/legacy")
+        save_checkpoint(f"{root}/legacy_safe", model, optimizer)
     finally:
-        shards_module.HAS_DCP_TENSOR_PROTOCOL, checkpoint_module.HAS_DCP_TENSOR_PROTOCOL = saved_flags
-    for source in ("legacy", "legacy_safe"):  # written with ShardedTensor, read with RangeShardedTensor
+        entries_module.range_sharding = real_range_sharding  # type: ignore[assignment]
+    for source in ("legacy", "legacy_safe"):  # written with shape (1,), read into shape ()
         torch.manual_seed(1)
         fresh = shard(BufferedGPT(), "hybrid" if world_size == 4 else "policy")
         fresh_optimizer = make_optimizer("adamw", fresh)
@@ -198,12 +194,12 @@ def _legacy_fallback_round_trips(rank: int, world_size: int, root: str) -> None:
         # with shape (1,), which today's state dicts (shape ()) only take through
         # load_checkpoint's destinations (a plain dcp.load refuses the size).
         load_checkpoint(f"{root}/{source}", fresh, fresh_optimizer)
-        assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"{source} read with the protocol")
-        assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], f"{source} optimizer read with the protocol")
+        assert_same_tensors(get_model_state_dict(fresh, options=FULL), expected["model"], f"{source} read into shape ()")
+        assert_same_tensors(_sorted_state(fresh, fresh_optimizer), expected["optim"], f"{source} optimizer read into shape ()")
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_sharded_tensor_fallback_round_trips_and_its_checkpoints_still_load(world_size: int, tmp_path: Path) -> None:
+def test_checkpoints_holding_scalars_with_shape_1_still_load(world_size: int, tmp_path: Path) -> None:
     run_distributed(_legacy_fallback_round_trips, world_size, str(tmp_path))
 
 

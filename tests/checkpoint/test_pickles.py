@@ -1,4 +1,4 @@
-"""Checkpoints are data (composable_shard/state_dict/safe_pickle.py, [Note:
+"""Checkpoints are data (composable_shard/checkpoint/safe_pickle.py, [Note:
 checkpoints are data]): a checkpoint whose pickles carry a code payload — in
 ``.metadata`` (with and without our manifest), in ``extra_state``, in a
 module's extra state, in a bytes item of a plain ``dcp.save``, in the
@@ -37,10 +37,15 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state_dict.convert import dcp_to_safetensors, dcp_to_torch_save
-from composable_shard.state_dict.files import MANIFEST_NAME, file_record, verify_checkpoint
-from composable_shard.state_dict.reader import DirectFileSystemReader
-from composable_shard.state_dict.safe_pickle import UnsafeCheckpointError
+from composable_shard.checkpoint import (
+    MANIFEST_NAME,
+    DirectFileSystemReader,
+    UnsafeCheckpointError,
+    dcp_to_safetensors,
+    dcp_to_torch_save,
+    verify_checkpoint,
+)
+from composable_shard.checkpoint.checksums import file_record
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT

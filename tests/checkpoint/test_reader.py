@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from composable_shard import get_model_state_dict, get_optimizer_state_dict
 from composable_shard.state_dict import RangeShardedTensor
-from composable_shard.state_dict.reader import DirectFileSystemReader
+from composable_shard.checkpoint import DirectFileSystemReader
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT
@@ -346,18 +345,26 @@ def test_items_the_reader_cannot_parse_go_to_the_stock_reader_with_the_same_resu
     assert reader.counts == {"direct": 0, "temporary": 0, "stock": 3}, reader.counts
 
 
-def test_zip64_extra_field_gives_the_values_its_entry_masks() -> None:
-    """Past 4 GiB, a zip directory entry's sizes and offset read 0xFFFFFFFF
-    and the zip64 extra field holds them, in that order, for masked ones only
-    (a checkpoint that large is too big for a unit test)."""
-    from composable_shard.state_dict.reader import _zip64_values
+def test_saved_tensor_description_is_what_torch_load_gives() -> None:
+    """An item's description (torch's zip reader and weights-only unpickler
+    on meta storages, no tensor bytes read) says what ``torch.load`` gives:
+    dtype, size, stride, storage offset, and the storage's bytes start where
+    it says, for views, transposes, empty and 0-dim tensors."""
+    from composable_shard.checkpoint.saved_tensor import ItemView, describe_item
 
-    mask = 0xFFFFFFFF
-    other = struct.pack("<HH4s", 0xCAFE, 4, b"pad!")  # another extra field first
-    both = struct.pack("<HHQQ", 0x0001, 16, 5 << 32, 5 << 32)
-    assert _zip64_values(other + both, mask, mask, 1234) == (5 << 32, 5 << 32, 1234)
-    offset_only = struct.pack("<HHQ", 0x0001, 8, 7 << 32)
-    assert _zip64_values(offset_only, 10, 10, mask) == (10, 10, 7 << 32)
+    base = torch.arange(60, dtype=torch.float64).view(6, 10)
+    for tensor in (base, base[1:, 2:7], base.t(), torch.zeros(0, 3), torch.tensor(2.5, dtype=torch.bfloat16)):
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        data = b"pad" + buffer.getvalue()  # an item at an offset of its file, as in a .distcp file
+        saved = describe_item(ItemView(io.BytesIO(data), 3, len(data) - 3))
+        loaded = torch.load(io.BytesIO(data[3:]), weights_only=True)
+        facts = (saved.dtype, saved.size, saved.stride, saved.storage_offset)
+        assert facts == (loaded.dtype, tuple(loaded.shape), loaded.stride(), loaded.storage_offset()), facts
+        storage = torch.empty(0, dtype=loaded.dtype).set_(loaded.untyped_storage())
+        assert saved.storage_numel == storage.numel()
+        raw = data[saved.data_start : saved.data_start + storage.numel() * storage.element_size()]
+        assert raw == storage.view(torch.uint8).numpy().tobytes()
 
 
 def _truncated_zip64_extra(tensor: torch.Tensor) -> bytes:
@@ -383,5 +390,5 @@ def test_malformed_item_is_a_checkpoint_error_naming_the_file_and_item(tmp_path:
         with pytest.raises(CheckpointException) as raised:
             dcp.load(_empty_state(), storage_reader=DirectFileSystemReader(tmp_path), no_dist=True)
     message = str(raised.value)
-    assert "CheckpointError" in message and "__0_0.distcp" in message and "is malformed (error:" in message, message
+    assert "CheckpointError" in message and "__0_0.distcp" in message and "is malformed (" in message, message
     assert "the item 'w'" in message or "the item 'b'" in message, message

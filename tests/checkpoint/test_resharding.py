@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import composable_shard.state_dict.checkpoint as checkpoint_module
+import composable_shard.checkpoint.save_load as checkpoint_module
 from composable_shard import (
     CheckpointError,
     StateDictError,
@@ -29,7 +29,7 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state_dict.checkpoint import MANIFEST_NAME
+from composable_shard.checkpoint import MANIFEST_NAME
 from composable_shard.state_dict import RangeShardedTensor
 
 from tests.support.harness_pool import run_distributed

@@ -1,5 +1,5 @@
 """What ``save_checkpoint`` stores for two kinds of parameter
-(state_dict/shards.py, state_dict/tied_aliases.py): a 0-dim parameter keeps
+(state_dict/shards.py, checkpoint/planners.py): a 0-dim parameter keeps
 its shape ``()`` (model and per-element optimizer state), so the checkpoint
 loads as it is into the unsharded model and into FSDP2 (which leaves a
 scalar parameter unsharded); tied aliases are written once (the alias's

@@ -1,44 +1,22 @@
-"""Owns: reading the pickles inside checkpoint files as data — the DCP
-``.metadata`` file through an unpickler that admits only what DCP metadata
-is made of, and every other pickled item (bytes items: extra states,
-optimizer hyperparameters, the ``extra_state`` dict) with
-``torch.load(weights_only=True)`` — refusing anything else with a
-``CheckpointError`` that names the file, the item and the global it wanted.
-See [Note: checkpoints are data].
+"""Owns: reading the pickles inside checkpoint files as data — ``.metadata``
+through an unpickler that admits only what DCP metadata is made of, every
+other pickled item (extra states, hyperparameters, ``extra_state``) with
+``torch.load(weights_only=True)`` — refusing anything else with
+``UnsafeCheckpointError`` naming the file, the item and the global.
 
 Knows nothing of: models, optimizers, manifests, where items sit in files
 (reader.py hands it bytes).
 
-Public names: ``PickleTrust``, ``METADATA_GLOBALS``, ``HOW_TO_ADMIT``,
-``load_metadata``, ``load_object``, ``admitted_globals``,
-``unsafe_globals_in``, ``refusal_in``, ``UnsafeCheckpointError``, ``UnsafeTensorItemError``.
-
 [Note: checkpoints are data]
-A pickle can call any function while it is read (``__reduce__``), so a
-checkpoint someone else wrote could run code on ``load``. Every reader of
-ours (``load_checkpoint``, ``DirectFileSystemReader`` under a plain
-``dcp.load``, the converters) reads checkpoint pickles only here:
-
-- ``.metadata``: a ``pickle.Unpickler`` whose ``find_class`` admits the
-  (module, name) pairs of ``METADATA_GLOBALS`` — DCP's metadata dataclasses
-  and enum, ``torch.Size``, dtypes/layouts/memory formats (what
-  ``torch.dtype`` pickles as), the path class of ``checkpoint_id`` and a few
-  containers — plus what the user admitted (below). Anything else raises
-  before it is looked up, so nothing it names is imported or called. The
-  result must be a DCP ``Metadata``.
-- bytes items: ``torch.load(weights_only=True)``: numbers, strings, bytes,
-  ``None``, lists, tuples, dicts, sets, tensors, ``torch.Size``, dtypes.
-
-Users admit their own types the way PyTorch does:
-``torch.serialization.add_safe_globals([MyType])`` (honoured for both kinds
-of pickle), or per call ``safe_globals=[MyType]``; and a checkpoint they
-trust (they wrote it) loads unrestricted with ``trusted=True`` — never the
-default. A refusal is ``UnsafeCheckpointError`` (a ``CheckpointError``); the
-reader refuses every bytes item of a read before it reads any tensor, so a
-refused load changes nothing (reader.py).
-
-Pairs in ``METADATA_GLOBALS`` that a torch release does not have are simply
-never asked for; the list holds the names of torch 2.4 to 2.13.
+A pickle can run code while it is read, so every reader of ours
+(``load_checkpoint``, ``DirectFileSystemReader``, the converters) reads
+checkpoint pickles only here. ``.metadata`` admits the (module, name) pairs
+of ``METADATA_GLOBALS`` and torch's dtypes, layouts and memory formats; a
+global outside them raises before it is looked up, so nothing it names is
+imported. Users admit their own types as PyTorch has them do
+(``torch.serialization.add_safe_globals``, or ``safe_globals=`` per call);
+``trusted=True`` reads unrestricted, never the default. Pinned by
+tests/test_checkpoint_pickles.py.
 """
 
 from __future__ import annotations
@@ -56,7 +34,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .files import CheckpointError
+from .errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "PickleTrust",
@@ -67,8 +45,6 @@ __all__ = [
     "admitted_globals",
     "unsafe_globals_in",
     "refusal_in",
-    "UnsafeCheckpointError",
-    "UnsafeTensorItemError",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,9 +52,9 @@ logger = logging.getLogger(__name__)
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
-# (module, name) of every global a DCP ``.metadata`` pickle names (torch
-# 2.4-2.13, FileSystemWriter with the default planner), besides torch's
-# dtypes, layouts and memory formats (``_is_torch_constant``).
+# (module, name) of every global a DCP ``.metadata`` pickle names
+# (FileSystemWriter with the default planner; older torch releases'
+# checkpoints included), besides torch's dtypes, layouts and memory formats.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         (_DCP_METADATA, "Metadata"),
@@ -109,21 +85,6 @@ HOW_TO_ADMIT = (
     "If this is a type of yours, admit it with torch.serialization.add_safe_globals([...]) or safe_globals=[...]; "
     "if you wrote this checkpoint yourself and trust it, load it with trusted=True"
 )
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint's pickle names a global that loading does not admit;
-    refused before anything was built from it."""
-
-    # Whether other ranks may have read their part before this rank refused
-    # (a tensor item: only the ranks that read it refuse it; see reader.py).
-    others_may_have_read = False
-
-
-class UnsafeTensorItemError(UnsafeCheckpointError):
-    """A tensor item's pickle wants more than a tensor."""
-
-    others_may_have_read = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +124,7 @@ def _name_of(admitted: Any) -> tuple[str, str] | None:
 
 def _user_globals(trust: PickleTrust) -> dict[tuple[str, str], Any]:
     """What the user admitted: torch's safe globals and the argument."""
-    registered = list(torch.serialization.get_safe_globals()) if hasattr(torch.serialization, "get_safe_globals") else []
+    registered = list(torch.serialization.get_safe_globals())
     admitted: dict[tuple[str, str], Any] = {}
     for entry in [*registered, *trust.safe_globals]:
         key = _name_of(entry)
@@ -237,28 +198,18 @@ def admitted_globals(trust: PickleTrust) -> Iterator[None]:
     duration."""
     if not trust.safe_globals:
         yield
-    elif hasattr(torch.serialization, "safe_globals"):
-        with torch.serialization.safe_globals(list(trust.safe_globals)):
-            yield
-    else:  # torch 2.4: only the global list
-        before = list(torch.serialization.get_safe_globals())
-        torch.serialization.add_safe_globals(list(trust.safe_globals))
-        try:
-            yield
-        finally:
-            torch.serialization.clear_safe_globals()
-            torch.serialization.add_safe_globals(before)
+        return
+    with torch.serialization.safe_globals(list(trust.safe_globals)):
+        yield
 
 
 def unsafe_globals_in(item: Any) -> list[str]:
     """The globals of a ``torch.save`` file (bytes or a seekable file)
     that ``torch.load(weights_only=True)`` would refuse, found without
-    unpickling; [] where this torch cannot tell (it then refuses on load)."""
-    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
-    if finder is None:
-        return []
+    unpickling; [] where it cannot tell (torch.load then decides)."""
     try:
-        return list(finder(io.BytesIO(item) if isinstance(item, (bytes, bytearray)) else item))
+        source = io.BytesIO(item) if isinstance(item, (bytes, bytearray)) else item
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
     except Exception:  # noqa: BLE001 - not a zip archive etc.: torch.load decides
         return []
 

@@ -6,32 +6,26 @@ once, as ``transformers`` writes and reads them) — with no process group.
 Knows nothing of: models, flat parameters, process groups (it reads DCP
 metadata and our manifest only).
 
-Public names: ``dcp_to_torch_save``, ``torch_save_to_dcp``,
-``dcp_to_safetensors``, ``safetensors_to_dcp``, ``SAFETENSORS_ALIASES_KEY``.
-
-Every converter reads the whole model into this machine's memory.
+Every converter reads the whole model into this machine's memory. DCP's
+``format_utils.dcp_to_torch_save`` / ``torch_save_to_dcp`` do the plain
+conversion, but unpickle the files unrestricted; these read through our
+reader (pickles as data), verify the manifest, keep the model's key order,
+give 0-dim parameters of older checkpoints their shape back, and write
+atomically; what DCP gives is used as it is: its empty-state-dict planning
+(``planners.DestinationLoadPlanner``) and single-process ``no_dist`` mode.
 
 [Note: tied weights in safetensors]
-A state dict names a tied parameter under every alias (a GPT's
-``tok_emb.weight`` and ``head.weight``), and a DCP checkpoint holds each
-alias. safetensors refuses tensors sharing memory, and ``transformers``
-(``save_pretrained``) stores a tied parameter once, under its canonical name
-(the first ``named_parameters()`` yields, e.g. ``model.embed_tokens.weight``),
-and ties the alias again on load. ``dcp_to_safetensors`` does the same, with
-the aliases ``save_checkpoint`` recorded in the manifest, and writes them
-into the file's metadata (``SAFETENSORS_ALIASES_KEY``: alias -> canonical,
-as JSON) so ``safetensors_to_dcp`` can restore them. Loading the file into
-the unsharded model: ``safetensors.torch.load_model(model, path,
-strict=True)`` (which knows the model's tied parameters) or
-``transformers``' ``from_pretrained``; plain ``model.load_state_dict(
-load_file(path), strict=True)`` works for a model without tied parameters
-(for a tied one it reports the alias missing, as it does for a file
-``transformers`` wrote).
+safetensors refuses tensors sharing memory; ``transformers`` stores a tied
+parameter once under its canonical name and ties the alias again on load.
+``dcp_to_safetensors`` does the same with the aliases the manifest records,
+and writes them into the file's metadata (``SAFETENSORS_ALIASES_KEY``:
+alias -> canonical, JSON) so ``safetensors_to_dcp`` restores them. Load the
+file with ``safetensors.torch.load_model(model, path)`` or
+``from_pretrained``. Pinned by tests/test_convert_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -43,11 +37,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .destinations import MODEL, OPTIM, saved_paths, template
-from .files import clear_staging, file_record, manifest_hints, switch_into_place, verify_checkpoint, write_manifest
+from .checksums import file_record
+from .destinations import MODEL, OPTIM, saved_paths
+from .manifest import manifest_hints, verify_checkpoint, write_manifest
+from .planners import DestinationLoadPlanner
 from .reader import DirectFileSystemReader
 from .safe_pickle import PickleTrust, refusal_in
+from .switch import clear_staging, switch_into_place
 
 __all__ = [
     "dcp_to_torch_save",
@@ -61,45 +59,32 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_ALIASES_KEY = "composable_shard.aliases"
 
-
-# torch 2.4 has no ``no_dist``: there DCP runs without collectives exactly
-# when no process group is initialized (as in scripts/convert_checkpoint.py),
-# and says so in another warning.
-_NO_DIST: dict[str, bool] = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
-_SINGLE_PROCESS_WARNINGS = "torch.distributed is (disabled|unavailable or uninitialized)"
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
 
 
-def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
-    """Our reader: the checkpoint's pickles are read as data (see [Note:
-    checkpoints are data])."""
-    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
-
-
-def _load_without_process_group(state: dict[str, Any], directory: Path, trust: PickleTrust) -> None:
+def _read_state(directory: Path, roots: set[str] | None, trust: PickleTrust, skip_model_keys: set[str] = frozenset()) -> dict[str, Any]:
+    """The nested state saved in a verified directory (only ``roots``, all
+    if None), read whole; model keys in the saved model order, 0-dim
+    parameters with their shape back."""
+    saved = saved_paths(_metadata(directory, trust))
+    fill = {
+        path[:2] if path[0] == MODEL and len(path) > 1 else path[:1]
+        for path, _ in saved.values()
+        if (roots is None or path[0] in roots) and not (path[0] == MODEL and len(path) > 1 and path[1] in skip_model_keys)
+    }
+    state: dict[str, Any] = {}
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
         try:
-            dcp.load(state, storage_reader=_reader(directory, trust), **_NO_DIST)
+            reader = DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
+            # DCP's own single-process load, as format_utils.dcp_to_torch_save runs it (dcp.load would keep
+            # only the top-level keys it is given).
+            _load_state_dict(state, storage_reader=reader, planner=DestinationLoadPlanner(tuple(sorted(fill, key=str))), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a refusal is said as ours
             refusal = refusal_in(exc)
             if refusal is None:
                 raise
             raise refusal from None
-
-
-def _read_state(
-    directory: Path, roots: set[str] | None, trust: PickleTrust, skip_model_keys: set[str] = frozenset()
-) -> dict[str, Any]:
-    """The nested state saved in a verified directory (only ``roots``, all
-    if None), read whole; model keys in the saved model order, 0-dim
-    parameters with their shape back."""
-    saved = saved_paths(_metadata(directory, trust))
-    present = {path[0] for path, _ in saved.values()}
-    state = {root: template(saved, root) for root in sorted(present) if roots is None or root in roots}
-    if isinstance(state.get(MODEL), dict):
-        for key in skip_model_keys:
-            state[MODEL].pop(key, None)
-    _load_without_process_group(state, directory, trust)
     manifest = manifest_hints(directory)
     _restore_scalar_shapes(state, set(manifest.get("scalar_params", [])))
     if isinstance(state.get(MODEL), dict):
@@ -132,7 +117,7 @@ def dcp_to_torch_save(
 
 def _metadata(directory: Path, trust: PickleTrust) -> Any:
     verify_checkpoint(directory, ranks_share_work=False)
-    return _reader(directory, trust).read_metadata()
+    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals).read_metadata()
 
 
 def _replace_file(output: Path, write: Any) -> None:
@@ -143,7 +128,7 @@ def _replace_file(output: Path, write: Any) -> None:
 
 def _restore_scalar_shapes(state: dict[str, Any], scalar_params: set[str]) -> None:
     """Give 0-dim parameters (and their per-element optimizer state) back
-    their shape: sharded checkpoints store them with shape (1,)."""
+    their shape: older checkpoints store them with shape (1,)."""
     model_state = state.get(MODEL) or {}
     for key in scalar_params & set(model_state):
         model_state[key] = model_state[key].reshape(())
@@ -168,8 +153,8 @@ def _write_directory(state: dict[str, Any], target: Path, aliases: dict[str, str
     staging = target.with_name(target.name + ".partial")
     clear_staging(staging)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNINGS, category=UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(staging), **_NO_DIST)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
     files = {p.name: file_record(p) for p in staging.iterdir() if p.name.endswith(".distcp") or p.name == ".metadata"}
     write_manifest(staging, files, list(state[MODEL]), [], aliases)
     switch_into_place(staging, target)

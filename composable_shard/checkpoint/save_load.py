@@ -1,82 +1,39 @@
-"""Owns: checkpoint directories — ``save_checkpoint`` / ``load_checkpoint``
-of a model (and optimizer) through ``torch.distributed.checkpoint``, written
-so that a failed save never damages the previous checkpoint and a damaged,
-incomplete or foreign checkpoint is refused before anything is changed.
+"""Owns: ``save_checkpoint`` / ``load_checkpoint`` of a model (and
+optimizer) as a checkpoint directory through ``torch.distributed.checkpoint``:
+a failed save never damages the previous checkpoint, and a damaged,
+incomplete or foreign checkpoint is refused before anything changes.
 
 Knows nothing of: flat parameters, hooks (it goes through the state-dict
-functions); the files' manifest and switch (files.py); what the metadata
-says (destinations.py); how tensors are read from the files (reader.py); converting to other formats (convert.py, whose
-``dcp_to_torch_save`` / ``torch_save_to_dcp`` this module re-exports for
-their old import path).
-
-Public names: ``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``,
-``MANIFEST_NAME``, ``verify_checkpoint``, ``dcp_to_torch_save``,
-``torch_save_to_dcp``.
+functions); checksums, the manifest and the switch (checksums.py,
+manifest.py, switch.py); what the metadata says (destinations.py); how
+tensors are read (reader.py).
 
 [Note: checkpoint safety]
-A checkpoint directory holds the DCP files (``.metadata`` and one
-``__<rank>_<n>.distcp`` per writing rank) of the nested state dict
-``{"model": ..., "optim": ..., "extra": ...}`` plus our manifest
-``composable_shard.manifest.json`` (every file's size and checksum:
-xxh3_64 with the optional ``xxhash``, else CRC-32; files.py).
+A directory holds DCP's files of ``{"model", "optim", "extra"}`` and our
+manifest (every file's size and checksum). Saving writes ``<dir>.partial``,
+checksumming as DCP writes; rank 0 writes the manifest last and switches the
+directory into place atomically (``renameat2(RENAME_EXCHANGE)``, else two
+renames through ``<dir>.previous``), so ``<dir>`` is always a complete
+checkpoint. Every step's outcome is broadcast, so all ranks raise together.
 
-Saving writes into the sibling ``<dir>.partial`` (emptied first); each rank
-checksums the files it writes (as DCP writes them, ``ChecksummingFileSystem``;
-read back only where that is not possible); rank 0 writes the manifest last, then switches
-the new directory into place: an atomic exchange of the two directories
-(``renameat2(RENAME_EXCHANGE)`` on Linux) followed by deleting the old one,
-or, where that is unavailable, two renames through ``<dir>.previous``. So at
-every instant ``<dir>`` is either the complete old checkpoint or the complete
-new one (in the two-rename fallback a crash between the renames leaves the
-old one complete at ``<dir>.previous``, and ``load_checkpoint`` says so).
-Every step's outcome is broadcast by rank 0, so all ranks raise together.
-
-Loading validates everything before reading any tensor, then reads in
-place:
-
-1. the manifest: every file's size and checksum (the ranks split the files);
-2. the DCP metadata against the model and optimizer: keys and shapes
-   (``destinations.py``), with no tensor allocated;
-3. the optimizer's parameter names per group, which the manifest records
-   (for a checkpoint without them, its objects are read first: a few
-   bytes), so the optimizer state dict is checked as a whole;
-4. then DCP reads the tensors straight into the model's shards and the
-   optimizer's state tensors (no second copy of the model in memory), and
-   ``set_model_state_dict`` / ``set_optimizer_state_dict`` finish (their
-   copies are skipped: source and target are the same memory). The storage
-   reader is ours, ``DirectFileSystemReader`` (reader.py): it copies each
-   tensor's bytes from the file into its destination once, where PyTorch's
-   ``FileSystemReader`` builds a temporary tensor per item with
-   ``torch.load`` and copies again, with the same result (see [Note: direct
-   reads]). With it, checks and read together take less time than a plain
-   ``dcp.load`` through PyTorch's reader (README, Checkpoints). Loading
-   without a manifest (below) reads through it as well.
-
-No step runs code from the files: ``.metadata`` and every object (extra
-states, hyperparameters, ``extra_state``) are read as data, and a pickle
-that wants more is refused (``UnsafeCheckpointError``) before any value is
-handed over; see [Note: checkpoints are data] in safe_pickle.py.
-
-Saving: the parent directory is fsynced right after the switch; an old
-checkpoint that cannot be deleted afterwards (a file held open on NFS) is a
-warning, and the next save moves it aside (``clear_staging``).
-
-A refused checkpoint therefore changes nothing. Once step 1 verified every
-file, the read in step 4 can only fail on an I/O error, and that error says
-the model may hold part of the checkpoint. A directory without a manifest
-(plain ``dcp.save``) cannot be verified in step 1, so it is read into new
-buffers instead and copied in only after the whole read succeeded (the cost
-of one extra copy of this rank's shards and optimizer state).
+Loading checks before it reads: the files against the manifest (the ranks
+split them), the metadata's keys and shapes against the model and optimizer,
+the optimizer's groups (recorded in the manifest); then DCP reads straight
+into the shards and the optimizer's state (``DirectFileSystemReader``), and
+the setters' copies are skipped (same memory). After the checks only an I/O
+error can fail the read, and its message says the model may hold part of
+it. A directory without a manifest (plain ``dcp.save``) is read into new
+buffers and copied in only once the whole read succeeded. Pinned by
+tests/test_checkpoint_resume.py, test_checkpoint_files.py and
+test_checkpoint_checksums.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,68 +44,21 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .. import comm
-from .convert import dcp_to_torch_save, torch_save_to_dcp
-from .destinations import (
-    EXTRA,
-    MODEL,
-    OPTIM,
-    fill_objects,
-    model_destination,
-    objects_tree,
-    optim_destination,
-    saved_paths,
-    SavedPaths,
-    template,
-)
-from .files import (
-    MANIFEST_NAME,
-    CheckpointError,
-    ChecksummingFileSystem,
-    agree,
-    clear_staging,
-    current_rank,
-    file_record,
-    manifest_hints,
-    rank0_step,
-    switch_into_place,
-    verify_checkpoint,
-    write_manifest,
-)
-from .entries import model_entries, prepare_units
-from .model import get_model_state_dict, set_model_state_dict
-from .optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
-from .range_tensor import HAS_DCP_TENSOR_PROTOCOL
+from ..state_dict.entries import model_entries, prepare_units
+from ..state_dict.model import get_model_state_dict, set_model_state_dict
+from ..state_dict.optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from .checksums import ChecksummingFileSystem, file_record
+from .destinations import EXTRA, MODEL, OPTIM, model_destination, optim_destination, saved_paths
+from .errors import CheckpointError, UnsafeCheckpointError
+from .manifest import agree, current_rank, manifest_hints, rank0_step, verify_checkpoint, write_manifest
+from .planners import DestinationLoadPlanner, TiedOnceFileSystemWriter, TiedOnceSavePlanner
 from .reader import DirectFileSystemReader
-from .shards import stored_shape
-from .tied_aliases import TiedOnceFileSystemWriter, TiedOnceSavePlanner
-from .safe_pickle import PickleTrust, UnsafeCheckpointError, refusal_in
+from .safe_pickle import PickleTrust, refusal_in
+from .switch import clear_staging, switch_into_place
 
-__all__ = [
-    "save_checkpoint",
-    "load_checkpoint",
-    "CheckpointError",
-    "MANIFEST_NAME",
-    "verify_checkpoint",
-    "dcp_to_torch_save",
-    "torch_save_to_dcp",
-]
+__all__ = ["save_checkpoint", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-# Only where torch predates DCP's tensor protocol do our state dicts hold
-# PyTorch's deprecated ShardedTensor, whose every access in DCP warns. See
-# [Note: DCP tensor protocol].
-_SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
-
-
-@contextlib.contextmanager
-def _quiet_sharded_tensor() -> Iterator[None]:
-    if HAS_DCP_TENSOR_PROTOCOL:  # nothing deprecated is used: let every warning through
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
-        yield
 
 
 # ------------------------------------------------------------------- save
@@ -170,10 +80,6 @@ def save_checkpoint(
     what = f"save_checkpoint({target})"
     staging = target.with_name(target.name + ".partial")
     entries = model_entries(model, prepare_units(model, "save_checkpoint"))
-    # 0-dim parameters stored with shape (1,) (only under the ShardedTensor fallback now), for the converters.
-    scalar_params = [
-        key for entry in entries.sharded if stored_shape(entry.info.shape) != entry.info.shape for key in entry.keys
-    ]
     tied = {(MODEL, alias): (MODEL, entry.keys[0]) for entry in entries.sharded for alias in entry.keys[1:]}
     state: dict[str, Any] = {MODEL: get_model_state_dict(model)}
     if optimizer is not None:
@@ -187,8 +93,7 @@ def save_checkpoint(
     try:
         writer = TiedOnceFileSystemWriter(staging, aliases=tied)  # see [Note: tied aliases written once]
         checksums = ChecksummingFileSystem.attach(writer)  # checksums while writing, not by reading back
-        with _quiet_sharded_tensor():
-            dcp.save(state, storage_writer=writer, planner=TiedOnceSavePlanner(tied))
+        dcp.save(state, storage_writer=writer, planner=TiedOnceSavePlanner(tied))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank; say what is left
         error = (
             f"{what}: writing the checkpoint failed ({_describe(exc)}). The checkpoint at '{target}' (if any) is "
@@ -208,7 +113,7 @@ def save_checkpoint(
         files[".metadata"] = file_record(staging / ".metadata")
         aliases = {alias: entry.keys[0] for entry in entries.sharded for alias in entry.keys[1:]}
         groups = [list(group["params"]) for group in state[OPTIM]["param_groups"]] if OPTIM in state else None
-        write_manifest(staging, files, entries.key_order, scalar_params, aliases, groups)
+        write_manifest(staging, files, entries.key_order, [], aliases, groups)
         switch_into_place(staging, target)
 
     rank0_step(f"{what}: cannot finish the checkpoint (the previous one at '{target}' is intact)", finish)
@@ -258,16 +163,18 @@ def load_checkpoint(
     saved = saved_paths(_read_metadata(directory, what, trust))
     entries = model_entries(model, prepare_units(model, "load_checkpoint"))
     destination: dict[str, Any] = {MODEL: model_destination(entries, saved, strict, what, in_place=in_place)}
+    # The rest (extra states and extra_state, step and hyperparameters) the planner fills from the metadata.
+    fill = [(EXTRA,), *((MODEL, key) for key in entries.extra_states)]
+    if any(path[0] == EXTRA for path, _ in saved.values()):
+        destination[EXTRA] = {}  # dcp.load keeps only the top-level keys it is given
     options = StateDictOptions(strict=strict)
     if optimizer is not None:
         destination[OPTIM] = optim_destination(entries, optimizer, saved, strict, what, in_place=in_place)
-        to_check = _optim_to_check(directory, destination[OPTIM], saved, what, trust)
+        fill += [(OPTIM, "param_groups"), *((OPTIM, "state", fqn) for fqn in destination[OPTIM]["state"])]
+        to_check = _optim_to_check(directory, destination[OPTIM], what, trust)
         check_optimizer_state_dict(model, optimizer, to_check, options=options)
-    extra = template(saved, EXTRA)
-    if extra is not None:
-        destination[EXTRA] = extra
     # 3. Read the tensors into the destinations.
-    _read(directory, destination, what, trust, in_place=in_place)
+    _read(directory, destination, what, trust, in_place=in_place, planner=DestinationLoadPlanner(tuple(fill)))
     # 4. Finish: the setters' copies are skipped where the destination is the model's own memory.
     set_model_state_dict(model, destination[MODEL], options=options)
     if optimizer is not None:
@@ -290,28 +197,27 @@ def _read_metadata(directory: Path, what: str, trust: PickleTrust) -> Metadata:
         ) from exc
 
 
-def _optim_to_check(directory: Path, optim: dict[str, Any], saved: SavedPaths, what: str, trust: PickleTrust) -> dict[str, Any]:
+def _optim_to_check(directory: Path, optim: dict[str, Any], what: str, trust: PickleTrust) -> dict[str, Any]:
     """The optimizer destination as ``check_optimizer_state_dict`` needs it,
     before any tensor is read: its parameter names per group from the
     manifest, or (a checkpoint without them) its objects read first."""
     groups = manifest_hints(directory).get("optim_param_groups")
     if isinstance(groups, list):
-        return {"state": optim.get("state", {}), "param_groups": [{"params": list(names)} for names in groups]}
-    objects = objects_tree(saved, OPTIM)
-    if objects is not None:  # hyperparameters: a few bytes, read on their own
-        _read(directory, {OPTIM: objects}, what, trust, in_place=False)
-        fill_objects(optim, objects)
-    return optim
+        return {"state": optim["state"], "param_groups": [{"params": list(names)} for names in groups]}
+    objects: dict[str, Any] = {OPTIM: {}}  # hyperparameters: a few bytes, read on their own
+    _read(directory, objects, what, trust, in_place=False, planner=DestinationLoadPlanner(((OPTIM,),), objects_only=True))
+    return {"state": optim["state"], "param_groups": objects[OPTIM].get("param_groups")}
 
 
 def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
     return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
 
 
-def _read(directory: Path, destination: dict[str, Any], what: str, trust: PickleTrust, *, in_place: bool) -> None:
+def _read(
+    directory: Path, destination: dict[str, Any], what: str, trust: PickleTrust, *, in_place: bool, planner: DestinationLoadPlanner
+) -> None:
     try:
-        with _quiet_sharded_tensor():
-            dcp.load(destination, storage_reader=_reader(directory, trust))
+        dcp.load(destination, storage_reader=_reader(directory, trust), planner=planner)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
         refusal = refusal_in(exc)
         if refusal is not None:  # every rank refuses every bytes item before it reads a tensor
