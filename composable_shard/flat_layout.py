@@ -15,7 +15,7 @@ Rank ``r`` of the shard group holds elements ``[r * shard_numel,
 (r + 1) * shard_numel)``. A parameter's local part is the intersection of its
 range with that window: one contiguous range of the flattened parameter, so
 ranks hold the parameter's elements in rank order. Pinned by
-test_layout_of_a_small_module_is_stable (test_flat_param.py).
+test_layout_of_a_small_module_is_stable (tests/handle/test_flat_param.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ so a unit's pre-backward trims only when the backward gathered
 high-water mark (farther below, this unit cannot make a new peak).
 ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0`` turns it off; without
 ``malloc_trim`` (musl, macOS) it does nothing. Measurements: docs/how-it-works.md
-("Memory"). Pinned by tests/test_host_memory.py.
+("Memory"). Pinned by tests/runtime/test_host_memory.py.
 """
 
 from __future__ import annotations

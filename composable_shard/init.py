@@ -26,7 +26,7 @@ come in that order, which differs from building the model eagerly on one
 device; ``sync_module_states=True`` makes the result independent of each
 rank's random state. Meta buffers get uninitialised storage: the init
 function must fill them (``reset_parameters`` of the norms does). Pinned by
-tests/test_deferred_init.py.
+tests/runtime/test_deferred_init.py.
 """
 
 from __future__ import annotations

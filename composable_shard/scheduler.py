@@ -17,8 +17,8 @@ scheduler keeps it until compute waited on it. Offloaded reductions finish
 on the reduction lane (``finish_on_lane``), fenced by one post-reduce event;
 the host is a third party, so ``synchronize_host`` is its one wait per step,
 before the optimizer reads downloaded gradients or writes uploaded shards.
-Pinned by tests/test_lane_fences.py, tests/test_scheduler_cuda_offload.py
-and, on a GPU, tests/test_cuda_offload_fences.py (negative controls patch
+Pinned by tests/scheduler/test_lane_fences.py, tests/scheduler/test_cuda_offload.py
+and, on a GPU, tests/cuda/test_offload_fences.py (negative controls patch
 each guard out).
 
 [Note: what a lane waits for]
@@ -35,7 +35,7 @@ frees with ``defer``: the block stays allocated until the next all-gather
 allocated its own (one more unit buffer at that moment; ``plan`` counts
 it), and nothing is deferred past ``wait_for_all``. On CPU compute runs in
 the host's order: ``mark_compute`` is None, frees are immediate. Pinned by
-tests/test_scheduler_cuda_lanes.py (a fake of CUDA's stream rules).
+tests/scheduler/test_cuda_lanes.py (a fake of CUDA's stream rules).
 
 [Note: buffer lifetimes across lanes]
 Buffers are never tied to a stream with ``record_stream``: a tensor compute

@@ -99,7 +99,7 @@ class UnitState:
         self.module = module
         # One flat parameter per (dtype, requires_grad) group of the unit, as
         # fully_shard found them (requires_grad and dtype may change later:
-        # [Note: changes to original parameters] in flat_param.py).
+        # [Note: changes to original parameters] in handle/writeback.py).
         self.handles = handles
         self.groups = groups
         self.config = config
@@ -325,7 +325,7 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Pe
     hook works, since nothing reads the shard again in this backward. With
     CPU offload the gradients reach host memory only at the end of
     backward, so the hooks run there. Pinned by
-    tests/test_optimizer_in_backward.py.
+    tests/runtime/test_optimizer_in_backward.py.
     """
     handle.finish_grad_reduction(reduced)
     if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
@@ -360,7 +360,7 @@ def raise_internal(unit: UnitState, message: str) -> None:
 # state refers back to its module, so the model (and its process groups,
 # past ``destroy_process_group``) would never be freed. Module <-> state is
 # an ordinary cycle the garbage collector frees with the model. Pinned by
-# tests/test_model_lifetime.py.
+# tests/runtime/test_model_lifetime.py.
 _STATE_ATTRIBUTE = "_composable_shard_state"
 
 

@@ -14,7 +14,7 @@ Public names: ``OVERRIDABLE``, ``split_ignored``, ``unit_skipper``,
 ``fully_shard`` and ``plan`` both call these functions, and both lay out
 flat parameters with ``flat_layout.compute_layout``, so a plan describes
 exactly what ``fully_shard`` would build. Change a rule here, never in a
-caller. Pinned by tests/test_plan.py (units, ignored states and overrides as
+caller. Pinned by tests/plan/test_plan.py (units, ignored states and overrides as
 ``fully_shard`` makes them).
 """
 

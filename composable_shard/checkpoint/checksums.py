@@ -14,7 +14,7 @@ a load), else CRC-32; an xxh3_64 record without ``xxhash`` is an error,
 never a skipped check. Files are hashed through an mmap window by window,
 each window's pages dropped once hashed, so verifying adds at most one
 window to RSS (measurements: docs/design/checkpoint.md). Pinned by
-tests/test_checkpoint_checksums.py (``_xxhash = None`` forces CRC-32).
+tests/checkpoint/test_checksums.py (``_xxhash = None`` forces CRC-32).
 """
 
 from __future__ import annotations

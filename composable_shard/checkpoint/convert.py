@@ -21,7 +21,7 @@ parameter once under its canonical name and ties the alias again on load.
 and writes them into the file's metadata (``SAFETENSORS_ALIASES_KEY``:
 alias -> canonical, JSON) so ``safetensors_to_dcp`` restores them. Load the
 file with ``safetensors.torch.load_model(model, path)`` or
-``from_pretrained``. Pinned by tests/test_convert_checkpoint.py.
+``from_pretrained``. Pinned by tests/checkpoint/test_convert.py.
 """
 
 from __future__ import annotations

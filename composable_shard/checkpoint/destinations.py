@@ -12,7 +12,7 @@ A checkpoint of ``save_checkpoint`` is the nested state dict ``{"model":
 ..., "optim": ..., "extra": ...}``; DCP stores it flattened, and its metadata
 maps every flat key back to its path with either the tensor's size and dtype
 or "an object". So a checkpoint of another model is refused here, before a
-byte of tensor data is read. Pinned by tests/test_checkpoint_resharding.py.
+byte of tensor data is read. Pinned by tests/checkpoint/test_resharding.py.
 """
 
 from __future__ import annotations

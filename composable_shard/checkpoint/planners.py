@@ -13,7 +13,7 @@ the canonical name's storage metadata; ``TiedOnceFileSystemWriter.finish``
 records the canonical name's storage under each alias. So ``.metadata``
 lists both names with the same chunks and any DCP reader (ours, PyTorch's,
 FSDP2's) reads the alias from the canonical bytes. Pinned by
-tests/test_checkpoint_format.py.
+tests/checkpoint/test_format.py.
 
 [Note: destinations from the metadata]
 ``DestinationLoadPlanner`` adds to the state dict being loaded every saved
@@ -23,7 +23,7 @@ size and dtype, or a placeholder for an object — as DCP's
 ``set_element`` (lists where the path has an index). The model's shards and
 the optimizer's state stay the caller's (in place); extra state, extra
 states and hyperparameters are filled here. Pinned by
-tests/test_checkpoint_resume.py.
+tests/checkpoint/test_resume.py.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ is handed to the planner, and a tensor item whose pickle wants a global
 beyond a tensor's is refused before any tensor is read on this rank; a zip
 that torch's reader cannot parse is a ``CheckpointError`` naming the file
 and item. Neither reader checks the zip CRCs: ``load_checkpoint`` verifies
-the files against the manifest first. Pinned by tests/test_checkpoint_reader.py
-(bit for bit against the stock reader) and tests/test_checkpoint_pickles.py.
+the files against the manifest first. Pinned by tests/checkpoint/test_reader.py
+(bit for bit against the stock reader) and tests/checkpoint/test_pickles.py.
 
 [Note: a refused .metadata reaches dcp.load's caller]
 ``dcp.load`` (torch 2.11+) catches an exception from ``read_metadata()``,
@@ -35,7 +35,7 @@ retries the rank-local ``read_metadata(rank=r)`` and then fails with its
 own "metadata is None", hiding the refusal. So after a refused ``.metadata``
 the rank-local call answers an empty ``_RefusedMetadata`` carrying the
 refusal, which ``set_up_storage_reader`` raises on every rank. Pinned by
-tests/test_checkpoint_pickles.py.
+tests/checkpoint/test_pickles.py.
 """
 
 from __future__ import annotations

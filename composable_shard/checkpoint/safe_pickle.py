@@ -16,7 +16,7 @@ global outside them raises before it is looked up, so nothing it names is
 imported. Users admit their own types as PyTorch has them do
 (``torch.serialization.add_safe_globals``, or ``safe_globals=`` per call);
 ``trusted=True`` reads unrestricted, never the default. Pinned by
-tests/test_checkpoint_pickles.py.
+tests/checkpoint/test_pickles.py.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ the setters' copies are skipped (same memory). After the checks only an I/O
 error can fail the read, and its message says the model may hold part of
 it. A directory without a manifest (plain ``dcp.save``) is read into new
 buffers and copied in only once the whole read succeeded. Pinned by
-tests/test_checkpoint_resume.py, test_checkpoint_files.py and
-test_checkpoint_checksums.py.
+tests/checkpoint/test_resume.py, tests/checkpoint/test_files.py and
+tests/checkpoint/test_checksums.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ item it reads, so the cost is the load's (docs/design/checkpoint.md). For
 the same reason a description is kept per data-pickle bytes (items of the
 same shape repeat), and the zip records are read through a view that serves
 the item's first and last 4 KiB from memory. Pinned by
-tests/test_checkpoint_reader.py.
+tests/checkpoint/test_reader.py.
 """
 
 from __future__ import annotations

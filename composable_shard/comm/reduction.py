@@ -18,7 +18,7 @@ the world size before the collective, the rest after it (powers of two
 divide without rounding). The casts are part of it: the sum runs in
 ``reduce_dtype`` and the mean is cast to ``grad_dtype`` on the device that
 reduced it. Pinned by test_gradient_reduction_is_the_mean_and_accumulates
-(test_flat_param.py) and
+(tests/handle/test_flat_param.py) and
 test_mixed_precision_matches_a_low_precision_data_parallel_reference
 (test_mixed_precision.py).
 """

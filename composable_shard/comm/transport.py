@@ -29,7 +29,7 @@ group uses the backend, with one warning on each rank where the ranks share
 a host but the files could not be made (no room, not writable). Under
 ``torch.compile`` a shared-memory collective runs outside the graph
 (``shared_memory.eagerly``: one graph break, where a gloo collective with
-``async_op=True`` makes one too). Pinned by test_comm_shared_memory.py
+``async_op=True`` makes one too). Pinned by tests/comm/test_shared_memory.py
 (test_compiled_and_eager_ranks_use_the_groups_one_transport,
 test_group_with_one_rank_unable_falls_back_to_gloo_on_every_rank).
 """
@@ -201,7 +201,7 @@ def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> st
     docs/design/comm.md). It costs no memory: the padded gradient exists
     anyway, and the chunk is copied out of it (``ChunkOfAllReduce``), never
     kept as a view that would hold the whole buffer alive. Pinned by
-    test_comm_reduce_scatter.py.
+    tests/comm/test_reduce_scatter.py.
     """
     if host_transport(input, group) is not None:
         return "shared_memory"

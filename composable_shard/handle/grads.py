@@ -17,7 +17,7 @@ would for an unsharded model. To accumulate, the flat gradient is recovered
 from those views when they still tile one storage as the layout says (the
 common case), else rebuilt from whatever the user left (assigned tensors
 copied, cleared ones zero). Pinned by
-test_gradient_reduction_is_the_mean_and_accumulates (test_flat_param.py)
+test_gradient_reduction_is_the_mean_and_accumulates (tests/handle/test_flat_param.py)
 and test_no_sync_between_synchronised_backwards_and_nested_use
 (test_no_sync.py).
 
@@ -58,8 +58,8 @@ every fence and download was enqueued; the optimizer and
 ``clip_grad_norm_`` run after that. Host writes to the shard (optimizer
 step, state-dict loads, write-back) happen after a backward, or after a
 forward that no backward follows, at whose end the runtime waits the same
-way. Pinned by test_cuda_offload_fences.py and
-test_scheduler_cuda_offload.py (CUDA).
+way. Pinned by tests/cuda/test_offload_fences.py and
+tests/scheduler/test_cuda_offload.py (CUDA).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ When the shard group has one rank and no copy is needed (same dtype, same
 device), the unsharded flat parameter shares the shard's storage and nothing
 is ever gathered or freed. Pinned by
 test_views_alias_flat_storage_and_reshard_frees_unsharded_storage and
-test_shard_then_unshard_is_bit_exact (test_flat_param.py).
+test_shard_then_unshard_is_bit_exact (tests/handle/test_flat_param.py).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class FlatParamHandle:
     def hide_unsharded_views(self) -> None:
         """Show the owners the original parameters (the shard) again and
         keep the unsharded buffer gathered: a unit held for its backward
-        (see [Note: held for backward] in runtime.py); ``reshard`` frees it."""
+        (see [Note: held for backward] in runtime/lifecycle.py); ``reshard`` frees it."""
         self._register_orig_params()
 
     def use_unsharded_views(self) -> None:

@@ -28,7 +28,7 @@ step:
   tensor that needs no gradient. Since no gradient flows from its uses into
   the flat parameter's, the flat parameter may be accumulated before those
   uses ran in backward; so it is resharded like a frozen one ([Note:
-  resharding frozen flat parameters] in runtime.py). A change while a
+  resharding frozen flat parameters] in runtime/forward_inputs.py). A change while a
   ``no_sync`` gradient waits for its reduction is refused: the gradient
   accumulated before it would be reduced with the new flags;
 - dtype (``model.to(torch.float64)``, ``.double()``, ``.half()``): the flat
@@ -38,12 +38,12 @@ step:
   mixed-precision policy set them. Part of a flat parameter cast alone would
   need a new grouping of the unit: refused, with what to do.
 
-Pinned by test_parity_param_changes.py
+Pinned by tests/training/test_param_changes.py
 (test_requires_grad_changes_after_sharding_match_reference,
 test_float64_cast_after_sharding_trains_in_parity,
 test_cast_of_part_of_a_flat_parameter_is_refused_at_the_next_forward) and
 test_writeback_of_replaced_data_and_error_on_changed_size
-(test_flat_param.py).
+(tests/handle/test_flat_param.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ opens with ``start of backward`` (the loss and the root's last layers), so
 buffers, inputs and parameter gradients are excluded (the plan counts those
 as sharded or unsharded parameters and gradients); a storage created in
 backward with a trainable parameter's shape is a parameter gradient piece.
-Pinned by tests/test_plan.py (test_plan_measures_activations_under_fake_tensors).
+Pinned by tests/plan/test_plan.py (test_plan_measures_activations_under_fake_tensors).
 """
 
 from __future__ import annotations

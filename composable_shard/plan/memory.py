@@ -34,7 +34,7 @@ the runtime's order; its worst moment is the plan's peak.
 
 The plan counts live tensors; on CPU the resident set follows them because
 the backward trims the C heap ([Note: trimming the host heap in backward]
-in host_memory.py). Pinned by tests/test_plan.py (the plan against the
+in host_memory.py). Pinned by tests/plan/test_plan.py (the plan against the
 allocator's bytes and the step's profiled peak).
 """
 
@@ -95,7 +95,7 @@ class FlatParamPlan:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype
-    # Whether the unsharded buffer is its own allocation (see flat_param.py).
+    # Whether the unsharded buffer is its own allocation (see handle/storage.py).
     needs_unshard_storage: bool
     # Whether the shard, its gradient and optimizer state live on the CPU.
     offload: bool
@@ -328,7 +328,7 @@ def step_peak(
     freed until the next all-gather allocated its own (CUDA).
     ``prefetch_after_reduction``: ``BACKWARD_PRE`` prefetches at the
     ``BACKWARD_POST`` point, as on CPU ([Note: backward prefetch on CPU] in
-    runtime.py)."""
+    runtime/prefetch.py)."""
     opening = activations_at_open or {}
     moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
@@ -356,7 +356,7 @@ def step_peak(
             unit = units[index]
             still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
             # The root and the unit that runs last stay gathered for backward
-            # ([Note: the last unit stays gathered] in runtime.py).
+            # ([Note: the last unit stays gathered] in runtime/prefetch.py).
             kept = index in (0, len(units) - 1)
             if not kept and not still_running and unit.strategy.reshards_after_forward:
                 del gathered[index]

@@ -13,7 +13,7 @@ and lays each flat parameter out with ``flat_layout.compute_layout``: the
 functions ``fully_shard`` calls (see [Note: one copy of the unit rules]).
 ``describe`` reads the layouts ``fully_shard`` built. Both feed the same
 ``_assemble``, so ``plan(model, ...) == describe(sharded model)`` whenever the
-arguments match. Pinned by tests/test_plan.py, which compares both with what
+arguments match. Pinned by tests/plan/test_plan.py, which compares both with what
 the allocator holds.
 """
 
@@ -216,7 +216,7 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
             _flat_param_plan(
                 # requires_grad as the flat parameter has it now, not as
                 # fully_shard grouped it ([Note: changes to original
-                # parameters] in flat_param.py).
+                # parameters] in handle/writeback.py).
                 dataclasses.replace(h.layout, requires_grad=h.requires_grad),
                 h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
                 transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
@@ -530,7 +530,7 @@ def _assemble(
         # [Note: what a lane waits for] (scheduler.py): CUDA lanes hold a
         # freed buffer until the next all-gather allocated its own.
         holds_freed_buffer=device_type == "cuda",
-        # [Note: backward prefetch on CPU] in runtime.py
+        # [Note: backward prefetch on CPU] in runtime/prefetch.py
         prefetch_after_reduction=device_type == "cpu",
     )
     offloaded = [fp for fp in flat_params if fp.offload]

@@ -11,7 +11,7 @@ Public names: ``format_plan``, ``format_bytes``, ``PlanFields``.
 not even for a type hint: ``format_plan`` takes anything with the fields of
 ``PlanFields``, a protocol ``ShardingPlan`` satisfies. The order is
 ``memory.py`` <- ``table.py`` <- ``sharding_plan.py`` (which also imports
-``memory.py`` and ``activations.py``); tests/test_import_graph.py checks it.
+``memory.py`` and ``activations.py``); tests/layout/test_import_graph.py checks it.
 """
 
 from __future__ import annotations

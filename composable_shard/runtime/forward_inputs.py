@@ -69,7 +69,7 @@ class _ReshardFrozenAfterInputGrad(torch.autograd.Function):
     uses whose inputs need no gradient never report, and the end of backward
     reshards those. A trainable flat parameter holding parameters frozen
     after sharding waits the same way. Pinned by
-    tests/test_parity_composition.py (frozen parameters freed before
+    tests/training/test_composition.py (frozen parameters freed before
     backward ends).
     """
 

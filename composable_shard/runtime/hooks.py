@@ -14,7 +14,7 @@ Activation checkpointing re-runs a unit's forward inside backward, which
 computation, and its post-forward neither reshards nor registers backward
 hooks. The reentrant form runs the first forward under ``no_grad``: that
 forward reshards like an eval forward, and the re-run unshards again inside
-backward. Pinned by tests/test_parity_composition.py.
+backward. Pinned by tests/training/test_composition.py.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
     what could not be looked into. A unit with nothing to train whose output
     needs no grad reshards at once, even as the root or the last unit: no
     backward can reach it, so nothing would end a kept state. Pinned by
-    tests/test_output_structures.py.
+    tests/runtime/test_output_structures.py.
     """
     scan = scan_output(output)
     hook = functools.partial(_pre_backward, state)
@@ -213,7 +213,7 @@ def register_hooks(state: UnitState) -> None:
 # would close a cycle no collection frees (the model, its memory and its
 # process groups would outlive ``dist.destroy_process_group``). The module's
 # forward hooks and ``module.__dict__`` keep them alive while the model is.
-# Pinned by tests/test_model_lifetime.py.
+# Pinned by tests/runtime/test_model_lifetime.py.
 def _post_backward_of(
     state_ref: weakref.ReferenceType[UnitState],
     handle_ref: weakref.ReferenceType[FlatParamHandle],

@@ -48,5 +48,5 @@ def hook_label(state: UnitState, hook: str) -> Iterator[None]:
 def _profiler_enabled() -> bool:
     # Private but present in every supported torch. Under torch.compile a
     # constant False: dynamo cannot trace this query's bool result and would
-    # break the graph once more per hook (tests/test_compile.py counts them).
+    # break the graph once more per hook (tests/training/test_compile.py counts them).
     return not torch.compiler.is_compiling() and torch._C._autograd._profiler_enabled()

@@ -26,7 +26,7 @@ the units to ``IDLE`` (a dropped forward's graph may be freed without any
 hook running, so nothing waits for autograd); or a backward of that output
 comes after all, and pre-backward unshards again into the storage the
 saved views alias. Resharding is local, so ending the state on one rank and
-not another cannot hang. Pinned by tests/test_runtime_forward_without_backward.py.
+not another cannot hang. Pinned by tests/runtime/test_forward_without_backward.py.
 """
 
 from __future__ import annotations

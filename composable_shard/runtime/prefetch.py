@@ -50,7 +50,7 @@ def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:
     alive through this unit's gradient computation, the backward's peak,
     beside the previous unit's reduction; after the reduction they come past
     the peak. The measurements behind it are in docs/design/runtime.md;
-    tests/test_runtime_order.py pins the order and tests/test_peer_memory.py
+    tests/runtime/test_order.py pins the order and tests/peer/test_memory.py
     the peak against FSDP1.
     """
     prefetch = state.config.backward_prefetch
@@ -69,7 +69,7 @@ def backward_starts_with(state: UnitState) -> bool:
     parameters gathered, as the root does, for one unit's memory during the
     head and loss (below the peak at the start of backward); like the
     root's, they are held for a backward that may not come ([Note: held for
-    backward] in lifecycle.py). Pinned by tests/test_runtime_order.py.
+    backward] in lifecycle.py). Pinned by tests/runtime/test_order.py.
     """
     order = state.context.previous_forward_order
     return len(order) > 0 and order[-1] is state and not state.is_root

@@ -14,7 +14,7 @@ with this rank's 1-D slice, which ``_load_from_state_dict`` copies into the
 shard view: identity kept, no collective; a wrong shape is reported in
 ``error_msgs`` with the unsharded shapes. After ``assign=True`` the post-hook
 copies the assigned data into the shard and restores the original objects.
-Pinned by tests/test_state_dict.py.
+Pinned by tests/state_dict/test_model.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ subclass of the full shape without storage. A rank with no element keeps
 the key with no boxes (every rank's state dict has the same keys).
 ``new_empty`` of its own shape gives the same boxes over a new ``local``
 (``dcp.async_save`` stages that way); any other operation raises
-``RuntimeError``. Pinned by tests/test_checkpoint_format.py.
+``RuntimeError``. Pinned by tests/checkpoint/test_format.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ converters see ordinary tensors. Replicas build identical boxes, which DCP
 writes once. A 0-dim parameter keeps shape ``()``; older checkpoints hold
 it as ``(1,)`` (``LEGACY_SCALAR_SHAPE``), which loading accepts
 (``is_legacy_scalar``; tests/fixtures/checkpoint_0a0add2). Pinned by
-tests/test_state_dict.py and tests/test_checkpoint_format.py.
+tests/state_dict/test_model.py and tests/checkpoint/test_format.py.
 """
 
 from __future__ import annotations

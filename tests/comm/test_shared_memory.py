@@ -1,5 +1,5 @@
 """Shared-memory collectives between the processes of one host
-(``comm/shared_memory.py``): the same results as gloo's collectives, bit for
+(``comm/shared_memory/``): the same results as gloo's collectives, bit for
 bit, whatever the dtype, size, number in flight or order of waiting; the
 group-wide decision to use them; training parity through them and with
 them switched off."""

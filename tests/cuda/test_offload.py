@@ -10,7 +10,7 @@ models here are large enough (tens of MiB per unit, a handful of tokens)
 that the copies take milliseconds while compute takes microseconds, so an
 unfenced copy gives wrong losses (or NaN) from the first step.
 
-Offload (see [Note: CPU offload copies] in composable_shard/flat_param.py):
+Offload (see [Note: CPU offload copies] in composable_shard/handle/grads.py):
 pinned uploads cast on the device, pinned non-blocking gradient downloads
 with one host wait at the end of backward, and the optimizer stepping on CPU
 on the offloaded shards, with mixed precision, ``no_sync``, gradient

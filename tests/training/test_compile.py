@@ -39,7 +39,7 @@ if torch.__version__ < "2.13":
     # Torch 2.9 to 2.12 (measured 8 on 2.9.1, 2.10.0 and 2.11.0; 2.12 not
     # run): compiling the root, the storage
     # pointer check (``untyped_storage().data_ptr()`` in
-    # FlatParamHandle._user_edits, which no torch traces) breaks inside the
+    # handle.writeback.find_user_edits, which no torch traces) breaks inside the
     # root pre-forward's loop over units; dynamo before 2.13 cannot resume after a
     # graph break in a loop ("graph break in loop": it skips the frame and
     # runs it eagerly), and counts that same data_ptr break 4 times where

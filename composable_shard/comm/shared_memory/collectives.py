@@ -24,7 +24,7 @@ round. A reduce-scatter sums this rank's own chunk first, then the peers'
 pieces in rank order, read where they lie, so each element sums in the same
 order whatever the rounds. The measurements behind the transport and the
 slot size are in docs/design/comm.md. Pinned by
-test_comm_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
+tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
 test_collectives_larger_than_a_slot_stream_through_it_and_equal_gloo).
 """

@@ -29,11 +29,11 @@ before setup, up to the slot size (``slot_reservation``), and grows up to it
 before a write that needs more, so a full ``/dev/shm`` is an error naming
 the fix, not a SIGBUS. ``shared_bytes`` is what this rank's file holds;
 ``mapped_bytes`` what this process's RSS counts (peers' slots included).
-Pinned by test_comm_shared_memory.py
+Pinned by tests/comm/test_shared_memory.py
 (test_shared_memory_files_close_and_unmap_when_their_group_is_destroyed,
 test_group_falls_back_to_gloo_with_one_warning_when_dev_shm_lacks_space,
 test_group_with_one_rank_unable_falls_back_to_gloo_on_every_rank) and
-test_comm_failures.py (a peer killed during setup).
+tests/comm/test_failures.py (a peer killed during setup).
 """
 
 from __future__ import annotations

@@ -43,13 +43,13 @@ thread at a time, after the bytes were copied; on x86-64 stores become
 visible in program order, so a peer that sees the entry sees the bytes.
 Another thread that calls in while one is inside gets an error at once.
 
-Pinned by test_comm_shared_memory.py
+Pinned by tests/comm/test_shared_memory.py
 (test_more_operations_in_flight_than_slots_stay_correct,
 test_late_peer_in_the_middle_of_a_streamed_collective_times_out_at_issue,
 test_wait_timeout_and_group_timeout_end_a_wait_for_a_late_peer,
 test_collective_from_a_second_thread_at_the_same_time_is_refused,
 test_ranks_issuing_different_collectives_get_an_error_not_wrong_data) and
-test_comm_failures.py (killed and stopped peers).
+tests/comm/test_failures.py (killed and stopped peers).
 """
 
 from __future__ import annotations
