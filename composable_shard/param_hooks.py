@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .state import UnitState
+from .state import TrainingState, UnitState, unit_states_under
 
 __all__ = ["guard_param_hooks"]
 
@@ -71,12 +71,21 @@ def _refuse_registration(param_name: str, hook: Callable[..., Any]) -> None:
 def _refuse_existing_hooks(state: UnitState, module: nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():
         return  # checked by the eager forwards around it
-    for handle in state.handles:
-        for info, param in zip(handle.layout.params, handle.orig_params):
-            if param._backward_hooks:
-                raise RuntimeError(
-                    f"fully_shard({state.fqn}): parameter '{state.name_prefix}{info.fqn}' has a hook registered with "
-                    "register_hook (before fully_shard, or through torch.Tensor.register_hook), which would never "
-                    f"run: the unit computes with views of a flat parameter. Remove it (its handle's remove()); "
-                    f"{_WHAT_TO_USE}. Nothing of this step ran; the model is usable."
-                )
+    if state.root_context is None:  # before lazy init: this is the outermost unit called
+        units = [(f"{name}." if name else "", unit) for name, unit in unit_states_under(module)]
+    elif state.is_root:
+        units = [(unit.name_prefix, unit) for unit in state.root_context.units]
+    elif state.root_context.root.training_state is TrainingState.FORWARD:
+        return  # the root checked the whole tree before its forward started
+    else:
+        units = [(state.name_prefix, state)]  # called on its own
+    for prefix, unit in units:
+        for handle in unit.handles:
+            for info, param in zip(handle.layout.params, handle.orig_params):
+                if param._backward_hooks:
+                    raise RuntimeError(
+                        f"fully_shard: parameter '{prefix}{info.fqn}' has a hook registered "
+                        "with register_hook (before fully_shard, or through torch.Tensor.register_hook), which would "
+                        "never run: the unit computes with views of a flat parameter. Remove it (its handle's "
+                        f"remove()); {_WHAT_TO_USE}. Nothing of this step ran; the model is usable."
+                    )
