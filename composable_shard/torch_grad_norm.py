@@ -146,6 +146,10 @@ def _contribution(tensors: list[torch.Tensor], norm_type: float, device: torch.d
     present = [tensor for tensor in tensors if tensor.numel() > 0]
     if not present:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type).to(device) for t in present])
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in present:
+        by_device.setdefault(tensor.device, []).append(tensor if tensor.dtype == torch.float32 else tensor.float())
+    # One foreach kernel per device (as torch's own), then one scalar each.
+    norms = torch.cat([torch.stack(torch._foreach_norm(group, norm_type)).to(device) for group in by_device.values()])
     return norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
 
