@@ -194,3 +194,23 @@ def _lbfgs_over_whole_tensors(rank: int, world_size: int) -> None:
 
 def test_lbfgs_over_a_no_shard_tree_is_allowed_and_exact() -> None:
     run_distributed(_lbfgs_over_whole_tensors, 2)
+
+
+# ------------------------------------- every optimizer listed as elementwise
+def _listed_optimizers_train_in_parity(rank: int, world_size: int) -> None:
+    from composable_shard.runtime.optimizer_checks import ELEMENTWISE_OPTIMIZERS
+
+    settings = {torch.optim.SGD: {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}}
+    for optimizer_class in ELEMENTWISE_OPTIMIZERS:
+        kwargs = settings.get(optimizer_class, {"lr": 1e-2})
+        try:
+            run_parity(Parity(
+                build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), steps=2,
+                make_optimizer=lambda model: optimizer_class(model.parameters(), **kwargs),
+            ))
+        except AssertionError as error:
+            raise AssertionError(f"{optimizer_class.__name__}: {error}") from error
+
+
+def test_every_optimizer_listed_as_elementwise_trains_in_parity() -> None:
+    run_distributed(_listed_optimizers_train_in_parity, 2)
