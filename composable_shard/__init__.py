@@ -23,10 +23,18 @@ from .state_dict import (
 )
 from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
+from .runtime.optimizer_checks import register_elementwise_optimizer
+from . import param_hooks as _param_hooks, torch_grad_norm as _torch_grad_norm
 
 # module.state_dict() / load_state_dict() on every unit: the state-dict wing
 # joins fully_shard here, so the core never imports it.
 _register_unit_extension(_register_state_dict_hooks)
+# register_hook on an original parameter raises ([Note: hooks on original
+# parameters]); torch's clip_grad_norm_ gives the global norm ([Note: torch's
+# clip_grad_norm_ over shards]).
+_register_unit_extension(_param_hooks.guard_param_hooks)
+_register_unit_extension(_torch_grad_norm.track_unit_grads)
+_torch_grad_norm.install()
 
 __all__ = [
     "fully_shard",
@@ -43,6 +51,7 @@ __all__ = [
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",
+    "register_elementwise_optimizer",
     "plan",
     "describe",
     "ShardingPlan",

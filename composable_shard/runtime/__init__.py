@@ -6,6 +6,9 @@ Knows nothing of: anything its modules do not (it only re-exports them).
 Layout (each module depends only on those above it)::
 
     labels.py          the profiler range, debug line and error log of a hook
+    optimizer_checks.py  what the optimizer step refuses: optimizers not
+                       elementwise over shards, a step between a forward
+                       and its backward
     lifecycle.py       a tree idle / in a step / held for backward; the one
                        gate every entry from outside a step passes; back to
                        idle at the end of backward; the optimizer step hook

@@ -34,10 +34,12 @@ from ..nested_tensors import scan_output
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
+from .optimizer_checks import refuse_backward_after_step
 from .lifecycle import (
     end_forward_without_backward,
     enter_between_steps,
     in_backward,
+    reset_after_error,
     return_tree_to_idle,
     start_root_forward,
 )
@@ -145,6 +147,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
 
 
 def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
+    refuse_backward_after_step(state.context, reset_after_error)  # [Note: optimizer step between forward and backward]
     if state.training_state is TrainingState.PRE_BACKWARD:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
+from .optimizer_checks import refuse_unless_elementwise, remember_step_while_held
 
 __all__ = [
     "TreePhase",
@@ -219,11 +220,14 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     pass the gate (the step writes the shards; with CPU offload an upload
     may still read them). Inside a step (an optimizer in backward) nothing
     is held to end."""
+    refuse_unless_elementwise(optimizer, _ROOT_CONTEXTS)  # [Note: optimizers over shards]
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
             continue  # a tree that became part of a larger one
         held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
         if held and _updates_tree(optimizer, context):
+            if tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:
+                remember_step_while_held(context, optimizer)  # [Note: optimizer step between forward and backward]
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
 
 

@@ -1,0 +1,216 @@
+"""The optimizer step over a sharded model: a step between a forward and its
+backward makes that backward raise, as autograd does in a single process,
+and the model then trains exactly as the reference that went through the
+same sequence; LBFGS and Adafactor (not elementwise; Adafactor divided by
+zero on an empty local part) and an undeclared custom optimizer are refused
+before changing anything, and the model trains on; a custom optimizer
+declared with ``register_elementwise_optimizer`` trains in parity; LBFGS
+over a NO_SHARD tree (whole tensors) is allowed and exact. FULL_SHARD and
+SHARD_GRAD_OP at 2 ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded, register_elementwise_optimizer
+
+from tests.support.harness_pool import run_distributed
+from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, adamw, assert_resharded, compare_full, run_parity, shard_manually
+
+STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    share = tensor.shape[0] // size
+    return tensor[rank * share : (rank + 1) * share]
+
+
+# ------------------------------------------- optimizer.step() inside a step
+def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        shard_manually(strategy)(model)
+        parity = Parity(build=TinyGPT, shard=shard_manually(strategy))
+        optimizer, reference_optimizer = adamw(model), adamw(reference)
+
+        def train(step: int, *, misuse: bool) -> None:
+            inputs, targets = batch(step)
+            if misuse:  # the previous step's gradients are still there
+                loss = lm_loss(model(_local(inputs)), _local(targets))
+                reference_loss = lm_loss(reference(inputs), targets)
+                optimizer.step()
+                reference_optimizer.step()
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    reference_loss.backward()
+                with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
+                    loss.backward()
+                assert_resharded(model)
+                compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
+                optimizer.zero_grad()
+                reference_optimizer.zero_grad()
+                return
+            lm_loss(model(_local(inputs)), _local(targets)).backward()
+            lm_loss(reference(inputs), targets).backward()
+            compare_full(model, reference, parity, f"{strategy.name} step {step} after backward", grads=True)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+            compare_full(model, reference, parity, f"{strategy.name} step {step} after the optimizer step", grads=False)
+
+        # Gradients present, then the misuse; after it, exact training.
+        inputs, targets = batch(0)
+        lm_loss(model(_local(inputs)), _local(targets)).backward()
+        lm_loss(reference(inputs), targets).backward()
+        train(1, misuse=True)
+        train(2, misuse=False)
+        train(3, misuse=False)
+        # A forward without backward, then a step: allowed (evaluation
+        # under grad mode), and the next step is exact.
+        model(_local(batch(4)[0]))
+        reference(batch(4)[0])
+        optimizer.step()
+        reference_optimizer.step()
+        train(5, misuse=False)
+
+
+def test_optimizer_step_between_forward_and_backward_raises_and_model_trains() -> None:
+    run_distributed(_step_between_forward_and_backward, 2)
+
+
+# ----------------------------------------------- optimizers not elementwise
+def _closure_for(model: nn.Module, optimizer: torch.optim.Optimizer):
+    inputs, targets = batch(0)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = lm_loss(model(_local(inputs)), _local(targets))
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _refusals_then_adamw(errors: list[str]):
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        if not is_fully_sharded(model):
+            return adamw(model)  # the reference
+        # Gradients present (Adafactor divided by zero on the empty local
+        # part of pos_emb on rank 1); each refused before changing anything.
+        for make in (lambda: torch.optim.LBFGS(model.parameters()), lambda: torch.optim.Adafactor(model.parameters())):
+            refused = make()
+            closure = _closure_for(model, refused)
+            closure()
+            with pytest.raises(RuntimeError, match=r"each rank steps only its shard") as error:
+                refused.step(closure)
+            errors.append(str(error.value))
+        model.zero_grad(set_to_none=True)
+        return adamw(model)
+
+    return make_optimizer
+
+
+def _elementwise_update_class() -> type[torch.optim.Optimizer]:
+    """A custom optimizer, elementwise (p -= lr * g * |g|); a new class per
+    call, so a declaration in one call does not leak into the next."""
+
+    class SquaredGradientDescent(torch.optim.Optimizer):
+        def __init__(self, params, lr: float = 0.5) -> None:
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure=None):  # type: ignore[override]
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.addcmul_(param.grad, param.grad.abs(), value=-group["lr"])
+
+    return SquaredGradientDescent
+
+
+def _not_elementwise_refused_declared_trains(rank: int, world_size: int) -> None:
+    for strategy in STRATEGIES:
+        errors: list[str] = []
+        # The refusals, then AdamW: loss, gradients, parameters as the reference.
+        run_parity(Parity(build=TinyGPT, shard=shard_manually(strategy), steps=2, make_optimizer=_refusals_then_adamw(errors)))
+        lbfgs, adafactor = errors
+        assert lbfgs.startswith("LBFGS.step()") and adafactor.startswith("Adafactor.step()"), errors
+        for message in errors:
+            assert "Known elementwise: SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop" in message
+            assert "not elementwise: LBFGS, Adafactor" in message and "register_elementwise_optimizer" in message
+
+        custom = _elementwise_update_class()
+        declared_already: list[bool] = []
+
+        def make_custom(model: nn.Module) -> torch.optim.Optimizer:
+            optimizer = custom(model.parameters())
+            if is_fully_sharded(model) and not declared_already:
+                model(_local(batch(0)[0])).sum().backward()
+                with pytest.raises(RuntimeError, match=r"SquaredGradientDescent\.step\(\).*register_elementwise_optimizer\(SquaredGradientDescent\)"):
+                    optimizer.step()
+                model.zero_grad(set_to_none=True)
+                assert register_elementwise_optimizer(custom) is custom
+                declared_already.append(True)
+            return optimizer
+
+        run_parity(Parity(build=TinyGPT, shard=shard_manually(strategy), steps=2, make_optimizer=make_custom))
+
+
+def test_lbfgs_adafactor_refused_declared_custom_optimizer_trains() -> None:
+    run_distributed(_not_elementwise_refused_declared_trains, 2)
+
+
+def _lbfgs_over_whole_tensors(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    fully_shard(model, strategy=ShardingStrategy.NO_SHARD)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=1)
+    reference_optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=1)
+    inputs, targets = batch(0)
+    initial = reference.head.weight.detach().clone()
+
+    def reference_closure() -> torch.Tensor:
+        reference_optimizer.zero_grad()
+        loss = lm_loss(reference(inputs), targets)
+        loss.backward()
+        return loss
+
+    optimizer.step(_closure_for(model, optimizer))
+    reference_optimizer.step(reference_closure)
+    parity = Parity(build=TinyGPT, shard=lambda m: None)
+    compare_full(model, reference, parity, "NO_SHARD after one LBFGS step", grads=False)
+    assert not torch.equal(reference.head.weight, initial)  # it moved
+
+
+def test_lbfgs_over_a_no_shard_tree_is_allowed_and_exact() -> None:
+    run_distributed(_lbfgs_over_whole_tensors, 2)
+
+
+# ------------------------------------- every optimizer listed as elementwise
+def _listed_optimizers_train_in_parity(rank: int, world_size: int) -> None:
+    from composable_shard.runtime.optimizer_checks import ELEMENTWISE_OPTIMIZERS
+
+    settings = {torch.optim.SGD: {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}}
+    for optimizer_class in ELEMENTWISE_OPTIMIZERS:
+        kwargs = settings.get(optimizer_class, {"lr": 1e-2})
+        try:
+            run_parity(Parity(
+                build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), steps=2,
+                make_optimizer=lambda model: optimizer_class(model.parameters(), **kwargs),
+            ))
+        except AssertionError as error:
+            raise AssertionError(f"{optimizer_class.__name__}: {error}") from error
+
+
+def test_every_optimizer_listed_as_elementwise_trains_in_parity() -> None:
+    run_distributed(_listed_optimizers_train_in_parity, 2)
