@@ -37,9 +37,11 @@ from .memory import (
     FlatParamPlan,
     StepPeak,
     UnitPlan,
+    in_backward_step_bytes,
     optimizer_bytes,
     optimizer_step_bytes,
-    step_peak,
+    step_moments,
+    worst_moment,
 )
 from .table import format_plan
 from ..policy import Policy
@@ -65,6 +67,7 @@ _MORE = {
     "loss_fn",
     "warn",
     "momentum",
+    "optimizer_in_backward",
 }
 
 
@@ -88,6 +91,11 @@ class ShardingPlan:
     - ``total``: the peak — params + optimizer + buffers + transport +
       grads_at_peak + the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
+
+    ``optimizer_in_backward``: planned for an optimizer stepped in the
+    parameters' post-accumulate-grad hooks (no sharded gradient after a
+    step). ``moments``: every moment of the replayed step in order (the
+    peak is the worst); ``timeline()`` and ``plot(path)`` show them.
     """
 
     world_size: int
@@ -100,9 +108,27 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     # "plan" (computed before sharding) or "fully_shard" (read from a model).
     source: str = "plan"
+    optimizer_in_backward: bool = False
+    moments: list[StepPeak] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         return format_plan(self)
+
+    def timeline(self) -> Any:
+        """This rank's memory over one step, moment by moment and by
+        category (a ``MemoryTimeline``; see ``plan/timeline.py``)."""
+        from .timeline import plan_timeline
+
+        return plan_timeline(self)
+
+    def plot(self, path: str, *, measured: Any = None, title: str | None = None) -> None:
+        """Draw ``timeline()`` as a stacked area per category, unit names
+        along the time axis, the peak marked, and ``measured`` (a
+        ``MemoryRecord`` of a real step) over it; needs matplotlib
+        (``pip install composable_shard[plot]``)."""
+        from .plot import plot_timeline
+
+        plot_timeline(self.timeline(), path, measured=measured, title=title)
 
 
 def plan(
@@ -128,7 +154,9 @@ def plan(
     ``world_size``); ``example_inputs`` (tuple) or ``input_shape`` (+
     ``input_dtype``, default ``torch.long``) and ``loss_fn`` to measure
     activations; ``momentum`` (0.9; 0 means SGD keeps no state);
-    ``warn=True`` to also emit the plan's warnings.
+    ``optimizer_in_backward=True`` for a per-parameter ``optimizer`` stepped
+    (and its ``.grad`` set to None) in each parameter's post-accumulate-grad
+    hook; ``warn=True`` to also emit the plan's warnings.
     """
     name = type(module).__name__
     rank = _checked_rank(name, world_size, optimizer, more)
@@ -185,7 +213,8 @@ def plan(
     buffers = _buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
     result = _assemble(
-        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan"
+        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
+        in_backward=bool(more.get("optimizer_in_backward", False)),
     )
     result.optimizer = optimizer
     if more.get("warn", False):
@@ -194,10 +223,13 @@ def plan(
     return result
 
 
-def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9) -> ShardingPlan:
+def describe(
+    module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9, optimizer_in_backward: bool = False
+) -> ShardingPlan:
     """The plan of a model ``fully_shard`` already sharded, read from its
     real layouts, on this rank (same table and numbers as ``plan``; no
-    activations). ``momentum`` matters for ``optimizer="sgd"`` only."""
+    activations). ``momentum`` matters for ``optimizer="sgd"`` only;
+    ``optimizer_in_backward`` as for ``plan``."""
     name = type(module).__name__
     _check_optimizer(name, optimizer)
     named = list(unit_states_under(module))
@@ -233,7 +265,8 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
-        units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard"
+        units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
+        in_backward=optimizer_in_backward,
     )
     result.optimizer = optimizer
     return result
@@ -515,16 +548,19 @@ def _assemble(
     shared_memory: bool,
     *,
     source: str,
+    in_backward: bool = False,
 ) -> ShardingPlan:
     flat_params = [fp for unit in units for fp in unit.flat_params]
     by_kind = optimizer_bytes(flat_params, optimizer)
     params = sum(fp.shard_bytes for fp in flat_params)
-    grads = sum(fp.grad_bytes for fp in flat_params)
+    all_grads = sum(fp.grad_bytes for fp in flat_params)
+    # [Note: optimizer in backward, planned]: the hooks free every gradient.
+    grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    peak: StepPeak = step_peak(
+    moments = step_moments(
         units,
         optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type),
-        all_grads=grads,
+        all_grads=all_grads,
         activations=activations.by_window if activations is not None else {},
         activations_at_open=activations.at_open if activations is not None else {},
         # [Note: what a lane waits for] (scheduler.py): CUDA lanes hold a
@@ -532,9 +568,15 @@ def _assemble(
         holds_freed_buffer=device_type == "cuda",
         # [Note: backward prefetch on CPU] in runtime.py
         prefetch_after_reduction=device_type == "cpu",
+        in_backward_steps=[in_backward_step_bytes(u.flat_params, optimizer, device_type) for u in units]
+        if in_backward
+        else None,
+        hooks_after_backward=any(fp.offload for fp in flat_params),
     )
+    peak: StepPeak = worst_moment(moments)
     offloaded = [fp for fp in flat_params if fp.offload]
-    cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
+    offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
+    cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
     moved = _transport_bytes(flat_params) if shared_memory else 0
     rank_bytes = {
         "params": params,
@@ -563,6 +605,8 @@ def _assemble(
         peak_moment=peak.moment,
         warnings=_warnings(units, shared),
         source=source,
+        optimizer_in_backward=in_backward,
+        moments=moments,
     )
 
 
