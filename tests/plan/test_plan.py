@@ -51,7 +51,9 @@ def _check_record(record: dict) -> None:
 
 # Real gloo groups on two shared cores are slow: a subset here, every case
 # under the fake process group below.
-GLOO_CASES = ("full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute", "full_shard_in_backward")
+GLOO_CASES = (
+    "full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute", "full_shard_in_backward", "bf16_in_backward"
+)
 
 
 def _measure_gloo_cases(rank: int, world_size: int) -> list[dict]:
