@@ -7,6 +7,7 @@ holds at the worst moment of a training step.
 - ``memory.py``: the per-rank memory arithmetic and the step replay;
 - ``activations.py``: activation memory measured under fake tensors;
 - ``table.py``: the printed table;
+- ``advice.py``: the plan's warnings;
 - ``capacity.py``: ``largest_fitting``, the largest model size whose plan
   fits a memory budget;
 - ``timeline.py``: the step's memory moment by moment (``plan.timeline()``);

@@ -44,16 +44,13 @@ from .memory import (
     worst_moment,
 )
 from .table import format_plan
+from .advice import plan_warnings, shared_params, shared_params_from_states
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
 
 __all__ = ["plan", "describe", "ShardingPlan"]
 
-# A unit this many times the median unit sets the peak on its own.
-_LARGE_UNIT_RATIO = 4.0
-# Padding above this fraction of a unit's unsharded buffer is worth a warning.
-_PADDING_WARN_FRACTION = 0.03
 _MORE = {
     "rank",
     "forward_prefetch",
@@ -207,7 +204,7 @@ def plan(
     )
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
-    shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
+    shared = shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
     kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     buffers = _buffer_bytes(module, buffer_dtype)
@@ -261,7 +258,7 @@ def describe(
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    shared = _shared_params_from_states(module, {id(state.module) for _, state in named}, named)
+    shared = shared_params_from_states(module, {id(state.module) for _, state in named}, named)
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
@@ -457,47 +454,6 @@ def _unit_modules(module: nn.Module, specs: dict[int, UnitPlan]) -> list[nn.Modu
     return [m for m in module.modules() if id(m) in specs]
 
 
-def _innermost_unit(module: nn.Module, unit_ids: set[int]) -> dict[int, str]:
-    """Module id -> name of the innermost unit containing it."""
-    result: dict[int, str] = {}
-
-    def visit(current: nn.Module, prefix: str, unit_name: str) -> None:
-        if id(current) in unit_ids:
-            unit_name = prefix.rstrip(".")
-        result.setdefault(id(current), unit_name)
-        for child_name, child in current._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", unit_name)
-
-    visit(module, "", "")
-    return result
-
-
-def _shared_params(module: nn.Module, unit_ids: set[int], sources: dict[int, list[Any]]) -> list[tuple[str, list[str]]]:
-    unit_of = _innermost_unit(module, unit_ids)
-    found = []
-    for unit_sources in sources.values():
-        for source in unit_sources:
-            users = sorted({unit_of[id(owner.module)] for owner in source.owners})
-            if len(users) > 1:
-                found.append((source.owners[0].fqn, users))
-    return found
-
-
-def _shared_params_from_states(
-    module: nn.Module, unit_ids: set[int], named: Sequence[tuple[str, UnitState]]
-) -> list[tuple[str, list[str]]]:
-    unit_of = _innermost_unit(module, unit_ids)
-    found = []
-    for _, state in named:
-        for handle in state.handles:
-            for info in handle.layout.params:
-                users = sorted({unit_of.get(id(owner.module), "") for owner in info.owners})
-                if len(users) > 1:
-                    found.append((info.fqn, users))
-    return found
-
-
 def _activations(
     name: str,
     module: nn.Module,
@@ -603,7 +559,7 @@ def _assemble(
         rank_bytes=rank_bytes,
         optimizer_by_kind=by_kind,
         peak_moment=peak.moment,
-        warnings=_warnings(units, shared),
+        warnings=plan_warnings(units, shared),
         source=source,
         optimizer_in_backward=in_backward,
         moments=moments,
@@ -627,29 +583,3 @@ def _transport_bytes(flat_params: Sequence[FlatParamPlan]) -> int:
         itemsize = max(torch.empty((), dtype=d, device="meta").element_size() for d in (fp.dtype, fp.param_dtype, fp.reduce_dtype))
         largest = max(largest, fp.shard_numel * itemsize * max(1, world - 1))
     return transport.shared_bytes_per_rank(largest) if largest else 0
-
-
-def _warnings(units: list[UnitPlan], shared: list[tuple[str, list[str]]]) -> list[str]:
-    messages = []
-    sizes = sorted(unit.padded_numel for unit in units)
-    if len(units) >= 3:
-        median = sizes[len(sizes) // 2]
-        for unit in units:
-            if median and unit.padded_numel > _LARGE_UNIT_RATIO * median:
-                messages.append(
-                    f"unit '{unit.name or '<root>'}' has {unit.numel:,} parameters, "
-                    f"{unit.padded_numel / median:.1f}x the median unit: gathered whole, it sets the peak. "
-                    "Split it into more units (a policy on its submodules)."
-                )
-    for unit in units:
-        if unit.padded_numel and unit.padding / unit.padded_numel > _PADDING_WARN_FRACTION:
-            messages.append(
-                f"unit '{unit.name or '<root>'}': {unit.padding:,} of {unit.padded_numel:,} unsharded elements "
-                f"({100 * unit.padding / unit.padded_numel:.1f}%) are padding; fewer ranks or larger units waste less."
-            )
-    for fqn, users in shared:
-        messages.append(
-            f"parameter '{fqn}' is used by units {users}; it is owned by their common unit, gathered for "
-            "that unit's whole forward and backward."
-        )
-    return messages
