@@ -202,3 +202,20 @@ def test_memory_recorder_samples_every_hook_of_one_step_and_plots_over_the_plan(
         assert result["first_runtime_bytes"] == result["params"] + result["root_gathered"]  # type: ignore[index]
         assert all(b > 0 for b in result["rss"])  # type: ignore[index]
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_package_never_imports_matplotlib_until_a_plot_is_drawn() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, torch, composable_shard as cs\n"
+        "from tests.support.models import Block, TinyGPT\n"
+        "planned = cs.plan(TinyGPT(), world_size=2, policy={Block})\n"
+        "planned.timeline()\n"
+        "assert 'matplotlib' not in sys.modules, 'imported before plot()'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
