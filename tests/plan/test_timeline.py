@@ -205,6 +205,7 @@ def test_memory_recorder_samples_every_hook_of_one_step_and_plots_over_the_plan(
 
 
 def test_the_package_never_imports_matplotlib_until_a_plot_is_drawn() -> None:
+    import os
     import subprocess
     import sys
 
@@ -216,6 +217,6 @@ def test_the_package_never_imports_matplotlib_until_a_plot_is_drawn() -> None:
         "planned.timeline()\n"
         "assert 'matplotlib' not in sys.modules, 'imported before plot()'\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
