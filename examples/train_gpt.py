@@ -30,6 +30,7 @@ What it shows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -48,9 +49,10 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
 
-from composable_shard import clip_grad_norm_, describe, fully_shard  # noqa: E402
+from composable_shard import clip_grad_norm_, describe, fully_shard, plan  # noqa: E402
+from composable_shard.plan import MemoryRecorder  # noqa: E402
 from data import ByteCorpus, rank_slice  # noqa: E402
-from gpt import GPT, GPTConfig, param_groups  # noqa: E402
+from gpt import GPT, Block, GPTConfig, param_groups  # noqa: E402
 
 logger = logging.getLogger("train_gpt")
 
@@ -79,9 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from, or 'latest' in --save-dir")
     p.add_argument("--plan", action="store_true", help="print rank 0's sharding plan (units, per-rank memory) first")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="with --plan: draw rank 0's planned memory over one step, with the memory measured at "
+                        "each hook of the second step over it, to PATH (a .png; needs matplotlib)")
     args = p.parse_args(argv)
     if args.resume == "latest" and args.save_dir is None:
         p.error("--resume latest needs --save-dir")
+    if args.plot is not None and not args.plan:
+        p.error("--plot draws the plan: give --plan too")
     return args
 
 
@@ -241,6 +248,8 @@ def train(args: argparse.Namespace) -> None:
     if args.save_dir is not None or args.resume is not None:
         from composable_shard import get_model_state_dict  # noqa: F401  (fails now, not after training)
     corpus = ByteCorpus.from_stdlib(args.data_bytes)
+    # Made before the model: the measured memory then counts the model state, as the plan does.
+    recorder = MemoryRecorder(device) if args.plot is not None else None
     model = build_model(args, device)
     if args.plan:
         plan = describe(model, optimizer="adamw")  # what fully_shard allocated, on every rank
@@ -253,6 +262,8 @@ def train(args: argparse.Namespace) -> None:
         path = latest_checkpoint(args.save_dir) if args.resume == "latest" else Path(args.resume)
         start_step = load_checkpoint(model, optimizer, path)
 
+    # The second step is recorded: the optimizer state exists by then, as the plan assumes.
+    recorded_step, record = min(start_step + 1, args.steps - 1), None
     tokens_per_step = args.batch_size * args.block_size  # global
     t_last, step_last = time.perf_counter(), start_step
     for step in range(start_step, args.steps):
@@ -264,11 +275,13 @@ def train(args: argparse.Namespace) -> None:
 
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        _, loss = model(x, y)
-        loss.backward()
-        grad_norm = clip_grad_norm_(model, args.grad_clip) if args.grad_clip > 0 else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with recorder.record() if recorder is not None and step == recorded_step else contextlib.nullcontext() as sampled:
+            _, loss = model(x, y)
+            loss.backward()
+            grad_norm = clip_grad_norm_(model, args.grad_clip) if args.grad_clip > 0 else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        record = sampled if sampled is not None else record
 
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:
@@ -295,6 +308,20 @@ def train(args: argparse.Namespace) -> None:
     if args.save_dir is not None and (args.save_every <= 0 or args.steps % args.save_every != 0):
         if args.steps > start_step:
             save_checkpoint(model, optimizer, args.steps, args.save_dir)
+    if args.plot is not None and rank == 0:
+        plot_memory(args, world_size, device, record)
+
+
+def plot_memory(args: argparse.Namespace, world_size: int, device: torch.device, record: object) -> None:
+    """Rank 0's plan (activations measured at this batch on a meta copy of
+    the model) drawn with the memory measured over one step."""
+    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    with torch.device("meta"):
+        meta = GPT(config, seed=args.seed)
+    planned = plan(meta, world_size=world_size, policy={Block}, device=device.type,
+                   input_shape=(args.batch_size // world_size, args.block_size))
+    planned.plot(str(args.plot), measured=record)
+    logger.info("memory over one step drawn to %s (plan's peak %.1f MiB)", args.plot, planned.rank_bytes["total"] / 2**20)
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ Run::
     python scripts/bench.py --config many-small              # 64 narrow blocks
     python scripts/bench.py --config largest                 # largest n_layer per mode (width 1,280)
     python scripts/bench.py --config largest --memory-budget 3   # ... pretending the machine has 3 GiB
+    python scripts/bench.py --config largest --optimizer-in-backward   # per-parameter AdamW stepped in backward
+    python scripts/bench.py --plot step.png                  # composable_shard's plan with its measured memory
     python scripts/bench.py --config gpt-326m --modes composable_shard,fsdp1,fsdp2 --rounds 1 --steps 2 --warmup 1  # 16 x 1280
     python scripts/bench.py --rounds 5 --steps 6             # 5 rounds of 6 timed steps per mode
     python scripts/bench.py --markdown                       # the result tables as Markdown (docs/benchmarks.md)

@@ -7,15 +7,22 @@ holds at the worst moment of a training step.
 - ``memory.py``: the per-rank memory arithmetic and the step replay;
 - ``activations.py``: activation memory measured under fake tensors;
 - ``table.py``: the printed table;
+- ``advice.py``: the plan's warnings;
 - ``capacity.py``: ``largest_fitting``, the largest model size whose plan
-  fits a memory budget.
+  fits a memory budget;
+- ``timeline.py``: the step's memory moment by moment (``plan.timeline()``);
+- ``plot.py``: its picture (``plan.plot(path)``; matplotlib, optional);
+- ``measured.py``: ``MemoryRecorder``, a real step's memory at every hook.
 
 Knows nothing of: hooks, collectives, storage.
 
-Public names: ``plan``, ``describe``, ``ShardingPlan``, ``largest_fitting``, ``Capacity``.
+Public names: ``plan``, ``describe``, ``ShardingPlan``, ``largest_fitting``,
+``Capacity``, ``MemoryRecorder``, ``MemoryTimeline``.
 """
 
 from .capacity import Capacity, largest_fitting
+from .measured import MemoryRecorder
 from .sharding_plan import ShardingPlan, describe, plan
+from .timeline import MemoryTimeline
 
-__all__ = ["plan", "describe", "ShardingPlan", "largest_fitting", "Capacity"]
+__all__ = ["plan", "describe", "ShardingPlan", "largest_fitting", "Capacity", "MemoryRecorder", "MemoryTimeline"]

@@ -7,8 +7,9 @@ Knows nothing of: process groups, hooks, how units are chosen (``sharding_plan.p
 gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
 
 Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
-``optimizer_bytes``, ``optimizer_step_bytes``, ``step_peak``,
-``OPTIMIZERS``. Activations are measured in ``activations.py``.
+``optimizer_bytes``, ``optimizer_step_bytes``, ``in_backward_step_bytes``,
+``step_moments``, ``step_peak``, ``worst_moment``, ``OPTIMIZERS``,
+``OPTIMIZER_STEP``. Activations are measured in ``activations.py``.
 
 [Note: the step the plan replays]
 The plan assumes the usual loop (``zero_grad(set_to_none=True)``, forward,
@@ -32,6 +33,21 @@ the runtime's order; its worst moment is the plan's peak.
 - ``optimizer.step()``: every sharded gradient plus the optimizer's
   temporaries.
 
+[Note: optimizer in backward, planned]
+With ``optimizer_in_backward`` the user steps a per-parameter optimizer in
+each parameter's post-accumulate-grad hook and sets its ``.grad`` to None
+([Note: user post-accumulate-grad hooks] in state.py). A unit's hooks run
+where its reduction finishes (the next unit's post-backward, on CPU through
+gloo its pre-backward, the root's at the end of backward); then its sharded
+gradient, the rest of its reduction (a padded gradient gloo still holds)
+and one parameter's step temporaries are alive, and the gradient is freed
+once its last parameter stepped. No sharded gradient outlives its hooks, so
+the model state after a step has none (fp32 AdamW: 12 bytes a parameter,
+not 16) and there is no ``optimizer.step()`` moment. With CPU offload the
+hooks are deferred to the end of backward, where every gradient is alive
+until its unit's hooks ran. Pinned by tests/plan/test_plan.py (the
+``*_in_backward`` cases of tests/support/plan_measure.py).
+
 The plan counts live tensors; on CPU the resident set follows them because
 the backward trims the C heap ([Note: trimming the host heap in backward]
 in host_memory.py). Pinned by tests/plan/test_plan.py (the plan against the
@@ -41,7 +57,7 @@ allocator's bytes and the step's profiled peak).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -54,7 +70,11 @@ __all__ = [
     "StepPeak",
     "optimizer_bytes",
     "optimizer_step_bytes",
+    "in_backward_step_bytes",
+    "step_moments",
     "step_peak",
+    "worst_moment",
+    "OPTIMIZER_STEP",
 ]
 
 # Optimizer kinds the plan knows, with the per-parameter state each keeps.
@@ -203,6 +223,27 @@ class FlatParamPlan:
         return self.padded_numel * _itemsize(self.reduce_dtype)
 
     @property
+    def reduction_kept_at_finish_bytes(self) -> int:
+        """What a finished reduction still keeps, besides the sharded
+        gradient it became, while its finish (and the user's hooks) run:
+        the inputs gloo held (the padded gradient in the reduce dtype and,
+        cast, in the compute dtype), the output if cast to the gradient
+        dtype (``comm.reduce_grad``, ``comm.finish_grad_reduction``)."""
+        if not self.requires_grad:
+            return 0
+        reduce, compute = _itemsize(self.reduce_dtype), _itemsize(self.param_dtype)
+        cast = self.padded_numel * compute if self.param_dtype != self.reduce_dtype else 0
+        if not self.is_sharded:
+            kept = cast
+        elif self.reduction_frees_grad:
+            kept = 0
+        else:
+            kept = self.padded_numel * reduce + cast
+        if self.grad_dtype != self.reduce_dtype:
+            kept += self.shard_numel * reduce
+        return kept
+
+    @property
     def reduction_bytes(self) -> int:
         """Buffers of this flat parameter's reduction while it is in flight
         (after the issue)."""
@@ -284,10 +325,26 @@ def optimizer_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, d
     return max((2 * fp.max_local_numel * _itemsize(fp.dtype) for fp in trainable), default=0)
 
 
+def in_backward_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, device_type: str) -> int:
+    """Temporaries of one hook's step of a per-parameter optimizer ([Note:
+    optimizer in backward, planned]): Adam's single-tensor path (CPU) two
+    temporaries the size of the parameter, its foreach path (CUDA, over one
+    tensor) one; the largest parameter of ``flat_params`` decides."""
+    if optimizer not in ("adam", "adamw"):
+        return 0
+    largest = max((fp.max_local_numel * _itemsize(fp.dtype) for fp in flat_params if fp.requires_grad), default=0)
+    return largest if device_type == "cuda" else 2 * largest
+
+
+# The label of the usual loop's optimizer step in the replay.
+OPTIMIZER_STEP = "optimizer.step()"
+
+
 @dataclass(frozen=True)
 class StepPeak:
-    """The worst moment of a step and what is alive then, besides the
-    sharded parameters and optimizer state (always alive)."""
+    """One moment of a step (the worst one, from ``step_peak``) and what is
+    alive then, besides the sharded parameters and optimizer state (always
+    alive)."""
 
     moment: str
     sharded_grads: int
@@ -309,7 +366,18 @@ class StepPeak:
         )
 
 
-def step_peak(
+def step_peak(units: Sequence[UnitPlan], **kwargs: Any) -> StepPeak:
+    """The worst moment of ``step_moments(units, **kwargs)``."""
+    return worst_moment(step_moments(units, **kwargs))
+
+
+def worst_moment(moments: Sequence[StepPeak]) -> StepPeak:
+    """The moment with the most transient bytes; on a tie the optimizer
+    step, else the earliest."""
+    return max(moments, key=lambda m: (m.transient, m.moment == OPTIMIZER_STEP))
+
+
+def step_moments(
     units: Sequence[UnitPlan],
     *,
     optimizer_step: int,
@@ -318,9 +386,11 @@ def step_peak(
     activations_at_open: Mapping[str, int] | None = None,
     holds_freed_buffer: bool = False,
     prefetch_after_reduction: bool = False,
-) -> StepPeak:
+    in_backward_steps: Sequence[int] | None = None,
+    hooks_after_backward: bool = False,
+) -> list[StepPeak]:
     """Replay one step over ``units`` (module pre-order, root first; see
-    [Note: the step the plan replays]) and return its worst moment.
+    [Note: the step the plan replays]) and return its moments in order.
     ``activations``: measured activation bytes by moment label (``"forward
     of 'name'"``, ``"backward of 'name'"``), absent when not measured;
     ``activations_at_open``: the bytes live when each of those windows
@@ -328,10 +398,16 @@ def step_peak(
     freed until the next all-gather allocated its own (CUDA).
     ``prefetch_after_reduction``: ``BACKWARD_PRE`` prefetches at the
     ``BACKWARD_POST`` point, as on CPU ([Note: backward prefetch on CPU] in
-    runtime/prefetch.py)."""
+    runtime/prefetch.py). ``in_backward_steps``: per unit, the temporaries of its
+    hooks' optimizer steps ([Note: optimizer in backward, planned]); None for
+    the usual loop. ``hooks_after_backward``: those hooks are deferred to the
+    end of backward (CPU offload)."""
     opening = activations_at_open or {}
-    moments: list[StepPeak] = [StepPeak("optimizer.step()", all_grads, 0, 0, 0, optimizer_step)]
+    moments: list[StepPeak] = []
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
+    stepped_in_hooks = in_backward_steps is not None and not hooks_after_backward
+    reduced = 0  # sharded gradients finished (and not yet stepped in hooks)
+    in_flight = 0  # the one reduction the scheduler keeps in flight
 
     def gather(index: int) -> int:
         """Unshard units[index]; returns its all-gather source temporaries."""
@@ -347,6 +423,22 @@ def step_peak(
         if acts is None:
             acts = activations.get(window or label, 0)
         moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0, acts))
+
+    def finish(index: int, unsharded_grads: int, comm: int, acts: int) -> None:
+        """units[index]'s reduction finished: its sharded gradient exists
+        until the end of the step, or, stepped in its hooks, until they ran
+        ([Note: optimizer in backward, planned])."""
+        nonlocal reduced
+        grad = units[index].bytes_of("grad_bytes")
+        if not stepped_in_hooks:
+            reduced += grad
+            return
+        assert in_backward_steps is not None
+        label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
+        kept = units[index].bytes_of("reduction_kept_at_finish_bytes")
+        moments.append(
+            StepPeak(label, grad, sum(gathered.values()), unsharded_grads, kept + comm, in_backward_steps[index], acts)
+        )
 
     def reshard_finished(running: UnitPlan | None) -> list[int]:
         """Post-forward of every unit that finished: free unless the root or
@@ -381,8 +473,6 @@ def step_peak(
     reshard_finished(None)
     moment("start of backward", 0, 0, 0)
 
-    reduced = 0  # sharded gradients finished so far
-    in_flight = 0  # the one reduction the scheduler keeps in flight
     for index in range(len(units) - 1, -1, -1):  # backward
         unit = units[index]
         prefetch = unit.backward_prefetch
@@ -398,21 +488,21 @@ def step_peak(
             and not unit.is_ancestor_of(units[index + 1])
             and units[index + 1].bytes_of("reduction_holds_grad_bytes") > 0
         )
-        if finished_early:
-            reduced += units[index + 1].bytes_of("grad_bytes")
-            in_flight = 0
-        if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
-            source += gather(index - 1)
         held = sum(
             fp.grad_bytes_used_after(unit.subtree_last)
             for u in units
             if u.is_ancestor_of(unit)
             for fp in u.flat_params
         )
+        name = unit.name or "<root>"
+        if finished_early:
+            finish(index + 1, held, source, opening.get(f"backward of '{name}'", 0))
+            in_flight = 0
+        if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
+            source += gather(index - 1)
         pieces = unit.bytes_of("grad_pieces_bytes")
         # The tied sums come before the concatenation into the flat gradient.
         pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
-        name = unit.name or "<root>"
         # Activations peak as the unit's backward starts; its gradient pieces
         # and the flat gradient exist at its end, when most are freed: what
         # is live then is what the next unit's backward opens with.
@@ -422,7 +512,8 @@ def step_peak(
         # Post-backward: the previous reduction finishes (its output becomes
         # a sharded gradient), this one is issued, the unit reshards.
         if index + 1 < len(units) and not finished_early:
-            reduced += units[index + 1].bytes_of("grad_bytes")
+            window = activations.get(f"backward of '{name}'", 0)
+            finish(index + 1, held + unit.bytes_of("unsharded_grad_bytes"), 0, window)
         converting = unit.bytes_of("conversion_bytes")
         issuing = unit.bytes_of("reduction_issue_bytes")
         moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, f"backward of '{name}'")
@@ -432,4 +523,14 @@ def step_peak(
             source = gather(index - 1)
             # This unit's backward is over: what is live as the next opens.
             moment(f"prefetch after '{name}'", reduced, held, in_flight + source, f"backward of '{name}'", acts=closing)
-    return max(moments, key=lambda m: m.transient)
+    if units:  # end of backward: the root's reduction finishes
+        finish(0, 0, 0, 0)
+    if in_backward_steps is None:
+        moments.append(StepPeak(OPTIMIZER_STEP, all_grads, 0, 0, 0, optimizer_step))
+    elif hooks_after_backward:
+        # Offloaded: every hook deferred to here, units in backward order.
+        for index in range(len(units) - 1, -1, -1):
+            label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
+            moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index]))
+            reduced -= units[index].bytes_of("grad_bytes")
+    return moments

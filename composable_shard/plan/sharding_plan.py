@@ -37,21 +37,20 @@ from .memory import (
     FlatParamPlan,
     StepPeak,
     UnitPlan,
+    in_backward_step_bytes,
     optimizer_bytes,
     optimizer_step_bytes,
-    step_peak,
+    step_moments,
+    worst_moment,
 )
 from .table import format_plan
+from .advice import plan_warnings, shared_params, shared_params_from_states
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
 
 __all__ = ["plan", "describe", "ShardingPlan"]
 
-# A unit this many times the median unit sets the peak on its own.
-_LARGE_UNIT_RATIO = 4.0
-# Padding above this fraction of a unit's unsharded buffer is worth a warning.
-_PADDING_WARN_FRACTION = 0.03
 _MORE = {
     "rank",
     "forward_prefetch",
@@ -65,6 +64,7 @@ _MORE = {
     "loss_fn",
     "warn",
     "momentum",
+    "optimizer_in_backward",
 }
 
 
@@ -88,6 +88,11 @@ class ShardingPlan:
     - ``total``: the peak — params + optimizer + buffers + transport +
       grads_at_peak + the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
+
+    ``optimizer_in_backward``: planned for an optimizer stepped in the
+    parameters' post-accumulate-grad hooks (no sharded gradient after a
+    step). ``moments``: every moment of the replayed step in order (the
+    peak is the worst); ``timeline()`` and ``plot(path)`` show them.
     """
 
     world_size: int
@@ -100,9 +105,27 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     # "plan" (computed before sharding) or "fully_shard" (read from a model).
     source: str = "plan"
+    optimizer_in_backward: bool = False
+    moments: list[StepPeak] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         return format_plan(self)
+
+    def timeline(self) -> Any:
+        """This rank's memory over one step, moment by moment and by
+        category (a ``MemoryTimeline``; see ``plan/timeline.py``)."""
+        from .timeline import plan_timeline
+
+        return plan_timeline(self)
+
+    def plot(self, path: str, *, measured: Any = None, title: str | None = None) -> None:
+        """Draw ``timeline()`` as a stacked area per category, unit names
+        along the time axis, the peak marked, and ``measured`` (a
+        ``MemoryRecord`` of a real step) over it; needs matplotlib
+        (``pip install composable_shard[plot]``)."""
+        from .plot import plot_timeline
+
+        plot_timeline(self.timeline(), path, measured=measured, title=title)
 
 
 def plan(
@@ -128,7 +151,9 @@ def plan(
     ``world_size``); ``example_inputs`` (tuple) or ``input_shape`` (+
     ``input_dtype``, default ``torch.long``) and ``loss_fn`` to measure
     activations; ``momentum`` (0.9; 0 means SGD keeps no state);
-    ``warn=True`` to also emit the plan's warnings.
+    ``optimizer_in_backward=True`` for a per-parameter ``optimizer`` stepped
+    (and its ``.grad`` set to None) in each parameter's post-accumulate-grad
+    hook; ``warn=True`` to also emit the plan's warnings.
     """
     name = type(module).__name__
     rank = _checked_rank(name, world_size, optimizer, more)
@@ -179,13 +204,14 @@ def plan(
     )
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
-    shared = _shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
+    shared = shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
     kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     buffers = _buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
     result = _assemble(
-        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan"
+        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
+        in_backward=bool(more.get("optimizer_in_backward", False)),
     )
     result.optimizer = optimizer
     if more.get("warn", False):
@@ -194,10 +220,13 @@ def plan(
     return result
 
 
-def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9) -> ShardingPlan:
+def describe(
+    module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9, optimizer_in_backward: bool = False
+) -> ShardingPlan:
     """The plan of a model ``fully_shard`` already sharded, read from its
     real layouts, on this rank (same table and numbers as ``plan``; no
-    activations). ``momentum`` matters for ``optimizer="sgd"`` only."""
+    activations). ``momentum`` matters for ``optimizer="sgd"`` only;
+    ``optimizer_in_backward`` as for ``plan``."""
     name = type(module).__name__
     _check_optimizer(name, optimizer)
     named = list(unit_states_under(module))
@@ -229,11 +258,12 @@ def describe(module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    shared = _shared_params_from_states(module, {id(state.module) for _, state in named}, named)
+    shared = shared_params_from_states(module, {id(state.module) for _, state in named}, named)
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
-        units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard"
+        units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
+        in_backward=optimizer_in_backward,
     )
     result.optimizer = optimizer
     return result
@@ -424,47 +454,6 @@ def _unit_modules(module: nn.Module, specs: dict[int, UnitPlan]) -> list[nn.Modu
     return [m for m in module.modules() if id(m) in specs]
 
 
-def _innermost_unit(module: nn.Module, unit_ids: set[int]) -> dict[int, str]:
-    """Module id -> name of the innermost unit containing it."""
-    result: dict[int, str] = {}
-
-    def visit(current: nn.Module, prefix: str, unit_name: str) -> None:
-        if id(current) in unit_ids:
-            unit_name = prefix.rstrip(".")
-        result.setdefault(id(current), unit_name)
-        for child_name, child in current._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", unit_name)
-
-    visit(module, "", "")
-    return result
-
-
-def _shared_params(module: nn.Module, unit_ids: set[int], sources: dict[int, list[Any]]) -> list[tuple[str, list[str]]]:
-    unit_of = _innermost_unit(module, unit_ids)
-    found = []
-    for unit_sources in sources.values():
-        for source in unit_sources:
-            users = sorted({unit_of[id(owner.module)] for owner in source.owners})
-            if len(users) > 1:
-                found.append((source.owners[0].fqn, users))
-    return found
-
-
-def _shared_params_from_states(
-    module: nn.Module, unit_ids: set[int], named: Sequence[tuple[str, UnitState]]
-) -> list[tuple[str, list[str]]]:
-    unit_of = _innermost_unit(module, unit_ids)
-    found = []
-    for _, state in named:
-        for handle in state.handles:
-            for info in handle.layout.params:
-                users = sorted({unit_of.get(id(owner.module), "") for owner in info.owners})
-                if len(users) > 1:
-                    found.append((info.fqn, users))
-    return found
-
-
 def _activations(
     name: str,
     module: nn.Module,
@@ -515,16 +504,19 @@ def _assemble(
     shared_memory: bool,
     *,
     source: str,
+    in_backward: bool = False,
 ) -> ShardingPlan:
     flat_params = [fp for unit in units for fp in unit.flat_params]
     by_kind = optimizer_bytes(flat_params, optimizer)
     params = sum(fp.shard_bytes for fp in flat_params)
-    grads = sum(fp.grad_bytes for fp in flat_params)
+    all_grads = sum(fp.grad_bytes for fp in flat_params)
+    # [Note: optimizer in backward, planned]: the hooks free every gradient.
+    grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    peak: StepPeak = step_peak(
+    moments = step_moments(
         units,
         optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type),
-        all_grads=grads,
+        all_grads=all_grads,
         activations=activations.by_window if activations is not None else {},
         activations_at_open=activations.at_open if activations is not None else {},
         # [Note: what a lane waits for] (scheduler.py): CUDA lanes hold a
@@ -532,9 +524,15 @@ def _assemble(
         holds_freed_buffer=device_type == "cuda",
         # [Note: backward prefetch on CPU] in runtime/prefetch.py
         prefetch_after_reduction=device_type == "cpu",
+        in_backward_steps=[in_backward_step_bytes(u.flat_params, optimizer, device_type) for u in units]
+        if in_backward
+        else None,
+        hooks_after_backward=any(fp.offload for fp in flat_params),
     )
+    peak: StepPeak = worst_moment(moments)
     offloaded = [fp for fp in flat_params if fp.offload]
-    cpu = sum(fp.shard_bytes + fp.grad_bytes for fp in offloaded) + sum(optimizer_bytes(offloaded, optimizer).values())
+    offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
+    cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
     moved = _transport_bytes(flat_params) if shared_memory else 0
     rank_bytes = {
         "params": params,
@@ -561,8 +559,10 @@ def _assemble(
         rank_bytes=rank_bytes,
         optimizer_by_kind=by_kind,
         peak_moment=peak.moment,
-        warnings=_warnings(units, shared),
+        warnings=plan_warnings(units, shared),
         source=source,
+        optimizer_in_backward=in_backward,
+        moments=moments,
     )
 
 
@@ -583,29 +583,3 @@ def _transport_bytes(flat_params: Sequence[FlatParamPlan]) -> int:
         itemsize = max(torch.empty((), dtype=d, device="meta").element_size() for d in (fp.dtype, fp.param_dtype, fp.reduce_dtype))
         largest = max(largest, fp.shard_numel * itemsize * max(1, world - 1))
     return transport.shared_bytes_per_rank(largest) if largest else 0
-
-
-def _warnings(units: list[UnitPlan], shared: list[tuple[str, list[str]]]) -> list[str]:
-    messages = []
-    sizes = sorted(unit.padded_numel for unit in units)
-    if len(units) >= 3:
-        median = sizes[len(sizes) // 2]
-        for unit in units:
-            if median and unit.padded_numel > _LARGE_UNIT_RATIO * median:
-                messages.append(
-                    f"unit '{unit.name or '<root>'}' has {unit.numel:,} parameters, "
-                    f"{unit.padded_numel / median:.1f}x the median unit: gathered whole, it sets the peak. "
-                    "Split it into more units (a policy on its submodules)."
-                )
-    for unit in units:
-        if unit.padded_numel and unit.padding / unit.padded_numel > _PADDING_WARN_FRACTION:
-            messages.append(
-                f"unit '{unit.name or '<root>'}': {unit.padding:,} of {unit.padded_numel:,} unsharded elements "
-                f"({100 * unit.padding / unit.padded_numel:.1f}%) are padding; fewer ranks or larger units waste less."
-            )
-    for fqn, users in shared:
-        messages.append(
-            f"parameter '{fqn}' is used by units {users}; it is owned by their common unit, gathered for "
-            "that unit's whole forward and backward."
-        )
-    return messages

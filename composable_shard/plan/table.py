@@ -100,11 +100,16 @@ def format_plan(plan: PlanFields) -> str:
     trainable = sum(fp.shard_bytes for fp in flat_params if fp.requires_grad)
     frozen = sum(fp.shard_bytes for fp in flat_params if not fp.requires_grad)
     kinds = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in plan.optimizer_by_kind.items()) or "no state"
+    in_backward = getattr(plan, "optimizer_in_backward", False)
     items = [
         ("sharded parameters", rb["params"], f"trainable {format_bytes(trainable)}, frozen {format_bytes(frozen)}"),
-        ("sharded gradients", rb["grads"], "trainable flat parameters only"),
+        (
+            "sharded gradients",
+            rb["grads"],
+            "each freed by the optimizer step in its hooks" if in_backward else "trainable flat parameters only",
+        ),
         (f"optimizer state ({plan.optimizer})", rb["optimizer"], kinds),
-        ("model state", rb["model_state"], "after optimizer.step()"),
+        ("model state", rb["model_state"], "after the steps in backward" if in_backward else "after optimizer.step()"),
         ("module buffers", rb["buffers"], "not sharded"),
         (
             "shared-memory transport",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..state import UnitState
+from .memory_samples import after_hook
 
 __all__ = ["hook_label"]
 
@@ -36,6 +37,7 @@ def hook_label(state: UnitState, hook: str) -> Iterator[None]:
     with torch.profiler.record_function(label) if profiling else contextlib.nullcontext():
         try:
             yield
+            after_hook(state, hook)  # a memory recorder's sample, when one is on
         except Exception:
             rank = dist.get_rank() if dist.is_initialized() else 0
             logger.error(

@@ -28,6 +28,8 @@ above it::
                   fresh processes, and the memory watchdog that stops it
     largest.py    --config largest: the budget, the plan's prediction, the
                   search for each mode's largest n_layer, its table
+    plot.py       --plot: composable_shard's memory sampled at every hook
+                  of one step on rank 0, drawn over its plan
     cli.py        the command line and the order of the passes
 
 Modes, each with its own model copy (same seed, so the same initial weights)
@@ -106,6 +108,13 @@ setting; they run their forward under ``torch.autocast(dtype=torch.bfloat16)``
 with fp32 weights and gradients, which rounds differently, so in bf16 the
 loss differences are shown but not flagged. The loss itself is always
 computed in fp32.
+
+``--optimizer-in-backward``: one AdamW per parameter (the groups'
+settings), stepped as soon as its gradient is final and then freed
+(``models.StepsInBackward``): composable_shard and FSDP2 in post-accumulate-
+grad hooks, FSDP1 through its ``_in_backward_optimizers``, ``single`` as
+autograd accumulates; DDP and local are left out (they would step before
+the all-reduce).
 
 ``--cpu-offload`` (CUDA only): composable_shard and FSDP1
 ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy()``; the

@@ -9,6 +9,7 @@ Knows nothing of: what the passes do inside.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -47,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default="bf16", help="with --mixed-precision bf16")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="one AdamW per parameter, stepped in its post-accumulate-grad hook (FSDP1: after its "
+                        "reduce-scatter); the sharded modes and single only")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw composable_shard's planned memory over one step with its measured memory (rank 0, "
+                        "sampled at every hook of its last memory step; --config largest: at its largest size) "
+                        "to PATH (a .png; needs matplotlib)")
     p.add_argument("--cpu-offload", action="store_true", help="CUDA only: sharded parameters live on CPU")
     p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, split over ranks")
     p.add_argument("--block-size", type=int, default=None)
@@ -105,10 +113,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.probe_layers < 1 or args.memory_steps < 1:
             p.error("--config largest needs --probe-layers and --memory-steps of at least 1")
     default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
+    if args.optimizer_in_backward:
+        default_modes = [m for m in default_modes if m not in ("ddp", "local")]
     args.modes = [m.strip() for m in (args.modes or ",".join(default_modes)).split(",") if m.strip()]
     unknown = sorted(set(args.modes) - set(available))
     if unknown or not args.modes:
         p.error(f"--modes: {unknown} not available here; choose from {','.join(available)}")
+    if args.optimizer_in_backward and set(args.modes) & {"ddp", "local"}:
+        p.error("--optimizer-in-backward: ddp and local step before their gradients are reduced; leave them out")
+    if args.plot is not None and "composable_shard" not in args.modes:
+        p.error("--plot draws composable_shard's memory: include it in --modes")
     if args.profile is not None and args.profile not in args.modes:
         p.error(f"--profile {args.profile}: not among --modes {','.join(args.modes)}")
     if args.batch_size % args.world_size != 0:
@@ -149,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("memory pass %d: %s in fresh processes", repeat + 1, mode)
                 spawn(memory_worker, args, out_dir, mode, repeat)
         agree = report(args, collect(args, out_dir))
+        samples = Path(out_dir, "plot_samples.json")
+        if args.plot is not None:
+            if not samples.exists():
+                sys.exit("bench --plot: no memory samples (the memory pass did not run: --memory-steps 0?)")
+            from .plot import draw
+
+            draw(args, args.n_layer, json.loads(samples.read_text()), args.plot)
         profile = Path(out_dir, "profile.txt")
         if profile.exists():
             print(f"\nprofile of one {args.profile} step on rank 0:\n{profile.read_text()}")

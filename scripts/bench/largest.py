@@ -148,7 +148,8 @@ def meta_gpt(args: argparse.Namespace, n_layer: int) -> GPT:
 
 
 def plan_kwargs(args: argparse.Namespace, *, activations: bool) -> dict:
-    kwargs = dict(world_size=args.world_size, policy={Block}, device="cpu", optimizer="adamw")
+    kwargs = dict(world_size=args.world_size, policy={Block}, device="cpu", optimizer="adamw",
+                  optimizer_in_backward=bool(getattr(args, "optimizer_in_backward", False)))
     if activations:
         kwargs["input_shape"] = (args.batch_size // args.world_size, args.block_size)
     return kwargs
@@ -239,7 +240,9 @@ def main(args: argparse.Namespace) -> int:
     floor = int(args.memory_floor * GiB)
     peaks = PlanPeaks(args)
     print(f"largest: GPT blocks of width {args.n_embd} ({args.n_head} heads), seq {args.block_size}, global batch "
-          f"{args.batch_size} | {args.world_size} ranks, gloo, fp32, AdamW, {args.memory_steps} steps per trial | "
+          f"{args.batch_size} | {args.world_size} ranks, gloo, fp32, AdamW"
+          f"{' stepped in backward (one per parameter)' if getattr(args, 'optimizer_in_backward', False) else ''}, "
+          f"{args.memory_steps} steps per trial | "
           f"budget {budget / GiB:.2f} GiB for a trial's processes ({how}); watchdog floor MemAvailable "
           f"{args.memory_floor} GiB | torch {torch.__version__}", flush=True)
     all_trials: list[TrialResult] = []
@@ -275,6 +278,8 @@ def main(args: argparse.Namespace) -> int:
                 known={args.probe_layers: probe}, low=1,
             )
     _print_table(args, searches, prediction, budget, how)
+    if args.plot is not None and "composable_shard" in searches:
+        _draw_at_limit(args, searches["composable_shard"])
     if args.results:
         with open(args.results, "w") as f:
             json.dump({"budget_bytes": budget, "mem_available_bytes": available, "budget_source": how,
@@ -282,6 +287,17 @@ def main(args: argparse.Namespace) -> int:
                        "trials": [asdict(t) for t in all_trials]}, f, indent=1)
         print(f"raw trials written to {args.results}")
     return 0
+
+
+def _draw_at_limit(args: argparse.Namespace, search: Search) -> None:
+    """--plot: composable_shard at its largest size, planned and measured."""
+    from .plot import draw
+
+    at_limit = [o for n, o in search.trials if n == search.limit and isinstance(o, TrialResult) and o.samples]
+    if not at_limit:
+        print(f"--plot: no samples of composable_shard at {search.limit} blocks (its trial did not record)")
+        return
+    draw(args, search.limit, at_limit[-1].samples, args.plot)
 
 
 def _print_table(args: argparse.Namespace, searches: dict[str, Search], prediction: Prediction, budget: int,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from data import ByteCorpus
 
 from .peers import runs_on
+from .plot import recorded, recorder_for
 from .processes import init_worker
 from .training import barrier, build_run, next_batch, synchronize, train_step
 
@@ -78,14 +79,19 @@ def memory_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str, 
     reset_peak_memory(device)
     start_mb, _ = memory_now(device)
     result: dict[str, float | None] = {"after_build_mb": None, "peak_increase_mb": None}
+    recorder = recorder_for(args, mode, rank, device) if repeat == 0 else None  # --plot
+    samples: list = []
     if runs_on(mode, rank):
         run = build_run(mode, args, device)
         synchronize(device)
         result["after_build_mb"] = memory_now(device)[0] - start_mb
-        for _ in range(args.memory_steps):
-            train_step(run, *next_batch(run, corpus, args, device), args, device)
+        for step in range(args.memory_steps):
+            with recorded(recorder, step == args.memory_steps - 1, samples):
+                train_step(run, *next_batch(run, corpus, args, device), args, device)
         synchronize(device)
         result["peak_increase_mb"] = memory_now(device)[1] - start_mb + own_shared_memory_correction_mb(mode, device)
+    if samples:
+        Path(out_dir, "plot_samples.json").write_text(json.dumps(samples))
     Path(out_dir, f"memory_{mode}_{repeat}_rank{rank}.json").write_text(json.dumps(result))
     barrier(args, device)
     dist.destroy_process_group()

@@ -48,7 +48,48 @@ def base_model(args: argparse.Namespace, device: torch.device) -> GPT:
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     # Built after wrapping: param_groups classifies by module type (trainable
     # parameters only), so wrappers and 1-D shards give the same groups.
+    if getattr(args, "optimizer_in_backward", False):
+        return StepsInBackward(model, args)  # type: ignore[return-value]
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+
+
+class StepsInBackward:
+    """``--optimizer-in-backward``: one AdamW per parameter (the groups'
+    settings), stepped as soon as the parameter's gradient is final, which
+    is then set to None; the loop's ``step`` and ``zero_grad`` have nothing
+    left to do. composable_shard and FSDP2 run post-accumulate-grad hooks on
+    the parameters after their reduction; FSDP1 (``use_orig_params``) steps
+    the optimizers it finds in ``_in_backward_optimizers`` after its
+    reduce-scatter, its documented path (``_apply_optimizer_in_backward``
+    with ``register_hook=False``: its parameters are views autograd never
+    sees); an unwrapped model's hooks fire as autograd accumulates."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        fsdp1 = isinstance(model, FullyShardedDataParallel)
+        for group in param_groups(model, args.weight_decay):
+            settings = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": group["weight_decay"]}
+            for param in group["params"]:
+                if fsdp1:
+                    _apply_optimizer_in_backward(torch.optim.AdamW, [param], settings, register_hook=False)
+                    self.optimizers[param] = param._in_backward_optimizers[-1]
+                else:
+                    self.optimizers[param] = torch.optim.AdamW([param], **settings)
+                    param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: torch.Tensor) -> None:
+        optimizer = self.optimizers[param]  # type: ignore[index]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

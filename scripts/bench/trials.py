@@ -65,6 +65,7 @@ class TrialResult:
     build_s: float | None = None  # slowest rank: building model and optimizer
     step_s: list[float] = field(default_factory=list)  # slowest rank, per step
     reached: str = ""  # how far the ranks got: "build", "step 1", ...
+    samples: list = field(default_factory=list)  # --plot: rank 0's memory at every hook of its last step
 
     @property
     def fits(self) -> bool:
@@ -191,6 +192,7 @@ def _result(
         result.losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in records))]
         result.build_s = max(r["build_s"] for r in records)
         result.step_s = [max(step) for step in zip(*(r["step_s"] for r in records))]
+        result.samples = records[0].get("samples", [])
         from_marks = sum(s["usage_bytes"] + int(r["peak_increase_mb"] * MB) for s, r in zip(starts, records))
         result.usage_bytes = max(sampled, from_marks)
         if result.usage_bytes > budget:
@@ -226,6 +228,7 @@ def trial_worker(rank: int, args: argparse.Namespace, port: int, out_dir: Path, 
     from data import ByteCorpus
 
     from .memory import import_every_mode, memory_now, own_shared_memory_correction_mb, reset_peak_memory
+    from .plot import recorded, recorder_for
     from .processes import init_worker
     from .training import barrier, build_run, next_batch, train_step
 
@@ -235,6 +238,7 @@ def trial_worker(rank: int, args: argparse.Namespace, port: int, out_dir: Path, 
     barrier(args, device)
     reset_peak_memory(device)
     start_mb, _ = memory_now(device)
+    recorder, samples = recorder_for(args, mode, rank, device), []  # --plot
     (out_dir / f"rank{rank}.start.json").write_text(json.dumps({"usage_bytes": sum(process_usage())}))
     _progress(out_dir, rank, "build")
     started = time.perf_counter()
@@ -244,7 +248,8 @@ def trial_worker(rank: int, args: argparse.Namespace, port: int, out_dir: Path, 
     for step in range(args.memory_steps):
         _progress(out_dir, rank, f"step {step + 1}")
         started = time.perf_counter()
-        train_step(run, *next_batch(run, corpus, args, device), args, device)
+        with recorded(recorder, step == args.memory_steps - 1, samples):
+            train_step(run, *next_batch(run, corpus, args, device), args, device)
         step_s.append(time.perf_counter() - started)
     peak_mb = memory_now(device)[1] - start_mb + own_shared_memory_correction_mb(mode, device)
     record = {
@@ -253,6 +258,7 @@ def trial_worker(rank: int, args: argparse.Namespace, port: int, out_dir: Path, 
         "losses": [float(loss) for loss in run.losses],
         "build_s": build_s,  # model and optimizer, this rank
         "step_s": step_s,  # each step, this rank
+        "samples": samples,
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     barrier(args, device)

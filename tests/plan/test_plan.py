@@ -51,7 +51,9 @@ def _check_record(record: dict) -> None:
 
 # Real gloo groups on two shared cores are slow: a subset here, every case
 # under the fake process group below.
-GLOO_CASES = ("full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute")
+GLOO_CASES = (
+    "full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute", "full_shard_in_backward", "bf16_in_backward"
+)
 
 
 def _measure_gloo_cases(rank: int, world_size: int) -> list[dict]:
@@ -310,12 +312,13 @@ def test_hybrid_plan_shards_within_the_shard_group() -> None:
     assert no_shard.units[0].shard_numel == no_shard.units[0].padded_numel == 20
 
 
-def test_train_gpt_example_prints_the_plan_before_training() -> None:
+def test_train_gpt_example_prints_the_plan_before_training(tmp_path: Path) -> None:
+    picture = tmp_path / "step.png"
     completed = subprocess.run(
         [
-            *(sys.executable, "examples/train_gpt.py", "--plan", "--steps", "1", "--log-every", "1"),
+            *(sys.executable, "examples/train_gpt.py", "--plan", "--steps", "2", "--log-every", "1"),
             *("--data-bytes", "50000", "--n-layer", "2", "--n-embd", "32", "--n-head", "2"),
-            *("--block-size", "16", "--batch-size", "2"),
+            *("--block-size", "16", "--batch-size", "2", "--plot", str(picture)),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -326,7 +329,9 @@ def test_train_gpt_example_prints_the_plan_before_training() -> None:
     out = completed.stdout
     assert "ShardingPlan (fully_shard): 3 units" in out and "per rank (rank 0):" in out
     assert "blocks.1" in out and "sharded parameters" in out
-    assert "step    1/1" in completed.stderr  # training ran after the plan
+    assert "step    2/2" in completed.stderr  # training ran after the plan
+    assert "memory over one step drawn to" in completed.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plan with the second step measured over it
 
 
 def _frozen_unit(name: str, numel: int, *, forward_prefetch: bool = False) -> UnitPlan:

@@ -71,17 +71,54 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
         "adamw",
         False,
     ),
+    # A per-parameter optimizer stepped in each post-accumulate-grad hook.
+    "full_shard_in_backward": (_wide_gpt, {"policy": {Block}, "optimizer_in_backward": True}, "adamw", False),
+    "bf16_in_backward": (
+        _wide_gpt,
+        {
+            "policy": {Block},
+            "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "optimizer_in_backward": True,
+        },
+        "adamw",
+        False,
+    ),
 }
 
 _PLAN_ONLY = {"forward_prefetch", "backward_prefetch"}
 
 
-def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
     if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=1e-3)
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class _StepsInBackward:
+    """One optimizer per parameter, stepped and zeroed in the parameter's
+    post-accumulate-grad hook ("optimizer in backward"); ``step`` and
+    ``zero_grad`` of the usual loop have nothing left to do."""
+
+    def __init__(self, kind: str, model: nn.Module) -> None:
+        self.optimizers = {param: _optimizer(kind, [param]) for param in model.parameters()}
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: torch.Tensor) -> None:
+        self.optimizers[param].step()
+        self.optimizers[param].zero_grad(set_to_none=True)
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self.optimizers.values() for p, s in optimizer.state.items()}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
 
 
 def unique_storage_bytes(tensors: Any) -> int:
@@ -121,7 +158,8 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     torch.manual_seed(0)
     with torch.device(device):
         model = build()
-    shard_kwargs = {k: v for k, v in kwargs.items() if k not in _PLAN_ONLY}
+    in_backward = kwargs.get("optimizer_in_backward", False)
+    shard_kwargs = {k: v for k, v in kwargs.items() if k not in _PLAN_ONLY and k != "optimizer_in_backward"}
     prefetch = {k: v for k, v in kwargs.items() if k in _PLAN_ONLY}
     if manual:
         _manual(model)
@@ -130,8 +168,8 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     inputs = {} if manual else {"input_shape": (BATCH, SEQ)}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **inputs, **kwargs)
     cs.fully_shard(model, **shard_kwargs, **prefetch)
-    described = cs.describe(model, optimizer=kind)
-    optimizer = _optimizer(kind, model)
+    described = cs.describe(model, optimizer=kind, optimizer_in_backward=in_backward)
+    optimizer: Any = _StepsInBackward(kind, model) if in_backward else _optimizer(kind, model.parameters())
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator).to(device)
 
@@ -187,7 +225,7 @@ def _without_source(table: str) -> str:
 
 # Cases measured on every (world size, rank); all of CASES run on rank 0 of
 # the smallest and largest world size (two cores: keep the test short).
-FAKE_PG_SUBSET = ("full_shard", "frozen_lora", "bf16_compute")
+FAKE_PG_SUBSET = ("full_shard", "frozen_lora", "bf16_compute", "full_shard_in_backward")
 
 
 def fake_pg_plan(world_sizes: list[int]) -> list[tuple[int, int, tuple[str, ...]]]:
