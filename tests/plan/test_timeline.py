@@ -182,7 +182,10 @@ def _record_a_step(rank: int, world_size: int, out: str) -> dict:
     return {
         "labels": [s.label for s in record.samples],
         "first_runtime_bytes": first.runtime_bytes,
-        "rss": [s.bytes for s in record.samples],
+        # Samples are RSS above the recorder's baseline: a warm worker's heap may
+        # serve the step from pages it already holds, so only the level itself
+        # (baseline + sample) is sure to be positive.
+        "rss": [recorder.baseline + s.bytes for s in record.samples],
         "params": planned.rank_bytes["params"],
         "root_gathered": planned.units[0].bytes_of("unsharded_bytes"),
     }
