@@ -35,10 +35,11 @@ Waiting polls the peers' headers with ``pread``: without sleeping for its
 first ``_SPIN_S`` (a peer microseconds behind is seen at once), then
 sleeping between polls, each pause ``_PAUSE_FRACTION`` of the time waited so
 far (a peer that comes is seen at most that fraction late), up to
-``_MAX_PAUSE_S``: a peer seconds late costs one poll per pause, about 0.1%
-of a core where the old cap of 0.2 ms cost 7-9% (measured:
-test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core). No thread
-spins for long. Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers'
+``_MAX_PAUSE_S``: a peer seconds late costs one poll and one wake-up per
+pause (50-70 us of CPU each on a busy 2-core VM), 0.3-0.4% of a core in the
+waiting thread where the old cap of 0.2 ms cost 7-9% (measured by
+test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core; a longer
+cap costs less CPU but notices a peer later). No thread spins for long. Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers'
 pidfds; a dead peer fails the wait naming it, a live one that does not come
 fails it at the group's timeout (or ``wait(timeout=...)``'s; a timed-out
 wait may be retried). A failure after a round was published, or a dead
@@ -96,7 +97,7 @@ _LIVENESS_PERIOD_S = 0.05
 # sleep this fraction of the time waited so far, at most this long.
 _SPIN_S = 50e-6
 _PAUSE_FRACTION = 0.1
-_MAX_PAUSE_S = 5e-3
+_MAX_PAUSE_S = 20e-3
 # The timeout of a group whose backend does not say (torch's default).
 _DEFAULT_TIMEOUT_S = 1800.0
 
