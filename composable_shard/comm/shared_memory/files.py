@@ -9,7 +9,7 @@ memory (``comm.transport``), parameters, modules, streams.
 
 Public names: ``GroupFiles``, ``SharedMemoryUnavailable``,
 ``PLATFORM_SUPPORTED``, ``SLOTS``, ``HEADER``, ``slot_reservation``,
-``bytes_per_rank``.
+``bytes_per_rank``, ``TEST_SETUP_PAUSE_ENV``.
 
 [Note: shared-memory setup]
 Setup (``GroupFiles.open``, collective, once per group): the ranks exchange
@@ -68,11 +68,12 @@ __all__ = [
     "HEADER",
     "slot_reservation",
     "bytes_per_rank",
+    "TEST_SETUP_PAUSE_ENV",
 ]
 
 # Test only: seconds each rank sleeps in setup once its file has a name
 # (tests/comm/test_stale_files.py kills every rank there).
-_SETUP_PAUSE_ENV = "COMPOSABLE_SHARD_TEST_SETUP_PAUSE_S"
+TEST_SETUP_PAUSE_ENV = "COMPOSABLE_SHARD_TEST_SETUP_PAUSE_S"
 # Slots per rank's file; rounds take them round-robin (see ``slots``).
 SLOTS = 4
 # The file's first page: per slot, the last round this rank finished reading
@@ -291,7 +292,7 @@ def _own_facts(wanted: bool, slot_bytes: int, directory: str) -> RankFacts:
 
 
 def _pause_for_tests() -> None:
-    pause = os.environ.get(_SETUP_PAUSE_ENV)
+    pause = os.environ.get(TEST_SETUP_PAUSE_ENV)
     if pause:
         time.sleep(float(pause))
 
