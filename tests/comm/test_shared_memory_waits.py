@@ -77,7 +77,8 @@ def _wait_takes_a_timeout_keyword(rank: int, world_size: int) -> None:
         with pytest.raises(TypeError, match=r"wait\(timeout=...\) takes a datetime.timedelta .* got str"):
             work.wait(timeout="1s")
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"communication timeout .*within 0.2 s \(the timeout given to wait\(\)\)"):
+        timed_out = r"communication timeout .*within 0.2 s \(the timeout given to wait\(\)\)"
+        with pytest.raises(RuntimeError, match=timed_out):
             work.wait(timeout=datetime.timedelta(seconds=0.2))
         assert 0.2 <= time.monotonic() - start < 1.0
         work.wait(timeout=datetime.timedelta(seconds=30))  # retried: the peer came meanwhile

@@ -46,7 +46,9 @@ class _Job:
         return sorted(name for name in os.listdir(directory) if name.startswith(prefix))
 
 
-def _start(context: multiprocessing.context.BaseContext, port: int, shm_dir: Path, pause_s: float, out_dir: Path) -> _Job:
+def _start(
+    context: multiprocessing.context.BaseContext, port: int, shm_dir: Path, pause_s: float, out_dir: Path
+) -> _Job:
     out_dir.mkdir(parents=True)
     ranks = []
     for rank in range(2):

@@ -39,10 +39,11 @@ far (a peer that comes is seen at most that fraction late), up to
 pause (50-70 us of CPU each on a busy 2-core VM), 0.3-0.4% of a core in the
 waiting thread where the old cap of 0.2 ms cost 7-9% (measured by
 test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core; a longer
-cap costs less CPU but notices a peer later). No thread spins for long. Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers'
-pidfds; a dead peer fails the wait naming it, a live one that does not come
-fails it at the group's timeout (or ``wait(timeout=...)``'s; a timed-out
-wait may be retried). A failure after a round was published, or a dead
+cap costs less CPU but notices a peer later). No thread spins for long.
+Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers' pidfds; a dead
+peer fails the wait naming it, a live one that does not come fails it at
+the group's timeout (or ``wait(timeout=...)``'s; a timed-out wait may be
+retried). A failure after a round was published, or a dead
 peer, fails every later call at once.
 
 A round is numbered when it is published, not when its slot is claimed: a

@@ -50,7 +50,9 @@ SHM_DIR_ENV = "COMPOSABLE_SHARD_SHM_DIR"
 _DEFAULT_DIRECTORY = "/dev/shm"
 _FILE_PREFIX = "composable_shard_"
 _NAME = re.compile(
-    re.escape(_FILE_PREFIX) + r"\d+_[0-9a-f]{32}_\d+_(?P<pid>\d+)\.(?P<start>\d+)\.(?P<pidns>\d+)\.(?P<boot>[0-9a-f]{8})"
+    re.escape(_FILE_PREFIX)
+    + r"\d+_[0-9a-f]{32}_\d+_"  # rank 0's pid, the token, the rank
+    + r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<pidns>\d+)\.(?P<boot>[0-9a-f]{8})"  # the maker
 )
 
 
