@@ -5,8 +5,8 @@ both ranks' files exist, then every rank killed, one job with SIGKILL and
 one with SIGTERM (as the OOM killer, torchrun and Slurm do): their files
 stay; the next job's setup removes them, and leaves the files of live or
 unjudgeable makers. The sweep itself on files whose makers are known
-(``sweep_stale_files``): a live process's kept, a dead or reused pid's
-removed, another pid namespace's or boot's kept.
+(``sweep_stale_files``): a live process's kept, a dead, reused or zombie
+pid's removed, another pid namespace's or boot's kept.
 """
 
 from __future__ import annotations
@@ -158,9 +158,34 @@ def test_next_job_uses_shared_memory_and_leaves_only_files_it_cannot_judge(kille
     assert killed_then_next["left_at_end"] == kept
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    """``/proc/<pid>/stat`` after the command name: the state first."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()
+
+
+def _zombie() -> subprocess.Popen:
+    """A child that exited and is not reaped yet (its pid still taken)."""
+    child = subprocess.Popen(["true"])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if _stat_fields(child.pid)[0] == b"Z":
+            return child
+        time.sleep(0.01)
+    raise AssertionError("the child did not exit")
+
+
 def test_sweep_removes_only_files_whose_maker_is_provably_gone(tmp_path: Path) -> None:
     decoys = _decoys(tmp_path)
-    removed = stale.sweep_stale_files(str(tmp_path))
+    zombie = _zombie()
+    try:
+        start = int(_stat_fields(zombie.pid)[19])
+        name = stale.file_name(1, _TOKEN, 6, _marker(zombie.pid, start))
+        (tmp_path / name).write_bytes(b"x")
+        decoys[name] = True
+        removed = stale.sweep_stale_files(str(tmp_path))
+    finally:
+        zombie.wait()
     assert sorted(removed) == sorted(name for name, gone in decoys.items() if gone)
     assert sorted(os.listdir(tmp_path)) == sorted(name for name, gone in decoys.items() if not gone)
     assert stale.sweep_stale_files(str(tmp_path)) == []

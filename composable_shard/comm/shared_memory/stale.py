@@ -28,8 +28,8 @@ the free space: it removes a file only when all of these hold:
   process, so such files are left to their own namespace's setups;
 - its maker is provably gone: no process has its pid (``kill(pid, 0)``:
   ESRCH), or the process with that pid started at another time (the pid
-  was reused). A process that exists but cannot be inspected counts as
-  alive.
+  was reused), or it is a zombie (it exited; its parent has not reaped
+  it). A process that exists but cannot be inspected counts as alive.
 
 No age threshold is needed: a live maker is never judged gone, and a dead
 one cannot come back. A sweep racing another (two setups at once) ignores
@@ -67,7 +67,7 @@ def owner_marker() -> str:
     (see the Note); ``""`` where /proc cannot tell (files that no sweep
     will remove, as before)."""
     pid = os.getpid()
-    start, pidns, boot = _start_ticks(pid), _pid_namespace(), _boot_head()
+    start, pidns, boot = _state_and_start(pid)[1], _pid_namespace(), _boot_head()
     if start is None or pidns is None or boot is None:
         return ""
     return f"{pid}.{start}.{pidns}.{boot}"
@@ -117,20 +117,22 @@ def _maker_gone(pid: int, start: int) -> bool:
         pass  # exists: another user's process with that pid
     except OSError as error:
         return error.errno == errno.ESRCH
-    now = _start_ticks(pid)
-    # None: it exists but /proc does not show it (hidepid): alive, for us.
-    return now is not None and now != start
+    state, now = _state_and_start(pid)
+    if now is None:
+        return False  # it exists but /proc does not show it (hidepid): alive, for us
+    return now != start or state in (b"Z", b"X")
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks after boot (field 22 of
-    ``/proc/<pid>/stat``; the command name before it may hold spaces)."""
+def _state_and_start(pid: int) -> tuple[bytes, int | None]:
+    """Process ``pid``'s state letter and when it started, in clock ticks
+    after boot (fields 3 and 22 of ``/proc/<pid>/stat``; the command name
+    before them may hold spaces and parentheses)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
-        return None
+        return b"", None
 
 
 def _pid_namespace() -> int | None:
