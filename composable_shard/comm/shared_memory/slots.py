@@ -31,15 +31,17 @@ ranks that wrote the fewest rounds read first. A round of more than
 ``SLOTS`` back is read during the issue (streaming; the wait reads the last
 ``SLOTS``). A dropped work (freed unwaited) counts as read.
 
-Waiting polls the peers' headers with ``pread``: without sleeping for its
-first ``_SPIN_S`` (a peer microseconds behind is seen at once), then
-sleeping between polls, each pause ``_PAUSE_FRACTION`` of the time waited so
-far (a peer that comes is seen at most that fraction late), up to
-``_MAX_PAUSE_S``: a peer seconds late costs one poll and one wake-up per
-pause (50-70 us of CPU each on a busy 2-core VM), 0.3-0.4% of a core in the
-waiting thread where the old cap of 0.2 ms cost 7-9% (measured by
+Waiting polls the peers' headers with ``pread`` and sleeps between polls:
+no thread spins (spinning even 50 us slowed the fast path on an
+oversubscribed machine, docs/design/comm.md). Pauses start at 5 us and grow
+by half up to 0.2 ms, so waits under about 2 ms (the fast path, and a peer
+a little behind) overshoot little; past that each pause may grow to a tenth
+of the time waited so far (a peer that comes is seen at most that fraction
+late), at most 20 ms: a peer seconds late costs one poll and one wake-up
+per 20 ms (50-70 us of CPU each on a busy 2-core VM), 0.3-0.4% of a core in
+the waiting thread where a 0.2 ms cap cost 7-9% (measured by
 test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core; a longer
-cap costs less CPU but notices a peer later). No thread spins for long.
+cap costs less CPU but notices a peer later).
 Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers' pidfds; a dead
 peer fails the wait naming it, a live one that does not come fails it at
 the group's timeout (or ``wait(timeout=...)``'s; a timed-out wait may be
@@ -94,9 +96,11 @@ ALL_GATHER, REDUCE_SCATTER = 1, 2
 # How often a wait looks whether its peers' processes are still alive: one
 # poll of their pidfds, so the hot path makes no system call for it.
 _LIVENESS_PERIOD_S = 0.05
-# A wait's back-off (see the Note): poll without sleeping this long, then
-# sleep this fraction of the time waited so far, at most this long.
-_SPIN_S = 50e-6
+# A wait's back-off (see the Note): pauses start at _FIRST_PAUSE_S and grow
+# by half up to _SHORT_WAIT_PAUSE_S, or, once the wait is longer, up to
+# _PAUSE_FRACTION of the time waited so far, at most _MAX_PAUSE_S.
+_FIRST_PAUSE_S = 5e-6
+_SHORT_WAIT_PAUSE_S = 2e-4
 _PAUSE_FRACTION = 0.1
 _MAX_PAUSE_S = 20e-3
 # The timeout of a group whose backend does not say (torch's default).
@@ -179,7 +183,7 @@ class SlotRing:
         polls their headers, sleeping with back-off, and every
         ``_LIVENESS_PERIOD_S`` of waiting, whether they are alive."""
         entry = SLOTS + 2 * slot + 1 if written else slot
-        started, deadline, next_check = 0.0, 0.0, 0.0
+        started, deadline, next_check, pause = 0.0, 0.0, 0.0, _FIRST_PAUSE_S
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         while True:
             waiting = []
@@ -206,9 +210,8 @@ class SlotRing:
                 next_check = now + _LIVENESS_PERIOD_S
                 if now > deadline:
                     self._time_out(peers, seq, signature, written, timeout_s)
-            waited = now - started
-            if waited >= _SPIN_S:
-                time.sleep(min(waited * _PAUSE_FRACTION, _MAX_PAUSE_S, max(deadline - now, 0.0)))
+            time.sleep(pause)
+            pause = min(pause * 1.5, max(_SHORT_WAIT_PAUSE_S, (now - started) * _PAUSE_FRACTION), _MAX_PAUSE_S)
 
     def _check_alive(self, seq: int, signature: int, written: bool) -> None:
         """Raise (and fail every later call) if a peer's process exited."""
