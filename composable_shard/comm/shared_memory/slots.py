@@ -38,8 +38,8 @@ by half up to 0.2 ms, so waits under about 2 ms (the fast path, and a peer
 a little behind) overshoot little; past that each pause may grow to a tenth
 of the time waited so far (a peer that comes is seen at most that fraction
 late), at most 20 ms: a peer seconds late costs one poll and one wake-up
-per 20 ms (50-70 us of CPU each on a busy 2-core VM), 0.3-0.4% of a core in
-the waiting thread where a 0.2 ms cap cost 7-9% (measured by
+per 20 ms (50-70 us of CPU each on a busy 2-core VM), 0.4-0.6% of a core in
+the waiting thread over 1.5 s where a 0.2 ms cap cost 4-9% (measured by
 test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core; a longer
 cap costs less CPU but notices a peer later).
 Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers' pidfds; a dead
