@@ -9,6 +9,9 @@ streams.
 The folder, one noun per module, in import order:
 
 - ``eager.py``: the functions torch.compile runs eagerly (file I/O);
+- ``stale.py``: where the files live (``COMPOSABLE_SHARD_SHM_DIR``), names
+  that say their maker, the sweep of files whose maker is gone ([Note:
+  stale files]);
 - ``files.py``: the group's files: setup agreed by every rank, reservation,
   mapping, removal ([Note: shared-memory setup]);
 - ``slots.py``: rounds, slots, waits for peers, liveness and timeouts,

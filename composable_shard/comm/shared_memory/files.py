@@ -9,7 +9,7 @@ memory (``comm.transport``), parameters, modules, streams.
 
 Public names: ``GroupFiles``, ``SharedMemoryUnavailable``,
 ``PLATFORM_SUPPORTED``, ``SLOTS``, ``HEADER``, ``slot_reservation``,
-``bytes_per_rank``.
+``bytes_per_rank``, ``TEST_SETUP_PAUSE_ENV``.
 
 [Note: shared-memory setup]
 Setup (``GroupFiles.open``, collective, once per group): the ranks exchange
@@ -18,11 +18,16 @@ pid; free bytes in ``/dev/shm``; their switch) and decide alike: shared
 memory only if every rank wants it, all share one host's ``/dev/shm`` and
 pid numbers, and each has room for every rank's slots; else
 ``SharedMemoryUnavailable`` on every rank. File names derive from rank 0's
-pid and a token it sent, so every rank knows every name before any file
-exists. Each rank creates and reserves its file, opens its peers' files and
+pid and a token it sent, and end with their maker's pid, start time and pid
+namespace (``stale``), so every rank knows every name before any file
+exists, and a later setup can tell a dead job's leftovers from a live
+one's. Each rank creates and reserves its file, opens its peers' files and
 pidfds (each step agreed over the backend); then, or on any failure, every
 rank removes every name: the files live only as long as a process holds
-them, and nothing is left in ``/dev/shm`` whatever fails.
+them, and nothing is left in ``/dev/shm`` whatever fails that a rank
+survives. Where every rank dies in that window, the next setup on the host
+removes the files ([Note: stale files] in stale.py): each rank sweeps the
+directory before it measures the free space.
 
 Each slot reserves (``posix_fallocate``) the largest collective announced
 before setup, up to the slot size (``slot_reservation``), and grows up to it
@@ -43,6 +48,7 @@ import os
 import platform
 import struct
 import sys
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -52,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .stale import file_name, owner_marker, shm_directory, sweep_stale_files
+
 __all__ = [
     "GroupFiles",
     "SharedMemoryUnavailable",
@@ -60,10 +68,12 @@ __all__ = [
     "HEADER",
     "slot_reservation",
     "bytes_per_rank",
+    "TEST_SETUP_PAUSE_ENV",
 ]
 
-_DIRECTORY = "/dev/shm"
-_FILE_PREFIX = "composable_shard_"
+# Test only: seconds each rank sleeps in setup once its file has a name
+# (tests/comm/test_stale_files.py kills every rank there).
+TEST_SETUP_PAUSE_ENV = "COMPOSABLE_SHARD_TEST_SETUP_PAUSE_S"
 # Slots per rank's file; rounds take them round-robin (see ``slots``).
 SLOTS = 4
 # The file's first page: per slot, the last round this rank finished reading
@@ -96,9 +106,12 @@ class RankFacts:
     """What one rank tells its peers at setup, all in one message."""
 
     # Equal on every rank that shares this host's /dev/shm and pid numbers:
-    # the kernel's boot id, the /dev/shm mount and the pid namespace.
-    place: tuple[str, int, int]
+    # the kernel's boot id, the files' directory (path and mount) and the
+    # pid namespace.
+    place: tuple[str, str, int, int]
     pid: int
+    # Ends this rank's file name: its maker (``stale.owner_marker``).
+    owner: str
     global_rank: int
     # Bytes free in /dev/shm (statvfs) before any rank reserved its slots;
     # None when this rank cannot write there.
@@ -128,6 +141,8 @@ class GroupFiles:
         # in every file: ``(s + 1) * stride``.
         self.slot_bytes = facts[0].slot_bytes
         self.stride = _stride(self.slot_bytes)
+        # The directory the files were made in (named in errors).
+        self.directory = facts[0].place[1]
         # Bytes reserved in this rank's file per slot (``posix_fallocate``).
         self._reserved = [reserved] * SLOTS
         # (rank, slot) -> the mapping of that slot of that rank's file and a
@@ -148,14 +163,16 @@ class GroupFiles:
         cannot use shared memory, and the backend's error where a peer fails
         meanwhile; no file of the group is left in ``/dev/shm`` either way."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        directory = shm_directory()
+        sweep_stale_files(directory)  # before measuring the free space: leftovers hold some
         facts: list[Any] = [None] * world_size
-        dist.all_gather_object(facts, _own_facts(wanted, slot_bytes), group=group)
-        _check_facts(facts, largest_bytes)
+        dist.all_gather_object(facts, _own_facts(wanted, slot_bytes, directory), group=group)
+        _check_facts(facts, largest_bytes, directory)
         reserved = slot_reservation(largest_bytes, facts[0].slot_bytes)
         # Every path is known to every rank before any file exists, so
         # whichever rank survives a failure can remove them all.
         paths = [
-            os.path.join(_DIRECTORY, f"{_FILE_PREFIX}{facts[0].pid}_{facts[0].token}_{peer}")
+            os.path.join(directory, file_name(facts[0].pid, facts[0].token, peer, facts[peer].owner))
             for peer in range(world_size)
         ]
         fds = [-1] * world_size
@@ -167,7 +184,8 @@ class GroupFiles:
                 fds[rank] = _create_file(paths[rank], _stride(facts[0].slot_bytes), reserved)
             except OSError as failure:
                 error = failure.strerror
-            _agree(group, error, "create and reserve")
+            _pause_for_tests()
+            _agree(group, error, "create and reserve", directory)
             try:
                 for peer in range(world_size):
                     if peer != rank:
@@ -175,7 +193,7 @@ class GroupFiles:
                         pidfds[peer] = os.pidfd_open(facts[peer].pid)
             except OSError as failure:
                 error = f"{failure.strerror} ({failure.filename or 'pidfd_open'})"
-            _agree(group, error, "open")
+            _agree(group, error, "open", directory)
             done = True
         finally:
             # Every rank has every file open (or the setup failed): the names
@@ -212,7 +230,7 @@ class GroupFiles:
             os.posix_fallocate(self.fds[self.rank], self.stride * (slot + 1), nbytes)
         except OSError as error:
             raise RuntimeError(
-                f"composable_shard shared-memory collective: cannot reserve {nbytes} bytes in {_DIRECTORY} "
+                f"composable_shard shared-memory collective: cannot reserve {nbytes} bytes in {self.directory} "
                 f"({error.strerror}), more than the group reserved at its setup. Free space there (Docker: "
                 "--shm-size) or set COMPOSABLE_SHARD_SHARED_MEMORY=0 to use gloo."
             ) from error
@@ -258,37 +276,47 @@ def bytes_per_rank(largest_bytes: int, slot_bytes: int) -> int:
     return _PAGE + SLOTS * slot_reservation(largest_bytes, slot_bytes)
 
 
-def _own_facts(wanted: bool, slot_bytes: int) -> RankFacts:
+def _own_facts(wanted: bool, slot_bytes: int, directory: str) -> RankFacts:
     try:
         boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
-        place = (boot_id, os.stat(_DIRECTORY).st_dev, os.stat("/proc/self/ns/pid").st_ino)
+        where = os.path.realpath(directory)
+        place = (boot_id, where, os.stat(where).st_dev, os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        place = (uuid.uuid4().hex, 0, 0)  # shares with nobody
+        place = (uuid.uuid4().hex, directory, 0, 0)  # shares with nobody
     free: int | None = None
-    if os.access(_DIRECTORY, os.W_OK):
-        stats = os.statvfs(_DIRECTORY)
+    if os.access(directory, os.W_OK):
+        stats = os.statvfs(directory)
         free = stats.f_bavail * stats.f_frsize
-    return RankFacts(place, os.getpid(), dist.get_rank(), free, uuid.uuid4().hex, slot_bytes, wanted)
+    token = uuid.uuid4().hex
+    return RankFacts(place, os.getpid(), owner_marker(), dist.get_rank(), free, token, slot_bytes, wanted)
 
 
-def _check_facts(facts: list[RankFacts], largest_bytes: int) -> None:
+def _pause_for_tests() -> None:
+    pause = os.environ.get(TEST_SETUP_PAUSE_ENV)
+    if pause:
+        time.sleep(float(pause))
+
+
+def _check_facts(facts: list[RankFacts], largest_bytes: int, directory: str) -> None:
     """Whether the group can share memory at all, decided alike on every
     rank from the facts every rank sent."""
     if any(not rank_facts.wanted for rank_facts in facts):
         off = [rank for rank, rank_facts in enumerate(facts) if not rank_facts.wanted]
         raise SharedMemoryUnavailable(f"shared memory is switched off on ranks {off}", warn=False)
     if any(rank_facts.place != facts[0].place for rank_facts in facts):
-        raise SharedMemoryUnavailable("the ranks do not share one host's /dev/shm and process ids", warn=False)
+        raise SharedMemoryUnavailable(
+            f"the ranks do not share one host's {directory} and process ids", warn=False
+        )
     unwritable = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes is None]
     if unwritable:
-        raise SharedMemoryUnavailable(f"{_DIRECTORY} is not writable on ranks {unwritable}", warn=True)
+        raise SharedMemoryUnavailable(f"{directory} is not writable on ranks {unwritable}", warn=True)
     per_slot = slot_reservation(largest_bytes, facts[0].slot_bytes)
     needed = bytes_per_rank(largest_bytes, facts[0].slot_bytes) * len(facts)
     short = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes < needed]
     if short:
         free = min(facts[rank].free_bytes for rank in short)
         raise SharedMemoryUnavailable(
-            f"{_DIRECTORY} has {free / 2**20:.1f} MiB free on ranks {short}; the group needs {needed / 2**20:.1f} MiB "
+            f"{directory} has {free / 2**20:.1f} MiB free on ranks {short}; the group needs {needed / 2**20:.1f} MiB "
             f"({len(facts)} ranks x {SLOTS} slots x {per_slot / 2**20:.1f} MiB). Free space there (Docker: "
             "--shm-size)",
             warn=True,
@@ -314,7 +342,7 @@ def _create_file(path: str, stride: int, reserved: int) -> int:
     return fd
 
 
-def _agree(group: ProcessGroup, error: str | None, step: str) -> None:
+def _agree(group: ProcessGroup, error: str | None, step: str, directory: str) -> None:
     """Every rank's outcome of a setup step, raised alike on every rank if
     any failed."""
     errors: list[Any] = [None] * dist.get_world_size(group)
@@ -322,7 +350,7 @@ def _agree(group: ProcessGroup, error: str | None, step: str) -> None:
     failed = {rank: failure for rank, failure in enumerate(errors) if failure is not None}
     if failed:
         reasons = "; ".join(f"rank {rank}: {failure}" for rank, failure in failed.items())
-        raise SharedMemoryUnavailable(f"cannot {step} the files in {_DIRECTORY} ({reasons})", warn=True)
+        raise SharedMemoryUnavailable(f"cannot {step} the files in {directory} ({reasons})", warn=True)
 
 
 def _unlink_quietly(paths: list[str]) -> None:

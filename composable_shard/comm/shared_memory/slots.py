@@ -31,12 +31,28 @@ ranks that wrote the fewest rounds read first. A round of more than
 ``SLOTS`` back is read during the issue (streaming; the wait reads the last
 ``SLOTS``). A dropped work (freed unwaited) counts as read.
 
-Waiting polls the peers' headers with ``pread`` and sleeps with back-off
-(5 us growing to 0.2 ms): no thread spins. Every ``_LIVENESS_PERIOD_S`` of
-waiting it polls the peers' pidfds; a dead peer fails the wait naming it, a
-live one that does not come fails it at the group's timeout (or
-``wait(timeout)``'s; a timed-out wait may be retried). A failure after a
-round was published, or a dead peer, fails every later call at once.
+Waiting polls the peers' headers with ``pread`` and sleeps between polls:
+no thread spins (spinning even 50 us slowed the fast path on an
+oversubscribed machine, docs/design/comm.md). Pauses start at 5 us and grow
+by half up to 0.2 ms, so waits under about 2 ms (the fast path, and a peer
+a little behind) overshoot little; past that each pause may grow to a tenth
+of the time waited so far (a peer that comes is seen at most that fraction
+late), at most 20 ms: a peer seconds late costs one poll and one wake-up
+per 20 ms (50-70 us of CPU each on a busy 2-core VM), 0.4-0.6% of a core in
+the waiting thread over 1.5 s where a 0.2 ms cap cost 4-9% (measured by
+test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core; a longer
+cap costs less CPU but notices a peer later).
+Every ``_LIVENESS_PERIOD_S`` of waiting it polls the peers' pidfds; a dead
+peer fails the wait naming it, a live one that does not come fails it at
+the group's timeout (or ``wait(timeout=...)``'s; a timed-out wait may be
+retried). A failure after a round was published, or a dead
+peer, fails every later call at once.
+
+A round is numbered when it is published, not when its slot is claimed: a
+failure before that (a claim that times out, a reservation refused by a
+full ``/dev/shm``) leaves this rank's numbering where its peers expect it,
+so the same call retried takes the same round and pairs with what the peers
+published (test_failed_round_before_publishing_leaves_the_group_usable).
 
 Ordering: header entries are written and read through system calls by one
 thread at a time, after the bytes were copied; on x86-64 stores become
@@ -80,6 +96,13 @@ ALL_GATHER, REDUCE_SCATTER = 1, 2
 # How often a wait looks whether its peers' processes are still alive: one
 # poll of their pidfds, so the hot path makes no system call for it.
 _LIVENESS_PERIOD_S = 0.05
+# A wait's back-off (see the Note): pauses start at _FIRST_PAUSE_S and grow
+# by half up to _SHORT_WAIT_PAUSE_S, or, once the wait is longer, up to
+# _PAUSE_FRACTION of the time waited so far, at most _MAX_PAUSE_S.
+_FIRST_PAUSE_S = 5e-6
+_SHORT_WAIT_PAUSE_S = 2e-4
+_PAUSE_FRACTION = 0.1
+_MAX_PAUSE_S = 20e-3
 # The timeout of a group whose backend does not say (torch's default).
 _DEFAULT_TIMEOUT_S = 1800.0
 
@@ -130,9 +153,9 @@ class SlotRing:
 
     def claim_slot(self) -> tuple[int, int]:
         """The next round's slot and number, once every peer read the round
-        that used the slot before (this rank reads its own first)."""
+        that used the slot before (this rank reads its own first). The
+        number is taken by ``publish``: a failure before leaves it free."""
         seq = self._next_seq
-        self._next_seq += 1
         slot = seq % SLOTS
         previous = self._slot_rounds[slot]
         earlier = previous[0]() if previous is not None else None
@@ -147,6 +170,7 @@ class SlotRing:
         calls on one thread, in order; the signature comes first in the
         pair, so a peer that sees the number sees it too), pending in ``work``."""
         os.pwrite(self.files.fds[self.rank], _PUBLISHED.pack(work.signature, seq), (SLOTS + 2 * slot) * _ENTRY.size)
+        self._next_seq = seq + 1
         work._pending.append((slot, seq, start, length))
         self._slot_rounds[slot] = (weakref.ref(work), seq)
 
@@ -159,7 +183,7 @@ class SlotRing:
         polls their headers, sleeping with back-off, and every
         ``_LIVENESS_PERIOD_S`` of waiting, whether they are alive."""
         entry = SLOTS + 2 * slot + 1 if written else slot
-        deadline, next_check, pause = 0.0, 0.0, 5e-6
+        started, deadline, next_check, pause = 0.0, 0.0, 0.0, _FIRST_PAUSE_S
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         while True:
             waiting = []
@@ -180,14 +204,14 @@ class SlotRing:
             now = time.monotonic()
             if not deadline:  # the first wait: nothing was ready
                 limit = self._group_timeout_s() if timeout_s is None else timeout_s
-                deadline, next_check = now + limit, now + _LIVENESS_PERIOD_S
+                started, deadline, next_check = now, now + limit, now + _LIVENESS_PERIOD_S
             elif now >= next_check:
                 self._check_alive(seq, signature, written)
                 next_check = now + _LIVENESS_PERIOD_S
                 if now > deadline:
                     self._time_out(peers, seq, signature, written, timeout_s)
             time.sleep(pause)
-            pause = min(pause * 1.5, 2e-4)
+            pause = min(pause * 1.5, max(_SHORT_WAIT_PAUSE_S, (now - started) * _PAUSE_FRACTION), _MAX_PAUSE_S)
 
     def _check_alive(self, seq: int, signature: int, written: bool) -> None:
         """Raise (and fail every later call) if a peer's process exited."""
@@ -233,10 +257,12 @@ class SharedMemoryWork:
         # start, length) of the bytes it moved per peer.
         self._pending: list[tuple[int, int, int, int]] = []
 
-    def wait(self, *timeout: Any) -> bool:
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """As ``Work.wait``: blocks until the result is in the output, at most
-        ``timeout`` (a ``timedelta``; default: the group's timeout), and
-        raises once a peer died. A timed-out wait may be retried."""
+        ``timeout`` (positional or keyword: a ``timedelta`` or seconds; none
+        or zero: the group's timeout), and raises once a peer died. Past
+        the timeout it raises a ``RuntimeError`` naming the collective, the
+        late ranks and the timeout; a timed-out wait may be retried."""
         if torch.compiler.is_compiling():
             return eagerly(SharedMemoryWork._wait_eagerly)(self, _timeout_s(timeout))
         return self._wait_eagerly(_timeout_s(timeout))
@@ -309,10 +335,17 @@ def _group_timeout_s(group: ProcessGroup) -> float:
 
 def _timeout_s(timeout: Any) -> float | None:
     """A ``Work.wait`` timeout (a ``timedelta``, seconds, or none) in seconds."""
-    if not timeout or timeout[0] is None:
+    if timeout is None:
         return None
-    value = timeout[0]
-    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"SharedMemoryWork.wait(timeout=...) takes a datetime.timedelta (as torch's Work.wait) or seconds, "
+            f"got {type(timeout).__name__}: {timeout!r}"
+        )
     return seconds if seconds > 0 else None  # torch's "no timeout given"
 
 
