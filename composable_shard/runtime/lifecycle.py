@@ -144,8 +144,9 @@ def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step:
 
 
 def start_root_forward(context: RootContext) -> None:
-    """The root's forward starts a step: a tree a raised forward left in
-    ``FORWARD`` is reset; a tree whose backward has not finished is reset
+    """The root's forward starts a step: a tree a raised forward or backward
+    left mid-step is reset ([Note: a forward that raised] in hooks.py,
+    [Note: a backward that raised]); any other unfinished state is reset
     and refused; the held state ends; the user's changes since the last step
     go into the shards, and the step's first all-gather comes after them."""
     if backward_was_abandoned(context):

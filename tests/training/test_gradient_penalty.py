@@ -123,3 +123,33 @@ def _input_gradients_only_then_training(rank: int, world_size: int) -> None:
 
 def test_input_gradient_backwards_between_steps_change_nothing() -> None:
     run_distributed(_input_gradients_only_then_training, 2)
+
+
+def _autograd_grad_over_parameters_then_training(rank: int, world_size: int) -> None:
+    """``autograd.grad`` over the original parameters cannot see them (forward
+    uses views of the gathered flat parameter; README, "What a user
+    observes"): None with ``allow_unused=True``, torch's own error without.
+    Neither leaves the runtime mid-step: the next step trains exactly."""
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    shard_manually(ShardingStrategy.FULL_SHARD)(model)
+    parity = Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), atol=5e-6, rtol=1e-5)
+    inputs, targets = batch(0)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(lm_loss(model(inputs[local]), targets[local]), params, allow_unused=True)
+    assert all(grad is None for grad in grads)
+    try:
+        torch.autograd.grad(lm_loss(model(inputs[local]), targets[local]), params)
+    except RuntimeError as error:
+        assert "appears to not have been used in the graph" in str(error), error
+    else:
+        raise AssertionError("autograd.grad over the original parameters without allow_unused did not raise")
+    lm_loss(reference(inputs), targets).backward()
+    lm_loss(model(inputs[local]), targets[local]).backward()
+    compare_full(model, reference, parity, "after autograd.grad over the parameters", grads=True)
+
+
+def test_autograd_grad_over_original_parameters_gives_none_and_training_goes_on() -> None:
+    run_distributed(_autograd_grad_over_parameters_then_training, 2)
