@@ -1,8 +1,9 @@
 """Owns: the hooks that drive one step — unit pre/post forward (the root's
 pre-forward starts the step), pre-backward on the outputs, post-backward
 once a flat parameter's gradient is accumulated, the end-of-backward
-callback — and their registration. Each hook is a few lines: a transition
-and calls into the unit (state.py), the lifecycle and the prefetch policy.
+callback, the reset of a forward that raised — and their registration.
+Each hook is a few lines: a transition and calls into the unit (state.py),
+the lifecycle and the prefetch policy.
 
 Knows nothing of: streams, devices, flattening details.
 

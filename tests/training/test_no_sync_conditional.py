@@ -11,7 +11,6 @@ import contextlib
 import copy
 from typing import Callable
 
-import pytest
 import torch
 import torch.nn as nn
 
