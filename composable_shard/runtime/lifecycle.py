@@ -167,9 +167,13 @@ def start_root_forward(context: RootContext) -> None:
             "output) before the next forward; the model has been reset to its sharded state and is usable."
         )
     enter_between_steps(context.units, "forward")
-    for unit in context.units:
-        for handle in unit.handles:
-            handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    # What the write-back builds (a dtype change: new shards, buffers,
+    # views) outlives this forward: never inference tensors, though the
+    # forward may run under torch.inference_mode() (test_loop_recovery.py).
+    with torch.inference_mode(False):
+        for unit in context.units:
+            for handle in unit.handles:
+                handle.writeback_orig_params(name_prefix=unit.name_prefix)
     # The optimizer, the user and this write-back wrote shards on compute:
     # the step's first all-gather comes after ([Note: what a lane waits for]).
     context.scheduler.mark_shards_written()

@@ -202,3 +202,32 @@ def _inference_forwards_change_nothing(rank: int, world_size: int) -> None:
 
 def test_inference_mode_and_no_grad_forwards_change_nothing() -> None:
     run_distributed(_inference_forwards_change_nothing, 2)
+
+
+def _dtype_change_taken_in_under_inference_mode(rank: int, world_size: int) -> None:
+    """``model.double()`` after sharding is taken in at the next forward; that
+    forward under inference mode must not leave inference tensors behind."""
+    local = _local(rank, world_size)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model).double()
+    shard_manually(ShardingStrategy.FULL_SHARD)(model)
+    model.double()
+    with torch.inference_mode():
+        model(batch(50)[0][local])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    parity = Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), atol=1e-10, rtol=1e-10)
+    for step in range(2):
+        inputs, targets = batch(step)
+        _step(reference, inputs, targets)
+        _step(model, inputs[local], targets[local])
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        compare_full(model, reference, parity, f"float64 step {step}", grads=False)
+
+
+def test_a_dtype_change_taken_in_under_inference_mode_changes_nothing() -> None:
+    run_distributed(_dtype_change_taken_in_under_inference_mode, 2)
