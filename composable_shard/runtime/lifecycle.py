@@ -167,13 +167,9 @@ def start_root_forward(context: RootContext) -> None:
             "output) before the next forward; the model has been reset to its sharded state and is usable."
         )
     enter_between_steps(context.units, "forward")
-    # What the write-back builds (a dtype change: new shards, buffers,
-    # views) outlives this forward: never inference tensors, though the
-    # forward may run under torch.inference_mode() (test_loop_recovery.py).
-    with torch.inference_mode(False):
-        for unit in context.units:
-            for handle in unit.handles:
-                handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    for unit in context.units:
+        for handle in unit.handles:
+            handle.writeback_orig_params(name_prefix=unit.name_prefix)
     # The optimizer, the user and this write-back wrote shards on compute:
     # the step's first all-gather comes after ([Note: what a lane waits for]).
     context.scheduler.mark_shards_written()
@@ -266,8 +262,10 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
             continue  # a tree that became part of a larger one
+        if backward_was_abandoned(context) and _updates_tree(optimizer, context):
+            recover_from_abandoned_backward(context)  # [Note: a backward that raised]
         held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
-        if (held or backward_was_abandoned(context)) and _updates_tree(optimizer, context):
+        if held and _updates_tree(optimizer, context):
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
 
 
