@@ -317,6 +317,16 @@ class Scheduler:
             self._finish_reduction(reduction)
         self._wait_for_post_reduce()
 
+    def abandon_reductions(self) -> None:
+        """Wait for every issued reduction's collective, but run none of
+        their ``on_done``: a backward that raised left them, and their
+        results must not reach ``.grad`` after the user cleared it (the
+        collectives still complete, as every rank issued them)."""
+        reductions, self._reductions = self._reductions, []
+        for reduction in reductions:
+            self.reduce_scatter_lane.wait(reduction.in_flight)
+        self._wait_for_post_reduce()
+
     @property
     def prefetches_backward_after_reduction(self) -> bool:
         """Whether a unit's backward prefetch waits until its reduction was

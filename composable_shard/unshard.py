@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .handle import FlatParamHandle, set_grad_of_other_dtype
-from .runtime import enter_between_steps
+from .runtime import enter_between_steps, mark_local_accumulation
 from .state import UnitState, get_state, unit_states_under
 
 __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
@@ -190,6 +190,10 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     finally:
         for unit, skip in zip(units, previous):
             unit.skip_grad_sync = skip
+        # Gradients of units that skip the next synchronised backward are
+        # reduced at its end ([Note: no_sync gradients of units that did
+        # not run] in runtime/pending_grads.py).
+        mark_local_accumulation(units)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -327,6 +327,18 @@ class FlatParamHandle:
         if self.shows_unsharded_views:
             return False
         edits, requires_grad = writeback.find_user_edits(self, name_prefix=name_prefix)
+        if not edits and requires_grad == self.param_requires_grad:
+            return False
+        if torch.is_inference_mode_enabled():
+            # What is built below (a new shard, buffer, views) outlives the
+            # forward that may run this under torch.inference_mode(): never
+            # inference tensors (test_loop_recovery.py). Leaving inference
+            # mode turns grad mode on: off again, as it was.
+            with torch.inference_mode(False), torch.set_grad_enabled(False):
+                return self._apply_user_edits(edits, requires_grad, name_prefix)
+        return self._apply_user_edits(edits, requires_grad, name_prefix)
+
+    def _apply_user_edits(self, edits: list, requires_grad: tuple[bool, ...], name_prefix: str) -> bool:
         # A cast gives every parameter it changes new storage: only edited
         # parameters can have another dtype.
         cast = any(edit.param.dtype != self.layout.dtype for edit in edits)

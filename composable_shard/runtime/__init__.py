@@ -14,6 +14,10 @@ Layout (each module depends only on those above it)::
                        idle at the end of backward; the optimizer step hook
     root.py            lazy init: the root's shared context
     prefetch.py        which unit to gather ahead, and when
+    partial_backward.py  a backward that accumulates none of the tree's
+                       gradients (autograd.grad over inputs) holds, not ends
+    pending_grads.py   no_sync gradients of units absent from the
+                       synchronised backward, reduced at its end
     forward_inputs.py  device check, mixed-precision cast, the frozen
                        parameters' end-of-use report
     hooks.py           the hooks, each a few lines, and their registration
@@ -23,13 +27,14 @@ A unit's own mechanics (unshard, reshard, reduce its flat parameters) are
 
 Public names: ``register_hooks``, ``call_as_forward``, ``lazy_init``,
 ``in_backward``, ``enter_between_steps``, ``TreePhase``, ``tree_phase``,
-``backward_prefetch_point``.
+``backward_prefetch_point``, ``mark_local_accumulation``.
 """
 
 from .lifecycle import TreePhase, enter_between_steps, in_backward, tree_phase
 from .root import lazy_init
 from .prefetch import backward_prefetch_point
 from .hooks import call_as_forward, register_hooks
+from .pending_grads import mark_local_accumulation
 
 __all__ = [
     "register_hooks",
@@ -40,4 +45,5 @@ __all__ = [
     "TreePhase",
     "tree_phase",
     "backward_prefetch_point",
+    "mark_local_accumulation",
 ]

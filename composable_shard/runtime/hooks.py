@@ -1,8 +1,9 @@
 """Owns: the hooks that drive one step — unit pre/post forward (the root's
 pre-forward starts the step), pre-backward on the outputs, post-backward
 once a flat parameter's gradient is accumulated, the end-of-backward
-callback — and their registration. Each hook is a few lines: a transition
-and calls into the unit (state.py), the lifecycle and the prefetch policy.
+callback, the reset of a forward that raised — and their registration.
+Each hook is a few lines: a transition and calls into the unit (state.py),
+the lifecycle and the prefetch policy.
 
 Knows nothing of: streams, devices, flattening details.
 
@@ -43,6 +44,8 @@ from .lifecycle import (
     return_tree_to_idle,
     start_root_forward,
 )
+from .partial_backward import backward_accumulates, hold_after_partial_backward
+from .pending_grads import reduce_left_behind
 from .prefetch import backward_starts_with, prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
 
@@ -100,6 +103,29 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
         return output
 
 
+def _after_forward_raised(state: UnitState, module: nn.Module, args: tuple, output: Any) -> None:
+    """Registered with ``always_call``: after a normal forward the unit has
+    left ``FORWARD`` (no-op); a forward that raised left it there.
+
+    [Note: a forward that raised]
+    A unit whose forward raised is resharded and idle again as the
+    exception leaves it, and the root resets its whole tree (what the next
+    forward would otherwise do), so a loop that catches the exception finds
+    the model between steps at once: state dicts, ``unshard_params``,
+    ``clip_grad_norm_`` and the optimizer work before the next forward.
+    Pinned by tests/training/test_loop_recovery.py.
+    """
+    if state.training_state is not TrainingState.FORWARD or in_backward():
+        return None
+    with hook_label(state, "forward_raised"):
+        if state.is_root:
+            reset_after_error(state.context)
+        else:
+            state.reshard()
+            state.transition(TrainingState.IDLE, TrainingState.FORWARD)
+    return None
+
+
 def call_as_forward(state: UnitState, method: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Run ``method`` (a unit's method other than ``forward``, registered
     with ``register_forward_method``) between the unit's forward hooks, as
@@ -152,7 +178,10 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):
         context = state.context
-        _queue_finalize_once(context)
+        if backward_accumulates(state):
+            _queue_finalize_once(context)
+        else:  # [Note: backwards that accumulate nothing of ours]
+            hold_after_partial_backward(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
         # [Note: trimming the host heap in backward] (host_memory.py)
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
@@ -186,6 +215,7 @@ def _finalize_backward(context: RootContext) -> None:
     """End of backward: finish every reduction (which sets ``.grad``),
     reshard every unit, reset states for the next step."""
     with hook_label(context.root, "finalize_backward"):
+        reduce_left_behind(context)  # [Note: no_sync gradients of units that did not run]
         return_tree_to_idle(context, discard_grads=False)
         context.run_deferred_grad_hooks()
 
@@ -199,6 +229,9 @@ def register_hooks(state: UnitState) -> None:
         module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
     )
     state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
+    state.module_hooks.append(
+        module.register_forward_hook(functools.partial(_after_forward_raised, state), always_call=True)
+    )
     for handle in state.handles:  # also frozen ones: they may be unfrozen later
         # Weak: see [Note: hooks on tensors hold the unit weakly].
         hook: Callable[[torch.Tensor], None] = functools.partial(

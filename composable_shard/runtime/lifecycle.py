@@ -10,7 +10,8 @@ Knows nothing of: the hooks (they call it), flattening details.
 Public names: ``TreePhase``, ``tree_phase``, ``in_backward``,
 ``enter_between_steps``, ``start_root_forward``,
 ``end_forward_without_backward``, ``return_tree_to_idle``,
-``reset_after_error``, ``track_root``.
+``reset_after_error``, ``backward_was_abandoned``,
+``recover_from_abandoned_backward``, ``track_root``.
 
 [Note: held for backward]
 A forward with autograd on ends with some units still gathered for the
@@ -27,6 +28,20 @@ hook running, so nothing waits for autograd); or a backward of that output
 comes after all, and pre-backward unshards again into the storage the
 saved views alias. Resharding is local, so ending the state on one rank and
 not another cannot hang. Pinned by tests/runtime/test_forward_without_backward.py.
+
+[Note: a backward that raised]
+The autograd engine runs the callbacks queued in a backward only when that
+backward completes: one that raised (a user's backward hook or custom
+Function, an error of ours in a hook) leaves the end-of-backward callback
+queued and units in PRE_BACKWARD or POST_BACKWARD. Outside any backward on
+this thread nothing else leaves them so, so the next entry through the gate
+(a forward, the optimizer step, state dicts, ``clip_grad_norm_``) takes it
+as such a backward's leftovers and resets the tree: reductions in flight
+complete without reaching ``.grad`` (the user clears gradients after a
+failed step; a result landing later would leak into the next one), local
+gradients are dropped, every unit reshards. The gradients of the failed
+step are partial, as in one process: call ``zero_grad()`` before the next.
+Pinned by tests/training/test_loop_recovery.py.
 """
 
 from __future__ import annotations
@@ -52,6 +67,8 @@ __all__ = [
     "end_forward_without_backward",
     "return_tree_to_idle",
     "reset_after_error",
+    "backward_was_abandoned",
+    "recover_from_abandoned_backward",
     "track_root",
 ]
 
@@ -112,6 +129,8 @@ def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step:
     such as an optimizer stepping from a gradient hook); held for backward,
     end the held state ([Note: held for backward])."""
     for context, tree in _trees(units):
+        if context is not None and backward_was_abandoned(context):
+            recover_from_abandoned_backward(context)
         queued = context is not None and context.post_backward_callback_queued
         phase = tree_phase(tree, backward_queued=queued)
         if phase is TreePhase.IN_STEP and inside_a_step == "raise":
@@ -126,10 +145,13 @@ def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step:
 
 
 def start_root_forward(context: RootContext) -> None:
-    """The root's forward starts a step: a tree a raised forward left in
-    ``FORWARD`` is reset; a tree whose backward has not finished is reset
+    """The root's forward starts a step: a tree a raised forward or backward
+    left mid-step is reset ([Note: a forward that raised] in hooks.py,
+    [Note: a backward that raised]); any other unfinished state is reset
     and refused; the held state ends; the user's changes since the last step
     go into the shards, and the step's first all-gather comes after them."""
+    if backward_was_abandoned(context):
+        recover_from_abandoned_backward(context)
     busy = [unit for unit in context.units if unit.training_state not in BETWEEN_STEPS]
     if busy and not context.post_backward_callback_queued and all(
         unit.training_state is TrainingState.FORWARD for unit in busy
@@ -206,6 +228,24 @@ def reset_after_error(context: RootContext) -> None:
     context.handles_with_deferred_grad_hooks = []
 
 
+def backward_was_abandoned(context: RootContext) -> bool:
+    """Whether a backward of the tree raised and left it mid-step
+    ([Note: a backward that raised])."""
+    if in_backward():
+        return False
+    return context.post_backward_callback_queued or any(
+        unit.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) for unit in context.units
+    )
+
+
+def recover_from_abandoned_backward(context: RootContext) -> None:
+    """Reset a tree a raised backward left mid-step ([Note: a backward
+    that raised]): its reductions complete unapplied, then the reset."""
+    with hook_label(context.root, "recover_from_raised_backward"):
+        context.scheduler.abandon_reductions()
+        reset_after_error(context)
+
+
 # ------------------------------------------------------------ optimizer step
 def track_root(context: RootContext) -> None:
     """Let the optimizer step pass the gate for this tree (lazy init)."""
@@ -224,6 +264,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
             continue  # a tree that became part of a larger one
+        if backward_was_abandoned(context) and _updates_tree(optimizer, context):
+            recover_from_abandoned_backward(context)  # [Note: a backward that raised]
         held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
         if held and _updates_tree(optimizer, context):
             if tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:

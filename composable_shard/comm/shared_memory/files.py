@@ -217,8 +217,13 @@ class GroupFiles:
             if rank == self.rank:
                 self._reserve(slot, length)
             region = mmap.mmap(self.fds[rank], length, offset=self.stride * (slot + 1))
-            # The replaced mapping is unmapped once no tensor views it.
-            mapped = self._mappings[key] = (region, torch.frombuffer(region, dtype=torch.uint8))
+            # The replaced mapping is unmapped once no tensor views it. Not
+            # an inference tensor, though the first collective may run under
+            # torch.inference_mode(): the mapping is cached and later written
+            # outside it (test_inference_mode_forwards_change_nothing).
+            with torch.inference_mode(False):
+                view = torch.frombuffer(region, dtype=torch.uint8)
+            mapped = self._mappings[key] = (region, view)
         if self._touched.get(key, 0) < nbytes:
             self._touched[key] = nbytes
         return mapped[1][:nbytes]
