@@ -24,7 +24,7 @@ from .state_dict import (
 from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
-from . import param_hooks as _param_hooks, torch_grad_norm as _torch_grad_norm
+from . import autograd_inputs as _autograd_inputs, param_hooks as _param_hooks, torch_grad_norm as _torch_grad_norm
 
 # module.state_dict() / load_state_dict() on every unit: the state-dict wing
 # joins fully_shard here, so the core never imports it.
@@ -35,6 +35,10 @@ _register_unit_extension(_register_state_dict_hooks)
 _register_unit_extension(_param_hooks.guard_param_hooks)
 _register_unit_extension(_torch_grad_norm.track_unit_grads)
 _torch_grad_norm.install()
+# autograd.grad over an original parameter raises ([Note: autograd.grad over
+# original parameters]).
+_register_unit_extension(_autograd_inputs.track_unit_params)
+_autograd_inputs.install()
 
 __all__ = [
     "fully_shard",
