@@ -31,31 +31,35 @@ from typing import Any, Callable
 import torch
 import torch.autograd
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .state import UnitState
 
 __all__ = ["track_unit_params", "install"]
 
-# original parameter -> "UnitClass.fqn"; weak: a dropped model leaves nothing.
-_PARAM_NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# An attribute on the parameter, not a weak registry: a weak reference to a
+# parameter makes torch.utils.swap_tensors (module.to() with swapping on)
+# refuse it; the attribute travels with the parameter like its __dict__.
+_NAME_ATTRIBUTE = "_composable_shard_unit_param"
+_tracking = False
 _TORCH_GRAD: Callable[..., Any] | None = None
 _TORCH_BACKWARD: Callable[..., Any] | None = None
 
 
 def track_unit_params(state: UnitState) -> list[RemovableHandle]:
     """Unit extension: remember the unit's original parameters. Registers no hook."""
+    global _tracking
     unit_name = type(state.module).__name__
     for handle in state.handles:
         for info, param in zip(handle.layout.params, handle.orig_params):
-            _PARAM_NAMES[param] = f"{unit_name}.{info.fqn}"
+            setattr(param, _NAME_ATTRIBUTE, f"{unit_name}.{info.fqn}")
+    _tracking = True
     return []
 
 
 def _refuse_original_params(inputs: Any, entry: str) -> Any:
     """Raise if ``inputs`` holds an original parameter of a unit; returns
     ``inputs`` (a one-shot iterable as a tuple, so that torch still sees it)."""
-    if inputs is None or not len(_PARAM_NAMES) or isinstance(inputs, torch.autograd.graph.GradientEdge):
+    if inputs is None or not _tracking or isinstance(inputs, torch.autograd.graph.GradientEdge):
         return inputs
     if isinstance(inputs, torch.Tensor):
         candidates: Iterable[Any] = (inputs,)
@@ -66,7 +70,7 @@ def _refuse_original_params(inputs: Any, entry: str) -> Any:
             inputs = tuple(inputs)  # a generator such as model.parameters()
         candidates = inputs
     for tensor in candidates:
-        name = _PARAM_NAMES.get(tensor) if isinstance(tensor, torch.Tensor) else None
+        name = getattr(tensor, _NAME_ATTRIBUTE, None) if isinstance(tensor, torch.Tensor) else None
         if name is not None:
             raise RuntimeError(
                 f"{entry} with parameter '{name}' of a fully_shard unit among its inputs: the unit computes with "
