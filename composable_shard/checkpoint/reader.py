@@ -19,15 +19,30 @@ This reader describes each tensor item without reading its bytes
 - another box or destination: read the span into one temporary, ``copy_``;
 - anything else (a transform named in the item's metadata, another
   serialization, a pickle of more than a plain tensor, another dtype or
-  byte order): the stock ``read_data`` reads that item.
+  byte order): the item is loaded whole with ``torch.load(weights_only=True)``
+  into a temporary, as the stock ``read_data`` does, before any write.
 
-Bytes items are read as data (safe_pickle.py), all of them before any value
-is handed to the planner, and a tensor item whose pickle wants a global
-beyond a tensor's is refused before any tensor is read on this rank; a zip
-that torch's reader cannot parse is a ``CheckpointError`` naming the file
-and item. Neither reader checks the zip CRCs: ``load_checkpoint`` verifies
+Bytes items are read as data (safe_pickle.py) and everything is checked
+before anything is written (see [Note: everything checked before the first
+write]); a zip that torch's reader cannot parse is a ``CheckpointError``
+naming the file and item. Neither reader checks the zip CRCs: ``load_checkpoint`` verifies
 the files against the manifest first. Pinned by tests/checkpoint/test_reader.py
 (bit for bit against the stock reader) and tests/checkpoint/test_pickles.py.
+
+[Note: everything checked before the first write]
+``read_data`` runs in two phases. ``_check_and_stage`` writes nothing into a
+destination: it opens each file (inside the directory, regular, sized:
+safe_files.py), checks each item's byte range against the file, describes
+each tensor item and checks its dtype, shape and layout against the
+metadata (``.metadata`` itself was checked by metadata_checks.py: chunks
+cover each tensor exactly, ranges lie inside the files), reads every bytes
+item as data and reads the items the direct path cannot (legacy format,
+transforms, other dtypes) into temporaries — every pickle bounded first
+(pickle_bounds.py). With ``agree_before_writing`` (``load_checkpoint``) the
+ranks then agree on a refusal (refusals.py), so every rank raises the same
+one. Only then ``_write`` hands objects to the planner and reads into the
+destinations. Pinned by tests/checkpoint/test_hostile.py and
+tests/checkpoint/test_fuzz.py.
 
 [Note: a refused .metadata reaches dcp.load's caller]
 ``dcp.load`` (torch 2.11+) catches an exception from ``read_metadata()``,

@@ -19,8 +19,10 @@ checkpoint. Every step's outcome is broadcast, so all ranks raise together.
 Loading checks before it reads: the files against the manifest (the ranks
 split them), the metadata's keys and shapes against the model and optimizer,
 the optimizer's groups (recorded in the manifest); then DCP reads straight
-into the shards and the optimizer's state (``DirectFileSystemReader``), and
-the setters' copies are skipped (same memory). After the checks only an I/O
+into the shards and the optimizer's state (``DirectFileSystemReader``, which
+checks every item before its first write and has the ranks agree, see
+[Note: everything checked before the first write] in reader.py), and the
+setters' copies are skipped (same memory). After the checks only an I/O
 error can fail the read, and its message says the model may hold part of
 it. A directory without a manifest (plain ``dcp.save``) is read into new
 buffers and copied in only once the whole read succeeded. Pinned by
