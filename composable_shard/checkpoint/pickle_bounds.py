@@ -56,51 +56,71 @@ def check_pickles(data: bytes, what: str, count: int) -> None:
         check_pickle(stream, what)
 
 
+# What each opcode does to the model of the stack: (kind, arguments popped
+# before the MARK or without one, whether it pops to a MARK, objects pushed).
+_GET, _PUT, _DUP, _IN, _OTHER = range(5)
+_PLANS: dict[Any, tuple[int, int, bool, tuple[bool, ...]]] = {}
+for _op in pickletools.opcodes:
+    _before, _after = _op.stack_before, _op.stack_after
+    _marked = pickletools.markobject in _before
+    _PLANS[_op.code] = (
+        _GET if _op.name in _GETS else _PUT if _op.name in _PUTS else _DUP if _op.name == "DUP" else _IN if _op.name in _IN_PLACE else _OTHER,
+        _before.index(pickletools.markobject) if _marked else len(_before),
+        _marked,
+        tuple(kind is pickletools.markobject for kind in _after),
+    )
+
+# Pickles already found within bounds (the same .metadata is read several
+# times per load): their bytes, most recent last.
+_PASSED: dict[bytes, None] = {}
+_PASSED_MAX = 8
+
+
 def check_pickle(source: Any, what: str) -> None:
     """Refuse the pickle at ``source`` (bytes, or a binary file positioned
     at it, left just after its STOP) if it exceeds the bounds of [Note:
     bounded pickles]."""
-    stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+    key = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else None
+    if key is not None and key in _PASSED:
+        return
+    stream = io.BytesIO(key) if key is not None else source
     children: list[list[int] | None] = []  # node -> its children (None: a leaf)
     stack: list[int] = []
     memo: dict[int, int] = {}
     memo_count = 0
+    plans = _PLANS
     try:
         for opcode, arg, _ in pickletools.genops(stream):
-            name = opcode.name
-            if name in _GETS:
+            kind, extra, marked, pushes = plans[opcode.code]
+            if kind == _GET:
                 if arg not in memo:
                     raise _refuse(what, f"reads the memo at {arg}, which was never written")
                 stack.append(memo[arg])
                 continue
-            if name in _PUTS:
+            if kind == _PUT:
                 if not stack or stack[-1] == _MARK:
                     raise _refuse(what, "memoizes nothing")
-                index = memo_count if name == "MEMOIZE" else arg
+                index = memo_count if arg is None else arg
                 if not isinstance(index, int) or index < 0 or index > len(children) + 16:
                     raise _refuse(what, f"writes the memo at {index!r:.40}, beyond its {len(children)} objects")
                 memo[index] = stack[-1]
                 memo_count += 1
                 continue
-            if name == "DUP":
+            if kind == _DUP:
                 stack.append(stack[-1])
                 continue
-            before, after = opcode.stack_before, opcode.stack_after
             popped: list[int] = []
-            if pickletools.markobject in before:
+            if marked:
                 while stack and stack[-1] != _MARK:
                     popped.append(stack.pop())
                 if not stack:
-                    raise _refuse(what, f"has {name} without a MARK")
+                    raise _refuse(what, f"has {opcode.name} without a MARK")
                 stack.pop()
-                extra = before.index(pickletools.markobject)
-            else:
-                extra = len(before)
             for _ in range(extra):
                 if not stack or stack[-1] == _MARK:
-                    raise _refuse(what, f"has {name} on a short stack")
+                    raise _refuse(what, f"has {opcode.name} on a short stack")
                 popped.append(stack.pop())
-            if name in _IN_PLACE:
+            if kind == _IN:
                 target = popped[-1]  # the first argument, popped last
                 node = children[target]
                 if node is None:
@@ -108,19 +128,23 @@ def check_pickle(source: Any, what: str) -> None:
                 node.extend(popped[:-1])
                 stack.append(target)
                 continue
-            for kind in after:
-                if kind is pickletools.markobject:
+            for is_mark in pushes:
+                if is_mark:
                     stack.append(_MARK)
                 else:
                     children.append(popped or None)
                     stack.append(len(children) - 1)
-                    if len(children) > MAX_OBJECTS:
-                        raise _refuse(what, f"builds more than {MAX_OBJECTS} objects")
+            if len(children) > MAX_OBJECTS:
+                raise _refuse(what, f"builds more than {MAX_OBJECTS} objects")
     except CheckpointError:
         raise
     except (ValueError, EOFError, IndexError, KeyError, TypeError, OverflowError) as exc:
         raise _refuse(what, f"is malformed ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
     _check_graph(children, what)
+    if key is not None:
+        if len(_PASSED) >= _PASSED_MAX:
+            del _PASSED[next(iter(_PASSED))]
+        _PASSED[key] = None
 
 
 def _check_graph(children: list[list[int] | None], what: str) -> None:
