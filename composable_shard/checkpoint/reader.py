@@ -107,7 +107,14 @@ class DirectFileSystemReader(FileSystemReader):
     ``"direct"`` (into the destination), ``"temporary"`` (through one
     temporary tensor) and ``"stock"`` (by ``FileSystemReader.read_data``,
     bytes items included: it finds their bytes, they are then read here as
-    data)."""
+    data).
+
+    Every file the metadata names must lie inside ``path`` as a regular
+    file (``allow_links_outside=True`` follows symbolic links leading out);
+    every item is checked before the first write (see [Note: everything
+    checked before the first write]); with ``agree_before_writing=True``
+    (every rank of the default group loads) the ranks agree on a refusal
+    first, so all raise the same one and none writes."""
 
     def __init__(
         self,

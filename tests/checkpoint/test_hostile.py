@@ -263,6 +263,18 @@ def _link_inside_loads(rank: int, world_size: int, root: str) -> None:
     fresh2, fresh2_optimizer = _trained(seed=2)
     load_checkpoint(directory, fresh2, fresh2_optimizer, allow_links_outside=True)
     assert_same_tensors(snapshot(fresh2, fresh2_optimizer)["model"], expected["model"], "link admitted: model")
+    # Even admitted, a link to a device is not a regular file: refused without a read, quickly.
+    if rank == 0:
+        (directory / "__0_0.distcp").unlink()
+        os.symlink("/dev/zero", directory / "__0_0.distcp")
+        (directory / MANIFEST_NAME).unlink()  # nothing to check it against: the reader meets it
+    dist.barrier()
+    before = snapshot(fresh2, fresh2_optimizer)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_checkpoint(directory, fresh2, fresh2_optimizer, allow_links_outside=True)
+    assert time.perf_counter() - start < TIME_BOUND_S
+    assert_same_tensors(snapshot(fresh2, fresh2_optimizer)["model"], before["model"], "/dev/zero: model")
 
 
 def test_symbolic_links_inside_the_directory_load_and_links_out_need_the_keyword(tmp_path: Path) -> None:
