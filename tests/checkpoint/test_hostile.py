@@ -133,6 +133,19 @@ def _item(make: Callable[[torch.Tensor, Path], bytes]) -> Callable[[Path, Path],
     return mutate
 
 
+def _optimizer_chunk_half(d: Path, canary: Path) -> None:
+    def edit(md: Any) -> None:
+        fqn = next(k for k, v in md.state_dict_metadata.items() if k.startswith("optim.state.") and k.endswith("exp_avg") and len(getattr(v, "size", ())) == 2)
+        chunk = md.state_dict_metadata[fqn].chunks[0]
+        md.state_dict_metadata[fqn].chunks[0] = ChunkStorageMetadata(chunk.offsets, torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]]))
+
+    edit_metadata(d, edit)
+
+
+def _dag_object_item(d: Path, canary: Path) -> None:
+    replace_item(d, MetadataIndex("extra.step"), lambda value: zip_with_data_pickle(saved(value), dag_pickle(48)))
+
+
 def _negative_offset(d: Path, canary: Path) -> None:
     def edit(md: Any) -> None:
         first_matrix_item(md)[1].offset = -1
@@ -171,6 +184,8 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "stride 0": (_item(lambda t, d: saved(torch.zeros(()).expand(t.shape))), "stride of 0"),
     "DAG in a tensor item's data.pkl": (_item(lambda t, d: zip_with_data_pickle(saved(t), dag_pickle(48))), "DAG bomb"),
     "negative offset": (_negative_offset, "malformed byte range"),
+    "optimizer state half chunk": (_optimizer_chunk_half, "do not cover"),
+    "DAG in an object item": (_dag_object_item, "DAG bomb"),
     "DAG bomb .metadata": (_dag_metadata, "DAG bomb"),
     "malformed metadata": (_malformed_metadata, "not a file name"),
     "deeply nested manifest": (_malformed_manifest, "unreadable"),
