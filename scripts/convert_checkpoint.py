@@ -81,6 +81,10 @@ def _add_trust_options(parser: argparse.ArgumentParser) -> None:
         help="admit this class or function in the checkpoint's pickles (repeatable)",
     )
     parser.add_argument("--trusted", action="store_true", help="read the checkpoint's pickles unrestricted (only one you trust)")
+    parser.add_argument(
+        "--allow-links-outside", action="store_true",
+        help="follow symbolic links that lead out of the checkpoint directory (refused by default)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,14 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "to-torch":
         dcp_to_torch_save(
-            args.checkpoint_dir, args.output, everything=args.everything, trusted=args.trusted, safe_globals=args.safe_global
+            args.checkpoint_dir, args.output, everything=args.everything, trusted=args.trusted, safe_globals=args.safe_global,
+            allow_links_outside=args.allow_links_outside,
         )
         logger.info("wrote %s", args.output)
     elif args.command == "to-dcp":
         torch_save_to_dcp(args.input, args.checkpoint_dir)
         logger.info("wrote %s", args.checkpoint_dir)
     elif args.command == "to-safetensors":
-        dcp_to_safetensors(args.checkpoint_dir, args.output, trusted=args.trusted, safe_globals=args.safe_global)
+        dcp_to_safetensors(
+            args.checkpoint_dir, args.output, trusted=args.trusted, safe_globals=args.safe_global,
+            allow_links_outside=args.allow_links_outside,
+        )
         logger.info("wrote %s", args.output)
     else:
         safetensors_to_dcp(args.input, args.checkpoint_dir, aliases=dict(args.tie))

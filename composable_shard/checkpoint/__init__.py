@@ -10,10 +10,14 @@ Layout (each module depends only on those above it, and on
 shards and state dicts)::
 
     errors.py        CheckpointError and the refusals
+    safe_files.py    names resolved inside the directory; regular files, sized
     checksums.py     a file's size and checksum, taken while writing or read back
     switch.py        the atomic directory switch, the staging directory
     manifest.py      the manifest; verify_checkpoint; the ranks' agreement
+    pickle_bounds.py a pickle's objects, depth and tree size bounded before unpickling
     safe_pickle.py   the checkpoint's pickles read as data
+    metadata_checks.py  .metadata's types, exact chunk coverage, byte ranges in files
+    refusals.py      the ranks agree on a refusal before anyone writes
     saved_tensor.py  one tensor item described through torch's zip reader
     reader.py        DirectFileSystemReader
     planners.py      DCP planners: tied aliases written once; destinations

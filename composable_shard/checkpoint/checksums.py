@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .errors import CheckpointError
+from .safe_files import open_regular
 
 __all__ = ["ChecksummingFileSystem", "file_record", "digest_file", "can_compute"]
 
@@ -75,8 +76,8 @@ def digest_file(path: Path, algorithm: str) -> int | str:
     """``path``'s checksum, read through an mmap window by window (see
     [Note: checksum algorithms])."""
     digest = _Digest(algorithm)
-    with open(path, "rb") as stream:
-        size = os.fstat(stream.fileno()).st_size
+    stream, size = open_regular(path, f"checksum of '{path}'")  # never blocks on a FIFO or device
+    with stream:
         if size == 0:  # an empty file cannot be mapped
             return digest.value()
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

@@ -44,6 +44,7 @@ from .destinations import MODEL, OPTIM, saved_paths
 from .manifest import manifest_hints, verify_checkpoint, write_manifest
 from .planners import DestinationLoadPlanner
 from .reader import DirectFileSystemReader
+from .refusals import refusal_before_writing
 from .safe_pickle import PickleTrust, refusal_in
 from .switch import clear_staging, switch_into_place
 
@@ -76,12 +77,12 @@ def _read_state(directory: Path, roots: set[str] | None, trust: PickleTrust, ski
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
         try:
-            reader = DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
+            reader = _reader(directory, trust)
             # DCP's own single-process load, as format_utils.dcp_to_torch_save runs it (dcp.load would keep
             # only the top-level keys it is given).
             _load_state_dict(state, storage_reader=reader, planner=DestinationLoadPlanner(tuple(sorted(fill, key=str))), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a refusal is said as ours
-            refusal = refusal_in(exc)
+            refusal = refusal_before_writing(exc) or refusal_in(exc)
             if refusal is None:
                 raise
             raise refusal from None
@@ -100,6 +101,7 @@ def dcp_to_torch_save(
     everything: bool = False,
     trusted: bool = False,
     safe_globals: Sequence[Any] | None = None,
+    allow_links_outside: bool = False,
 ) -> None:
     """Write one ``torch.save`` file from a checkpoint directory, with no
     process group: the unsharded model state dict (original names and
@@ -108,16 +110,22 @@ def dcp_to_torch_save(
     checkpoint's pickles are read as data (``safe_globals`` and
     ``trusted`` as for ``load_checkpoint``)."""
     directory = Path(checkpoint_dir)
-    trust = PickleTrust.of(trusted, safe_globals)
+    trust = PickleTrust.of(trusted, safe_globals, allow_links_outside)
     saved_roots = {path[0] for path, _ in saved_paths(_metadata(directory, trust)).values()}
     model_only = not everything and MODEL in saved_roots
     state = _read_state(directory, {MODEL} if model_only else None, trust)
     _replace_file(Path(output_path), lambda partial: torch.save(state[MODEL] if model_only else state, partial))
 
 
+def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
+    return DirectFileSystemReader(
+        directory, trusted=trust.trusted, safe_globals=trust.safe_globals, allow_links_outside=trust.allow_links_outside
+    )
+
+
 def _metadata(directory: Path, trust: PickleTrust) -> Any:
-    verify_checkpoint(directory, ranks_share_work=False)
-    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals).read_metadata()
+    verify_checkpoint(directory, ranks_share_work=False, allow_links_outside=trust.allow_links_outside)
+    return _reader(directory, trust).read_metadata()
 
 
 def _replace_file(output: Path, write: Any) -> None:
@@ -167,6 +175,7 @@ def dcp_to_safetensors(
     *,
     trusted: bool = False,
     safe_globals: Sequence[Any] | None = None,
+    allow_links_outside: bool = False,
 ) -> None:
     """Write the model of a checkpoint directory as one ``.safetensors``
     file of full tensors (original names, shapes and dtypes; tied aliases
@@ -177,7 +186,7 @@ def dcp_to_safetensors(
     from safetensors.torch import save_file
 
     directory = Path(checkpoint_dir)
-    trust = PickleTrust.of(trusted, safe_globals)
+    trust = PickleTrust.of(trusted, safe_globals, allow_links_outside)
     what = f"dcp_to_safetensors({directory})"
     aliases = dict(manifest_hints(directory).get("aliases", {}))
     if MODEL not in {path[0] for path, _ in saved_paths(_metadata(directory, trust)).values()}:

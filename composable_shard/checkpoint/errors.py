@@ -26,7 +26,8 @@ class UnsafeCheckpointError(CheckpointError):
     refused before anything was built from it."""
 
     # Whether other ranks may have read their part before this rank refused
-    # (a tensor item: only the ranks that read it refuse it; see reader.py).
+    # (a tensor item under a plain dcp.load without agree_before_writing: only
+    # the ranks that read it refuse it; load_checkpoint's ranks agree first).
     others_may_have_read = False
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import comm
 from .checksums import can_compute, digest_file
 from .errors import CheckpointError, SwitchedButNotDurable
+from .safe_files import check_name, open_regular, read_bounded, resolve_inside
 from .switch import fsync_dir
 
 __all__ = [
@@ -103,13 +104,18 @@ def write_manifest(
         os.fsync(stream.fileno())
     fsync_dir(directory)
 
-def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = True) -> bool:
+_MANIFEST_MAX_BYTES = 1 << 28
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = True, allow_links_outside: bool = False) -> bool:
     """Check a checkpoint directory against its manifest (every file's size
     and checksum, xxh3_64 or CRC-32) and raise ``CheckpointError`` naming the first bad files.
     Collective when a process group is initialised and ``ranks_share_work``
     (the ranks split the files by size). A directory without a
     manifest (written by plain ``dcp.save``) is checked for its metadata
-    file only. Returns whether a manifest verified every file."""
+    file only. Returns whether a manifest verified every file. Every file
+    the manifest names must lie inside the directory as a regular file
+    (``allow_links_outside`` as for ``load_checkpoint``)."""
     directory = Path(path)
     what = f"load_checkpoint({directory})"
     _check_exists(directory, what)
@@ -124,13 +130,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
         logger.info("%s: no manifest; file checksums not verified", what)
         _raise_if(error)
         return False
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = dict(manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"{what}: the manifest {MANIFEST_NAME} is unreadable ({exc}). The checkpoint is damaged; load another one."
-        ) from exc
+    manifest = _read_manifest(directory, what)
+    files = manifest["files"]
     share = ranks_share_work and dist.is_initialized()
     unverifiable = _unverifiable(files, what)
     if share:
@@ -138,7 +139,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
     _raise_if(unverifiable)
     rank, world = (current_rank(), current_world_size()) if share else (0, 1)
     mine = [(name, files[name]) for name in _share_of(files, rank, world)]
-    bad = [_file_problem(directory, name, record) for name, record in mine]
+    bad = [_problem_of(directory, name, record, allow_links_outside) for name, record in mine]
     bad_files = [problem for problem in bad if problem is not None]
     if share:
         bad_files = [problem for rank_bad in comm.all_gather_object(bad_files) for problem in rank_bad]
@@ -154,8 +155,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *, ranks_share_work: bool = 
 def _unverifiable(files: dict[str, Any], what: str) -> str | None:
     """Why this process cannot check the manifest's checksums (None if it can)."""
     for name, record in files.items():
-        if not isinstance(record, dict) or "bytes" not in record:
-            return f"{what}: the manifest's record of '{name}' is malformed. The checkpoint is damaged; load another one."
+        try:
+            check_name(name, f"{what}: the manifest's file")
+        except CheckpointError as exc:
+            return str(exc)
+        if not isinstance(record, dict) or type(record.get("bytes")) is not int or record["bytes"] < 0:
+            return f"{what}: the manifest's record of '{name:.200}' is malformed. The checkpoint is damaged; load another one."
+        if not isinstance(record.get("xxh3_64", ""), str) or type(record.get("crc32", 0)) is not int:
+            return f"{what}: the manifest's checksum of '{name:.200}' is malformed. The checkpoint is damaged; load another one."
         if "xxh3_64" in record:
             if not can_compute("xxh3_64"):
                 return (
@@ -201,11 +208,22 @@ def _check_exists(directory: Path, what: str) -> None:
     raise CheckpointError(f"{what}: no checkpoint directory at '{directory}'.{hint}")
 
 
-def _file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | None:
-    path = directory / name
-    if not path.is_file():
+def _problem_of(directory: Path, name: str, record: dict[str, Any], allow_links_outside: bool) -> str | None:
+    """``_file_problem``, a refusal said as a problem (so every rank still
+    joins the gather of problems)."""
+    try:
+        return _file_problem(directory, name, record, allow_links_outside)
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def _file_problem(directory: Path, name: str, record: dict[str, Any], allow_links_outside: bool) -> str | None:
+    where = f"the manifest's file '{name}'"
+    path = resolve_inside(directory, name, where, allow_links_outside=allow_links_outside)
+    if not os.path.lexists(path):
         return f"file '{name}' is missing"
-    size = path.stat().st_size
+    stream, size = open_regular(path, where)  # a FIFO or device is refused here
+    stream.close()
     if size != record["bytes"]:
         return f"file '{name}' has {size} bytes, the manifest records {record['bytes']} (truncated or overwritten)"
     algorithm = "xxh3_64" if "xxh3_64" in record else "crc32"
@@ -215,6 +233,34 @@ def _file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | N
 
 
 def manifest_hints(directory: Path) -> dict[str, Any]:
-    """The manifest's contents ({} for a directory without one)."""
-    manifest_path = directory / MANIFEST_NAME
-    return json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    """The manifest's contents ({} for a directory without one), checked."""
+    if not os.path.lexists(directory / MANIFEST_NAME):
+        return {}
+    return _read_manifest(directory, f"the checkpoint at '{directory}'")
+
+
+def _read_manifest(directory: Path, what: str) -> dict[str, Any]:
+    """The manifest, every field the loaders use checked for its type
+    (``CheckpointError`` naming the field otherwise)."""
+    where = f"{what}: the manifest {MANIFEST_NAME}"
+    data = read_bounded(resolve_inside(directory, MANIFEST_NAME, where), where, _MANIFEST_MAX_BYTES)
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where} is unreadable ({type(exc).__name__}: {str(exc)[:200]}). The checkpoint is damaged; load another one.") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{where} has no 'files' table. The checkpoint is damaged; load another one.")
+
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    checks = {
+        "model_keys": strings,
+        "scalar_params": strings,
+        "aliases": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+        "optim_param_groups": lambda v: isinstance(v, list) and all(strings(group) for group in v),
+    }
+    for field, check in checks.items():
+        if field in manifest and not check(manifest[field]):
+            raise CheckpointError(f"{where}: its field '{field}' is malformed. The checkpoint is damaged; load another one.")
+    return manifest

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointError, UnsafeCheckpointError
+from .pickle_bounds import check_pickle, check_saved_pickles
+from .safe_files import read_bounded
 
 __all__ = [
     "PickleTrust",
@@ -95,9 +97,11 @@ class PickleTrust:
     trusted: bool = False
     # Classes and functions the user admits besides the defaults (as torch.serialization.add_safe_globals takes them).
     safe_globals: tuple[Any, ...] = ()
+    # Whether files may be symbolic links leading out of the checkpoint directory (safe_files.py).
+    allow_links_outside: bool = False
 
     @classmethod
-    def of(cls, trusted: bool, safe_globals: Sequence[Any] | None) -> "PickleTrust":
+    def of(cls, trusted: bool, safe_globals: Sequence[Any] | None, allow_links_outside: bool = False) -> "PickleTrust":
         if not isinstance(trusted, bool):
             raise TypeError(f"composable_shard checkpoint loading: trusted must be True or False, got {trusted!r}.")
         admitted = tuple(safe_globals or ())
@@ -107,7 +111,7 @@ class PickleTrust:
                 f"composable_shard checkpoint loading: safe_globals takes classes and functions (or (object, "
                 f"'module.name') pairs, as torch.serialization.add_safe_globals does), got {bad!r}. Pass the type itself."
             )
-        return cls(trusted, admitted)
+        return cls(trusted, admitted, bool(allow_links_outside))
 
 
 def _name_of(admitted: Any) -> tuple[str, str] | None:
@@ -137,7 +141,8 @@ def _is_torch_constant(module: str, name: str) -> bool:
     """A dtype, layout or memory format, which pickle as ``torch.<name>``."""
     if module != "torch" or name.startswith("_"):
         return False
-    return isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+    # vars(), not getattr: torch's module __getattr__ imports submodules on demand.
+    return isinstance(vars(torch).get(name), (torch.dtype, torch.layout, torch.memory_format))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -160,7 +165,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(
-            f"'{self._path}' (the checkpoint's metadata) holds a persistent reference ({str(pid)[:80]}), which DCP "
+            f"'{self._path}' (the checkpoint's metadata) holds a persistent reference (a {type(pid).__name__}), which DCP "
             f"metadata never does; refused, nothing was loaded. {HOW_TO_ADMIT}."
         )
 
@@ -171,19 +176,20 @@ def load_metadata(path: str | Path, trust: PickleTrust) -> Metadata:
     ``UnsafeCheckpointError`` for a global it does not admit and
     ``CheckpointError`` for a file that is not DCP metadata."""
     path = Path(path)
-    with open(path, "rb") as stream:
-        if trust.trusted:
-            metadata = pickle.load(stream)
-        else:
-            try:
-                metadata = _MetadataUnpickler(stream, path, _user_globals(trust)).load()
-            except CheckpointError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a damaged pickle: say which file
-                raise CheckpointError(
-                    f"'{path}' is not readable DCP metadata ({type(exc).__name__}: {exc}). The checkpoint is damaged "
-                    "or incomplete; load another one."
-                ) from exc
+    data = read_bounded(path, f"'{path}' (the checkpoint's metadata)", _METADATA_MAX_BYTES)
+    if trust.trusted:
+        metadata = pickle.loads(data)  # noqa: S301 - the user trusts this checkpoint
+    else:
+        try:
+            check_pickle(data, f"'{path}' (the checkpoint's metadata)")
+            metadata = _MetadataUnpickler(io.BytesIO(data), path, _user_globals(trust)).load()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a damaged pickle: say which file
+            raise CheckpointError(
+                f"'{path}' is not readable DCP metadata ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). "
+                "The checkpoint is damaged or incomplete; load another one."
+            ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
             f"'{path}' holds a {type(metadata).__name__}, not DCP metadata. Load a torch.distributed.checkpoint "
@@ -214,6 +220,8 @@ def unsafe_globals_in(item: Any) -> list[str]:
         return []
 
 
+_METADATA_MAX_BYTES = 1 << 31
+
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -235,6 +243,7 @@ def load_object(data: bytes, trust: PickleTrust, *, file: str, item: str) -> Any
     trusted. Raises ``UnsafeCheckpointError`` naming the global it wanted."""
     if trust.trusted:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    check_saved_pickles(data, f"'{file}': the item '{item}'")
     with admitted_globals(trust):
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -248,7 +257,7 @@ def load_object(data: bytes, trust: PickleTrust, *, file: str, item: str) -> Any
             raise CheckpointError(
                 f"'{file}': the item '{item}' is unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). "
                 "The checkpoint is damaged; load another one."
-            ) from exc
+            ) from None
 
 
 def refusal_in(exc: BaseException) -> UnsafeCheckpointError | None:

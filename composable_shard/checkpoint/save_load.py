@@ -19,8 +19,10 @@ checkpoint. Every step's outcome is broadcast, so all ranks raise together.
 Loading checks before it reads: the files against the manifest (the ranks
 split them), the metadata's keys and shapes against the model and optimizer,
 the optimizer's groups (recorded in the manifest); then DCP reads straight
-into the shards and the optimizer's state (``DirectFileSystemReader``), and
-the setters' copies are skipped (same memory). After the checks only an I/O
+into the shards and the optimizer's state (``DirectFileSystemReader``, which
+checks every item before its first write and has the ranks agree, see
+[Note: everything checked before the first write] in reader.py), and the
+setters' copies are skipped (same memory). After the checks only an I/O
 error can fail the read, and its message says the model may hold part of
 it. A directory without a manifest (plain ``dcp.save``) is read into new
 buffers and copied in only once the whole read succeeded. Pinned by
@@ -53,6 +55,7 @@ from .errors import CheckpointError, UnsafeCheckpointError
 from .manifest import agree, current_rank, manifest_hints, rank0_step, verify_checkpoint, write_manifest
 from .planners import DestinationLoadPlanner, TiedOnceFileSystemWriter, TiedOnceSavePlanner
 from .reader import DirectFileSystemReader
+from .refusals import refusal_before_writing
 from .safe_pickle import PickleTrust, refusal_in
 from .switch import clear_staging, switch_into_place
 
@@ -138,6 +141,7 @@ def load_checkpoint(
     strict: bool = True,
     trusted: bool = False,
     safe_globals: Sequence[Any] | None = None,
+    allow_links_outside: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint directory (from ``save_checkpoint``, any world size
     or strategy) into ``model`` (and ``optimizer``); returns the saved
@@ -153,12 +157,19 @@ def load_checkpoint(
     ``CheckpointError``) before anything changes; see [Note: checkpoints are
     data]. ``safe_globals`` admits more types (so does
     ``torch.serialization.add_safe_globals``); ``trusted=True`` reads a
-    checkpoint you trust unrestricted."""
+    checkpoint you trust unrestricted.
+
+    Safe against any bytes: every file it names must lie inside the
+    directory (``allow_links_outside=True`` follows symbolic links leading
+    out of it) and be a regular file; every item is checked before the first
+    byte lands, and the ranks agree, so a refusal leaves the model and
+    optimizer unchanged on every rank (see [Note: everything checked before
+    the first write] in reader.py)."""
     directory = Path(path)
     what = f"load_checkpoint({directory})"
-    trust = PickleTrust.of(trusted, safe_globals)
+    trust = PickleTrust.of(trusted, safe_globals, allow_links_outside)
     # 1. Verify the files: only files checked against the manifest are read in place.
-    in_place = verify_checkpoint(directory)
+    in_place = verify_checkpoint(directory, allow_links_outside=trust.allow_links_outside)
     # 2. Build the destinations from the metadata, checked against the model and optimizer.
     saved = saved_paths(_read_metadata(directory, what, trust))
     entries = model_entries(model, prepare_units(model, "load_checkpoint"))
@@ -190,6 +201,8 @@ def _read_metadata(directory: Path, what: str, trust: PickleTrust) -> Metadata:
         return _reader(directory, trust).read_metadata()
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{what}: {exc}") from None
+    except CheckpointError as exc:  # its kind kept (MalformedMetadataError, ...)
+        raise type(exc)(f"{what}: cannot read the checkpoint's metadata: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged metadata file; say so clearly
         raise CheckpointError(
             f"{what}: cannot read the checkpoint's metadata ({type(exc).__name__}: {exc}). The checkpoint is "
@@ -210,7 +223,13 @@ def _optim_to_check(directory: Path, optim: dict[str, Any], what: str, trust: Pi
 
 
 def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:
-    return DirectFileSystemReader(directory, trusted=trust.trusted, safe_globals=trust.safe_globals)
+    return DirectFileSystemReader(
+        directory,
+        trusted=trust.trusted,
+        safe_globals=trust.safe_globals,
+        allow_links_outside=trust.allow_links_outside,
+        agree_before_writing=True,
+    )
 
 
 def _read(
@@ -219,14 +238,9 @@ def _read(
     try:
         dcp.load(destination, storage_reader=_reader(directory, trust), planner=planner)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
-        refusal = refusal_in(exc)
-        if refusal is not None:  # every rank refuses every bytes item before it reads a tensor
-            state = (
-                "Ranks that do not read that item may have read their part: load a checkpoint again before training."
-                if refusal.others_may_have_read and in_place
-                else "The model and optimizer were not changed."
-            )
-            raise type(refusal)(f"{what}: {refusal} {state}") from None
+        refusal = refusal_before_writing(exc) or refusal_in(exc)
+        if refusal is not None:  # every rank agreed on it before any rank wrote
+            raise type(refusal)(f"{what}: {refusal} The model and optimizer were not changed.") from None
         state = (
             "It had passed its checks, so this is an I/O error; the model and optimizer may now hold part of it: "
             "load a checkpoint again before training."

@@ -34,7 +34,9 @@ from typing import Any, BinaryIO
 import torch
 from torch import _weights_only_unpickler
 
-__all__ = ["NotDescribed", "SavedTensor", "describe_item", "box_span", "ItemView"]
+from .pickle_bounds import check_pickle
+
+__all__ = ["NotDescribed", "SavedTensor", "describe_item", "box_span", "ItemView", "layout_problem"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _EDGE_BYTES = 4096  # served from memory at each end of an item
@@ -154,6 +156,7 @@ def describe_item(view: ItemView) -> SavedTensor:
     data_pickle = archive.get_record("data.pkl")
     described = _DESCRIBED.get(data_pickle)
     if described is None:
+        check_pickle(data_pickle, "its data.pkl")
         described = _describe_pickle(data_pickle)
         if len(_DESCRIBED) >= _DESCRIBED_MAX:
             _DESCRIBED.clear()
@@ -185,6 +188,20 @@ def _describe_pickle(data_pickle: bytes) -> tuple[torch.dtype, str, int, int, tu
         raise NotDescribed("a pickle of something other than one plain tensor")
     storage_numel = tensor.untyped_storage().nbytes() // tensor.element_size()
     return tensor.dtype, storages.keys[0], storage_numel, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride())
+
+
+def layout_problem(size: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, storage_numel: int) -> str | None:
+    """What is wrong with a saved tensor's view of its storage (None if
+    nothing): a negative offset or stride, an extent past the storage, or a
+    stride of 0 along a dimension longer than 1 (an expanded tensor: DCP's
+    writer clones those, so a stored one only inflates a few bytes)."""
+    if storage_offset < 0 or any(st < 0 for st in stride) or len(stride) != len(size):
+        return f"a negative storage offset or stride ({storage_offset}, {stride})"
+    if any(st == 0 and n > 1 for st, n in zip(stride, size)):
+        return f"a stride of 0 (an expanded tensor of size {size} from {storage_numel} stored elements)"
+    if all(n > 0 for n in size) and storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) >= storage_numel:
+        return f"a view past its storage of {storage_numel} elements"
+    return None
 
 
 def box_span(saved: SavedTensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, bool] | None:

@@ -1,0 +1,156 @@
+"""Owns: checking a DCP ``Metadata`` read from a checkpoint before anything
+is planned from it — every entry of the types DCP writes, every tensor's
+chunks covering it exactly (no gap, no overlap, in bounds), every chunk and
+bytes item with its storage entry, every storage entry naming a file inside
+the directory (safe_files.py) at a byte range inside that file and large
+enough for the chunk it claims to hold — so destinations sized from the
+metadata are bounded by the bytes really there.
+
+Knows nothing of: models, optimizers, how items are read (reader.py),
+pickles (the metadata is already unpickled, as data).
+
+[Note: checked metadata]
+Only the total size of a tensor's chunks used to be compared, so a chunk
+list with a gap loaded uninitialised memory; a claimed size beyond the
+file allocated it. ``check_metadata`` raises ``CheckpointError`` naming the
+file and the item for each of these, before any destination exists; it
+costs a few operations per chunk and one ``fstat`` per file. Items with
+transforms (compression) are bounded by their stored length only. Pinned by
+tests/checkpoint/test_hostile.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from .errors import CheckpointError
+from .safe_files import open_regular, resolve_inside
+
+__all__ = ["check_metadata", "MalformedMetadataError"]
+
+
+class MalformedMetadataError(CheckpointError):
+    """A checkpoint's ``.metadata`` is not what DCP writes, or names files
+    and byte ranges that are not there."""
+
+
+def _fail(where: str, item: str, why: str) -> MalformedMetadataError:
+    return MalformedMetadataError(
+        f"'{where}': the item '{item:.200}' {why}. The checkpoint is damaged, incomplete or hostile; load another one. "
+        "Nothing was loaded."
+    )
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(type(n) is int and n >= 0 for n in value)
+
+
+def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str], *, allow_links_outside: bool = False) -> dict[str, int]:
+    """Check ``metadata`` (read from ``where``) as [Note: checked metadata]
+    says; returns each data file's real path -> size."""
+    if not isinstance(metadata, Metadata):
+        raise MalformedMetadataError(f"'{where}' holds a {type(metadata).__name__}, not DCP metadata. Load a torch.distributed.checkpoint directory.")
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict):
+        raise _fail(where, "state_dict_metadata", "is not a dict")
+    if storage is None:
+        storage = {}
+    if not isinstance(storage, dict):
+        raise _fail(where, "storage_data", "is not a dict")
+    if metadata.planner_data is not None and not isinstance(metadata.planner_data, dict):
+        raise _fail(where, "planner_data", "is not a dict")
+    for key, path in (metadata.planner_data or {}).items():
+        if key not in entries:
+            continue  # not a mapping of a saved key (nothing reads it)
+        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+            raise _fail(where, str(key), "has a malformed path in planner_data")
+    files = _check_storage(storage, where, directory, allow_links_outside)
+    for fqn, md in entries.items():
+        if not isinstance(fqn, str):
+            raise _fail(where, repr(fqn), "has a key that is not a string")
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise _fail(where, fqn, "has no storage entry")
+        elif isinstance(md, TensorStorageMetadata):
+            _check_tensor(fqn, md, storage, where)
+        else:
+            raise _fail(where, fqn, f"is a {type(md).__name__}, not tensor or bytes metadata")
+    return files
+
+
+def _check_storage(storage: dict[Any, Any], where: str, directory: str | os.PathLike[str], allow_links_outside: bool) -> dict[str, int]:
+    sizes: dict[str, int] = {}  # relative path -> size
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise _fail(where, repr(index)[:100], "has a malformed storage key")
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise _fail(where, index.fqn, f"has a malformed byte range (offset {offset!r:.40}, length {length!r:.40})")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and (not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)):
+            raise _fail(where, index.fqn, "has malformed transform descriptors")
+        if name not in sizes:
+            real = resolve_inside(directory, name, f"'{where}': the item '{index.fqn}'", allow_links_outside=allow_links_outside)
+            stream, sizes[name] = open_regular(real, f"'{where}': the item '{index.fqn}'")
+            stream.close()
+        if offset + length > sizes[name]:
+            raise _fail(where, index.fqn, f"claims bytes {offset}..{offset + length} of '{name}', which has {sizes[name]}")
+    return sizes
+
+
+def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any], where: str) -> None:
+    size = md.size
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if not _is_shape(size) or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
+        raise _fail(where, fqn, "has a malformed size, dtype or chunk list")
+    numel = 1
+    for n in size:
+        numel *= n
+    total = 0
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in md.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata) or not _is_shape(chunk.offsets) or not _is_shape(chunk.sizes):
+            raise _fail(where, fqn, "has a malformed chunk")
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise _fail(where, fqn, f"has a chunk at {offsets} of {sizes} outside its size {tuple(size)}")
+        volume = 1
+        for s in sizes:
+            volume *= s
+        info = storage.get(MetadataIndex(fqn, torch.Size(offsets)))
+        if info is None:
+            raise _fail(where, fqn, f"has no storage entry for its chunk at {offsets}")
+        if not getattr(info, "transform_descriptors", None) and volume * dtype.itemsize > info.length:
+            raise _fail(where, fqn, f"claims {volume} elements at {offsets} in an item of {info.length} bytes")
+        total += volume
+        if volume:
+            boxes.append((offsets, sizes))
+    if total != numel or _overlap(boxes):
+        raise _fail(where, fqn, f"has chunks that do not cover its size {tuple(size)} exactly ({total} of {numel} elements, gaps or overlaps)")
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two boxes intersect (a sweep along the first dimension)."""
+    if len(boxes) < 2 or not boxes[0][0]:
+        return len(boxes) > 1
+    boxes = sorted(boxes)
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in boxes:
+        start = box[0][0]
+        active = [other for other in active if other[0][0] + other[1][0] > start]
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1])):
+                return True
+        active.append(box)
+    return False
