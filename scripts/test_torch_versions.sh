@@ -84,7 +84,7 @@ for version in "${VERSIONS[@]}"; do
         # shellcheck disable=SC2046  # extra_for's words are separate requirements
         if ! { "$PYTHON" -m venv "$env_dir" \
                && "$env_dir/bin/python" -m pip install "${pip_args[@]}" "torch==$version" $(extra_for "$version") \
-                    pytest expecttest safetensors xxhash; } >"$log" 2>&1; then
+                    pytest expecttest safetensors xxhash matplotlib; } >"$log" 2>&1; then
             results+=("torch $version: INSTALL FAILED (see $log)")
             status=1
             continue

@@ -144,6 +144,7 @@ def test_destroy_process_group_drops_the_hybrid_groups_made_for_it() -> None:
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.strip().splitlines()
+    # Gloo of torch 2.9 prints "[Gloo] Rank 0 is connected ..." to stdout per group.
+    lines = [line for line in completed.stdout.strip().splitlines() if not line.startswith("[Gloo]")]
     assert lines[:3] == ["cached 1 2", "after destroy 0 0", "second job 1 True"], completed.stdout
     assert lines[-1] == "[]", f"threads left running: {completed.stdout}"
