@@ -78,10 +78,12 @@ print(sorted(set(threads()) - before))
 """
 
 
-def test_destroy_process_group_ends_the_group_of_a_freed_model() -> None:
-    # A fresh process: the test workers' own group must stay up.
+def _output_lines(script: str) -> list[str]:
+    """Run ``script`` in a fresh process (the test workers' own group must
+    stay up) and return its stdout lines, less the "[Gloo] Rank 0 is
+    connected ..." lines gloo of torch 2.9 prints per group."""
     completed = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", script],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -89,7 +91,12 @@ def test_destroy_process_group_ends_the_group_of_a_freed_model() -> None:
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert completed.stdout.strip().splitlines()[-1] == "[]", f"threads left running: {completed.stdout}"
+    return [line for line in completed.stdout.strip().splitlines() if not line.startswith("[Gloo]")]
+
+
+def test_destroy_process_group_ends_the_group_of_a_freed_model() -> None:
+    lines = _output_lines(_SCRIPT)
+    assert lines[-1] == "[]", f"threads left running: {lines}"
 
 
 _HYBRID_SCRIPT = """
@@ -135,16 +142,6 @@ print(sorted(set(threads()) - before))
 
 
 def test_destroy_process_group_drops_the_hybrid_groups_made_for_it() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-c", _HYBRID_SCRIPT],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    # Gloo of torch 2.9 prints "[Gloo] Rank 0 is connected ..." to stdout per group.
-    lines = [line for line in completed.stdout.strip().splitlines() if not line.startswith("[Gloo]")]
-    assert lines[:3] == ["cached 1 2", "after destroy 0 0", "second job 1 True"], completed.stdout
-    assert lines[-1] == "[]", f"threads left running: {completed.stdout}"
+    lines = _output_lines(_HYBRID_SCRIPT)
+    assert lines[:3] == ["cached 1 2", "after destroy 0 0", "second job 1 True"], lines
+    assert lines[-1] == "[]", f"threads left running: {lines}"

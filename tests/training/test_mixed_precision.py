@@ -5,23 +5,8 @@ in ``buffer_dtype`` (original dtypes recorded), input casting for the root and
 for every unit, per-unit overrides through ``CustomPolicy``, and training
 under ``torch.autocast``, also inside activation-checkpoint re-runs.
 
-[Note: the low-precision reference]
-The reference keeps fp32 master weights and, for each rank's slice of the
-global batch, runs forward and backward on a copy of them cast the way the
-sharded units compute (bf16 with per-unit exceptions), then averages the
-slices' gradients in fp32: data-parallel training in low precision, done in
-one process. So the loss matches to fp32 round-off (each sample's forward is
-the same bf16 arithmetic) and, with ``reduce_dtype=float32``, the gradients
-too; with a bf16 reduction the gradients differ by the bf16 rounding of the
-sum (tolerance: 2^-7 of the tensor's largest entry). A single bf16 reference
-on the whole batch would differ from both by bf16 rounding of the batch sum,
-which would hide a wrong dtype; the step-0 loss check separates bf16 from
-fp32 compute by three orders of magnitude.
-
-Both models are trained; before each step the reference's master weights are
-set to the sharded model's (equal to fp32 round-off): otherwise a 1-ulp fp32
-difference can flip a weight's bf16 rounding and later steps would compare
-different bf16 models. Optimizer steps are compared right after they run.
+The reference is the one of [Note: the low-precision reference] in
+``tests/support/mixed_precision.py``.
 """
 
 from __future__ import annotations
