@@ -37,6 +37,7 @@ from .policy import Policy
 from .runtime import call_as_forward, register_hooks
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
+    check_group_members,
     choose_units,
     flat_param_dtypes,
     group_sources,
@@ -63,7 +64,7 @@ def register_unit_extension(attach: Callable[[UnitState], list[RemovableHandle]]
         _UNIT_EXTENSIONS.append(attach)
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     policy: Policy | set[type[nn.Module]] | None = None,
     process_group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None = None,
@@ -85,11 +86,21 @@ def fully_shard(
     Returns the same module object: its class and its submodules' classes are
     unchanged, and its ``nn.Parameter`` objects are kept (they become views
     into this rank's flat shard). See API.md for the full contract.
+
+    Given a list of modules, makes them one unit (a group: one flat
+    parameter per dtype and trainability for all of them) and returns the
+    same list. [Note: grouped units] in runtime/groups.py says when a
+    group gathers, reshards and reduces.
     """
-    name = type(module).__name__
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
-    if get_state(module) is not None:
+    if isinstance(module, (list, tuple)):
+        members = check_group_members(module)
+        name = "+".join(type(m).__name__ for m in members)
+    elif not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got {type(module).__name__}.")
+    else:
+        members = [module]
+        name = type(module).__name__
+    if get_state(members[0]) is not None:
         raise ValueError(
             f"fully_shard({name}): this module is already sharded (by an earlier fully_shard call or "
             "its policy). Call fully_shard once per module."
@@ -118,29 +129,39 @@ def fully_shard(
 
     # [Note: one copy of the unit rules] (units.py): plan() calls the same.
     skip = unit_skipper(ignored_modules)
-    choices = choose_units(module, policy, ignored_modules)
+    given = members if len(members) > 1 else members[0]
+    choices = choose_units(given, policy, ignored_modules)
     kwargs_per_unit = [unit_kwargs(name, base_kwargs, choice) for choice in choices]
-    sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
-    compute_device = _compute_device(name, module, sources, device_id)
+    sources = assign_param_owners(given, choices, ignored_modules, ignored_params)
+    compute_device = _compute_device(name, members, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
     for unit_groups in groups:
         _check_groups_reach_device(name, unit_groups, compute_device)
-    check_materializable(module, param_init_fn, skip)
+    for member in members:
+        check_materializable(member, param_init_fn, skip)
+    if len(members) > 1:
+        _refuse_group_buffer_casts(name, members, kwargs_per_unit[-1]["mixed_precision"], skip)
 
     # Validated: from here on the module is changed.
     for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         unit_sources = sources[id(choice.module)]
-        materialize_unit(choice.module, compute_device, param_init_fn, skip)
-        if sync_module_states:
-            sync_unit_states(choice.module, unit_sources, skip)
-        orig_buffer_dtypes = cast_unit_buffers(choice.module, kwargs["mixed_precision"], skip)
-        state = _build_unit(choice.module, unit_sources, unit_groups, kwargs, compute_device)
+        unit_members = members if choice is choices[-1] else [choice.module]
+        orig_buffer_dtypes: dict[str, torch.dtype] = {}
+        for member in unit_members:
+            materialize_unit(member, compute_device, param_init_fn, skip)
+        if sync_module_states:  # parameters once, then each module's buffers
+            for index, member in enumerate(unit_members):
+                sync_unit_states(member, unit_sources if index == 0 else [], skip)
+        for member in unit_members:
+            orig_buffer_dtypes.update(cast_unit_buffers(member, kwargs["mixed_precision"], skip))
+        state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)
         state.orig_buffer_dtypes = orig_buffer_dtypes
     return module
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
-    """True for every module that is the root of a unit."""
+    """True for every module that is the root of a unit (each module of a
+    group)."""
     return get_state(module) is not None
 
 
@@ -171,9 +192,27 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = types.MethodType(functools.partial(call_as_forward, state, method), module)
 
 
+def _refuse_group_buffer_casts(
+    name: str, members: list[nn.Module], mixed_precision: MixedPrecision | None, skip: Callable[[nn.Module], bool]
+) -> None:
+    """A group records cast buffers' original dtypes by names relative to
+    one module, which several modules cannot share: refuse a cast that
+    would need it (state dicts would give the wrong dtype back)."""
+    if mixed_precision is None or mixed_precision.buffer_dtype is None:
+        return
+    for member in members:
+        for sub in member.modules():
+            if any(b is not None and b.is_floating_point() for b in sub._buffers.values()) and not skip(sub):
+                raise ValueError(
+                    f"fully_shard({name}): mixed_precision.buffer_dtype would cast floating-point buffers of "
+                    f"{type(sub).__name__} inside a group; groups do not support buffer casts yet. Leave "
+                    "buffer_dtype None for the group, or shard the module with buffers on its own."
+                )
+
+
 def _compute_device(
     name: str,
-    module: nn.Module,
+    module: list[nn.Module],
     sources: dict[int, list[FlatParamSource]],
     device_id: int | torch.device | None,
 ) -> torch.device:
@@ -342,7 +381,7 @@ def _is_registered(group: ProcessGroup) -> bool:
 
 # ------------------------------------------------------------------- build
 def _build_unit(
-    module: nn.Module,
+    members: tuple[nn.Module, ...],
     sources: list[FlatParamSource],
     groups: ShardGroups,
     kwargs: dict[str, Any],
@@ -373,10 +412,11 @@ def _build_unit(
         backward_prefetch=kwargs["backward_prefetch"],
         limit_all_gathers=kwargs["limit_all_gathers"],
     )
-    state = UnitState(module, handles, groups, config, compute_device)
+    state = UnitState(members[0], handles, groups, config, compute_device, members=members)
     register_hooks(state)
     for attach in _UNIT_EXTENSIONS:
         state.module_hooks.extend(attach(state))
-    register_state(module, state)
+    for member in members:
+        register_state(member, state)
     return state
 

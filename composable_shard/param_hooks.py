@@ -57,7 +57,7 @@ def guard_param_hooks(state: UnitState) -> list[RemovableHandle]:
             # deep-copied or pickled.
             param.register_hook = functools.partial(_refuse_registration, f"{unit_name}.{info.fqn}")
     check = functools.partial(_refuse_existing_hooks, state)
-    return [state.module.register_forward_pre_hook(check, prepend=True)]
+    return [module.register_forward_pre_hook(check, prepend=True) for module in state.members]
 
 
 def _refuse_registration(param_name: str, hook: Callable[..., Any]) -> None:

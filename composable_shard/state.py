@@ -94,9 +94,14 @@ class UnitState:
         groups: ShardGroups,
         config: UnitConfig,
         compute_device: torch.device,
+        members: tuple[nn.Module, ...] | None = None,
     ) -> None:
-        # The user's module this state belongs to (no wrapper).
+        # The user's module this state belongs to (no wrapper); for a group
+        # (``fully_shard([a, b])``) its first module.
         self.module = module
+        # Every module of the unit: ``(module,)``, or a group's modules in
+        # the order given (runtime/groups.py drives a group's hooks).
+        self.members: tuple[nn.Module, ...] = members or (module,)
         # One flat parameter per (dtype, requires_grad) group of the unit, as
         # fully_shard found them (requires_grad and dtype may change later:
         # [Note: changes to original parameters] in handle/writeback.py).
@@ -122,6 +127,10 @@ class UnitState:
         # buffer_dtype, by name relative to the unit's module (full state
         # dicts give buffers back in these dtypes).
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.members) > 1
 
     @property
     def is_root(self) -> bool:
@@ -373,8 +382,13 @@ def register_state(module: nn.Module, state: UnitState) -> None:
 
 
 def unit_states_under(module: nn.Module) -> Iterator[tuple[str, UnitState]]:
-    """Every unit state in ``module``'s tree with its name, pre-order."""
+    """Every unit state in ``module``'s tree with its name, pre-order (by a
+    unit's first module found). A group is yielded once, named by its
+    modules found under ``module`` joined with "+" ("norm+output")."""
+    names: dict[UnitState, list[str]] = {}
     for name, submodule in module.named_modules(remove_duplicate=True):
         state = get_state(submodule)
         if state is not None:
-            yield name, state
+            names.setdefault(state, []).append(name)
+    for state, member_names in names.items():
+        yield "+".join(member_names), state

@@ -7,7 +7,7 @@ Knows nothing of: process groups, storage, hooks (it returns descriptions;
 ``fully_shard`` builds handles from them and ``plan`` sizes them).
 
 Public names: ``OVERRIDABLE``, ``split_ignored``, ``unit_skipper``,
-``choose_units``, ``unit_kwargs``, ``assign_param_owners``, ``group_sources``,
+``choose_units``, ``check_group_members``, ``check_group_inside``, ``unit_kwargs``, ``assign_param_owners``, ``group_sources``,
 ``FlatParamDtypes``, ``flat_param_dtypes``, ``offloads_params``.
 
 [Note: one copy of the unit rules]
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,8 @@ __all__ = [
     "split_ignored",
     "unit_skipper",
     "choose_units",
+    "check_group_members",
+    "check_group_inside",
     "unit_kwargs",
     "assign_param_owners",
     "group_sources",
@@ -94,13 +96,44 @@ def unit_skipper(ignored_modules: set[nn.Module]) -> Callable[[nn.Module], bool]
 
 
 def choose_units(
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     policy: Policy | set[type[nn.Module]] | None,
     ignored_modules: set[nn.Module],
 ) -> list[UnitChoice]:
     """The new units of a ``fully_shard(module, policy=...)`` call: the
-    policy's choices (post-order), then ``module`` itself."""
-    return select_units(module, policy, unit_skipper(ignored_modules)) + [UnitChoice(module)]
+    policy's choices (post-order), then ``module`` itself. For a group
+    (a list of modules) the policy's choices under each module, then one
+    choice for the group, keyed by its first module."""
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    choices = [choice for member in members for choice in select_units(member, policy, unit_skipper(ignored_modules))]
+    return choices + [UnitChoice(members[0])]
+
+
+def check_group_members(given: Any) -> list[nn.Module]:
+    """The modules of ``fully_shard([a, b, ...])``, checked: a non-empty
+    list of distinct modules, none sharded already, none inside another."""
+    label = f"fully_shard([{', '.join(type(m).__name__ for m in given)}])" if given else "fully_shard([])"
+    if not given:
+        raise ValueError(f"{label}: the list of modules is empty. Pass the modules that form one unit.")
+    for item in given:
+        if not isinstance(item, nn.Module):
+            raise TypeError(f"{label}: expected nn.Modules in the list, got a {type(item).__name__}.")
+    if len({id(m) for m in given}) != len(given):
+        raise ValueError(f"{label}: a module appears twice in the list. Name each module of the group once.")
+    for index, member in enumerate(given):
+        if get_state(member) is not None:
+            raise ValueError(
+                f"{label}: module {index} ({type(member).__name__}) is already sharded (by an earlier "
+                "fully_shard call or its policy). A module can belong to one unit only."
+            )
+        for other_index, other in enumerate(given):
+            if other is not member and any(sub is other for sub in member.modules()):
+                raise ValueError(
+                    f"{label}: module {other_index} ({type(other).__name__}) is inside module {index} "
+                    f"({type(member).__name__}). A group's modules must be disjoint: drop the inner one (its "
+                    "parameters already belong to the outer one's unit) or shard it separately first."
+                )
+    return list(given)
 
 
 def unit_kwargs(name: str, base: dict[str, Any], choice: UnitChoice) -> dict[str, Any]:
@@ -118,23 +151,40 @@ def unit_kwargs(name: str, base: dict[str, Any], choice: UnitChoice) -> dict[str
 
 
 def assign_param_owners(
-    root: nn.Module,
+    root: nn.Module | Sequence[nn.Module],
     choices: list[UnitChoice],
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
 ) -> dict[int, list[FlatParamSource]]:
-    """For each new unit (by module id), its parameters and their owners.
+    """For each new unit (by module id; a group by its first module's), its
+    parameters and their owners. ``root`` is the module given to
+    ``fully_shard``, or a group's list of modules (the last choice).
 
     A parameter belongs to the closest unit containing every module that
     registers it. A parameter already owned by an earlier unit that is also
     registered outside that unit cannot be owned by anyone: error.
+
+    [Note: unit keys]
+    A unit is known in the chains below by one key: a new unit by its
+    module's id (a new group by its first module's, for every module of
+    the group), a unit sharded earlier by its state's id (a group's
+    modules share one state). So tied weights used by two modules of one
+    group find the group as their closest common unit. Pinned by
+    tests/training/test_grouped_units.py.
     """
+    roots = list(root) if isinstance(root, (list, tuple)) else [root]
+    name = "+".join(type(r).__name__ for r in roots)
     new_units = {id(choice.module) for choice in choices}
+    key_of = {id(choice.module): id(choice.module) for choice in choices}
+    if len(roots) > 1:  # a group: every module is known by the group's key
+        key_of.update((id(member), id(roots[0])) for member in roots)
     owned_before: dict[int, tuple[str, UnitState]] = {}
-    for unit_name, state in unit_states_under(root):
-        for handle in state.handles:
-            for param in handle.orig_params:
-                owned_before[id(param)] = (unit_name, state)
+    for top in roots:
+        for unit_name, state in unit_states_under(top):
+            check_group_inside(name, top, state)
+            for handle in state.handles:
+                for param in handle.orig_params:
+                    owned_before[id(param)] = (unit_name, state)
 
     # id(param) -> (param, [(owner, chain of enclosing unit module ids)])
     registrations: OrderedDict[int, tuple[nn.Parameter, list[tuple[ParamOwner, tuple[int, ...]]]]] = OrderedDict()
@@ -142,8 +192,11 @@ def assign_param_owners(
     def visit(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
         if module in ignored_modules:
             return
-        if id(module) in new_units or get_state(module) is not None:
-            chain = chain + (id(module),)
+        state = get_state(module)
+        if id(module) in key_of:
+            chain = chain + (key_of[id(module)],)
+        elif state is not None:
+            chain = chain + (id(state),)
         for attr, param in module._parameters.items():
             if param is None or param in ignored_params:
                 continue
@@ -153,16 +206,19 @@ def assign_param_owners(
             if child is not None:
                 visit(child, f"{prefix}{child_name}.", chain)
 
-    visit(root, "", ())
+    for index, top in enumerate(roots):
+        # A group's parameters are named by the module's index in the list
+        # until the root names the group ("norm+output.1.weight").
+        visit(top, f"{index}." if len(roots) > 1 else "", ())
     sources: dict[int, list[FlatParamSource]] = {id(choice.module): [] for choice in choices}
     for param, regs in registrations.values():
         chains = [chain for _, chain in regs]
         if id(param) in owned_before:
             unit_name, state = owned_before[id(param)]
-            outside = [owner.fqn for owner, chain in regs if id(state.module) not in chain]
+            outside = [owner.fqn for owner, chain in regs if id(state) not in chain]
             if outside:
                 raise ValueError(
-                    f"fully_shard({type(root).__name__}): parameter '{outside[0]}' is the same tensor as a "
+                    f"fully_shard({name}): parameter '{outside[0]}' is the same tensor as a "
                     f"parameter of the already sharded unit '{unit_name or type(state.module).__name__}', "
                     "so it would be split between two units. Shard the module that contains both uses "
                     "instead (for tied weights: leave both under one unit, e.g. the root)."
@@ -172,12 +228,28 @@ def assign_param_owners(
         owner_unit = next((uid for uid in reversed(common) if uid in new_units), None)
         if owner_unit is None or any(uid not in new_units for uid in common[common.index(owner_unit) :]):
             raise ValueError(
-                f"fully_shard({type(root).__name__}): parameter '{regs[0][0].fqn}' was registered inside an "
+                f"fully_shard({name}): parameter '{regs[0][0].fqn}' was registered inside an "
                 "already sharded unit after that unit was sharded. Register parameters before calling "
                 "fully_shard on their module."
             )
         sources[owner_unit].append(FlatParamSource(param, tuple(owner for owner, _ in regs)))
     return sources
+
+
+def check_group_inside(name: str, root: nn.Module, state: UnitState) -> None:
+    """A group found under ``root`` must have every module there: a tree
+    whose root runs only some of a group's modules cannot tell when the
+    group's forward ends (modules of different trees)."""
+    if not state.is_group:
+        return
+    inside = {id(m) for m in root.modules()}
+    missing = [m for m in state.members if id(m) not in inside]
+    if missing:
+        raise ValueError(
+            f"fully_shard({name}): the group of {[type(m).__name__ for m in state.members]} has "
+            f"{[type(m).__name__ for m in missing]} outside {type(root).__name__}'s tree. A group's modules "
+            "must all sit under one root: shard the module that contains every one of them."
+        )
 
 
 def _common_prefix(chains: list[tuple[int, ...]]) -> list[int]:

@@ -25,13 +25,15 @@ _LARGE_UNIT_RATIO = 4.0
 _PADDING_WARN_FRACTION = 0.03
 
 
-def _innermost_unit(module: nn.Module, unit_ids: set[int]) -> dict[int, str]:
-    """Module id -> name of the innermost unit containing it."""
+def _innermost_unit(module: nn.Module, unit_ids: set[int] | dict[int, str]) -> dict[int, str]:
+    """Module id -> name of the innermost unit containing it. ``unit_ids``
+    may map each unit's module to its unit's name (a group's modules share
+    one name)."""
     result: dict[int, str] = {}
 
     def visit(current: nn.Module, prefix: str, unit_name: str) -> None:
         if id(current) in unit_ids:
-            unit_name = prefix.rstrip(".")
+            unit_name = unit_ids[id(current)] if isinstance(unit_ids, dict) else prefix.rstrip(".")
         result.setdefault(id(current), unit_name)
         for child_name, child in current._modules.items():
             if child is not None:
@@ -53,7 +55,7 @@ def shared_params(module: nn.Module, unit_ids: set[int], sources: dict[int, list
 
 
 def shared_params_from_states(
-    module: nn.Module, unit_ids: set[int], named: Sequence[tuple[str, UnitState]]
+    module: nn.Module, unit_ids: set[int] | dict[int, str], named: Sequence[tuple[str, UnitState]]
 ) -> list[tuple[str, list[str]]]:
     unit_of = _innermost_unit(module, unit_ids)
     found = []

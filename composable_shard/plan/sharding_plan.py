@@ -195,11 +195,14 @@ def plan(
         specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order)
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
-    for _, state in unit_states_under(module):
-        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order)
+    members_of = {key: (module_of[key],) for key in specs}
     names = {id(m): n for n, m in module.named_modules()}
+    for unit_name, state in unit_states_under(module):
+        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order)
+        members_of[id(state.module)] = state.members
+        names[id(state.module)] = unit_name  # a group: "norm+output"
     units = sorted(
-        (_renamed(spec, names[key], _subtree_last(module_of[key], order)) for key, spec in specs.items()),
+        (_renamed(spec, names[key], _subtree_last(members_of[key], order)) for key, spec in specs.items()),
         key=lambda u: _preorder_index(module, u.name),
     )
     unit_names = {key: names[key] for key in specs}
@@ -254,11 +257,12 @@ def describe(
             for h in state.handles
         ]
         unit = _unit_plan_from_state(unit_name, state, flat_params)
-        units.append(dataclasses.replace(unit, subtree_last=_subtree_last(state.module, order)))
+        units.append(dataclasses.replace(unit, subtree_last=_subtree_last(state.members, order)))
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    shared = shared_params_from_states(module, {id(state.module) for _, state in named}, named)
+    unit_of_member = {id(member): unit_name for unit_name, state in named for member in state.members}
+    shared = shared_params_from_states(module, unit_of_member, named)
     kind = _optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
@@ -396,7 +400,7 @@ def _unit_plan(module: nn.Module, kwargs: dict[str, Any], flat_params: list[Flat
 def _unit_plan_from_state(name: str, state: UnitState, flat_params: list[FlatParamPlan]) -> UnitPlan:
     return UnitPlan(
         name=name,
-        module_type=type(state.module).__name__,
+        module_type="+".join(type(member).__name__ for member in state.members),
         strategy=state.config.strategy,
         flat_params=tuple(flat_params),
         forward_prefetch=state.config.forward_prefetch,
@@ -439,11 +443,13 @@ def _module_order(module: nn.Module) -> dict[int, int]:
     return {id(m): index for index, m in enumerate(module.modules())}
 
 
-def _subtree_last(unit_module: nn.Module, order: dict[int, int]) -> int:
-    return max(order.get(id(m), 0) for m in unit_module.modules())
+def _subtree_last(members: tuple[nn.Module, ...], order: dict[int, int]) -> int:
+    """The last module (in ``order``) under any of a unit's modules."""
+    return max(order.get(id(m), 0) for member in members for m in member.modules())
 
 
 def _preorder_index(module: nn.Module, name: str) -> int:
+    name = name.split("+")[0]  # a group: where its first module is
     for index, (candidate, _) in enumerate(module.named_modules()):
         if candidate == name:
             return index

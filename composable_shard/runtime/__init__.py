@@ -21,6 +21,8 @@ Layout (each module depends only on those above it)::
     forward_inputs.py  device check, mixed-precision cast, the frozen
                        parameters' end-of-use report
     hooks.py           the hooks, each a few lines, and their registration
+    groups.py          a group's forward hooks: one unit's forward over
+                       several modules (``fully_shard([a, b])``)
 
 A unit's own mechanics (unshard, reshard, reduce its flat parameters) are
 ``UnitState``'s methods (state.py); streams and events are the scheduler's.

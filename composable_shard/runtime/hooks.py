@@ -33,6 +33,7 @@ from ..api import BackwardPrefetch
 from ..handle import FlatParamHandle
 from ..nested_tensors import scan_output
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
+from .groups import GroupSteps, end_open_groups, register_group_forward_hooks
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
 from .optimizer_checks import refuse_backward_after_step
@@ -84,23 +85,31 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
         if in_backward():  # [Note: activation-checkpoint re-runs]
             return output
         grad_enabled = torch.is_grad_enabled()
-        # The root's backward comes first, so its parameters stay gathered;
-        # so do the last unit's ([Note: the last unit stays gathered]).
-        keeps_unsharded = grad_enabled and (
-            state.is_root or not state.config.strategy.reshards_after_forward or backward_starts_with(state)
-        )
-        if grad_enabled and not _register_pre_backward_hooks(state, output):
-            keeps_unsharded = len(state.trainable_handles) > 0  # [Note: outputs without a hookable tensor]
-        if keeps_unsharded:
-            state.hold_for_backward()
-        else:
-            state.transition(TrainingState.IDLE, TrainingState.FORWARD)
-            # Inside the root's forward the next unit's all-gather follows:
-            # its buffer must not reuse this one ([Note: what a lane waits for]).
-            state.reshard(defer_free=state.context.root.training_state is TrainingState.FORWARD)
-        if not grad_enabled and state.is_root:
-            end_forward_without_backward(state.context)
+        hooked = grad_enabled and _register_pre_backward_hooks(state, output)
+        if state.is_root:
+            end_open_groups(state.context)  # [Note: grouped units] in groups.py
+        _end_forward(state, grad_enabled, hooked)
         return output
+
+
+def _end_forward(state: UnitState, grad_enabled: bool, outputs_hooked: bool) -> None:
+    """The unit's forward ended (a group's: after its last module)."""
+    # The root's backward comes first, so its parameters stay gathered;
+    # so do the last unit's ([Note: the last unit stays gathered]).
+    keeps_unsharded = grad_enabled and (
+        state.is_root or not state.config.strategy.reshards_after_forward or backward_starts_with(state)
+    )
+    if grad_enabled and not outputs_hooked:
+        keeps_unsharded = len(state.trainable_handles) > 0  # [Note: outputs without a hookable tensor]
+    if keeps_unsharded:
+        state.hold_for_backward()
+    else:
+        state.transition(TrainingState.IDLE, TrainingState.FORWARD)
+        # Inside the root's forward the next unit's all-gather follows:
+        # its buffer must not reuse this one ([Note: what a lane waits for]).
+        state.reshard(defer_free=state.context.root.training_state is TrainingState.FORWARD)
+    if not grad_enabled and state.is_root:
+        end_forward_without_backward(state.context)
 
 
 def _after_forward_raised(state: UnitState, module: nn.Module, args: tuple, output: Any) -> None:
@@ -225,13 +234,17 @@ def register_hooks(state: UnitState) -> None:
     """Attach the unit's forward hooks and its flat parameters'
     post-accumulate-grad hooks; every handle is kept in the state."""
     module = state.module
-    state.module_hooks.append(
-        module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
-    )
-    state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
-    state.module_hooks.append(
-        module.register_forward_hook(functools.partial(_after_forward_raised, state), always_call=True)
-    )
+    if state.is_group:  # [Note: grouped units] in groups.py
+        steps = GroupSteps(_pre_forward, _register_pre_backward_hooks, _end_forward, _after_forward_raised)
+        state.module_hooks.extend(register_group_forward_hooks(state, steps))
+    else:
+        state.module_hooks.append(
+            module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+        )
+        state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
+        state.module_hooks.append(
+            module.register_forward_hook(functools.partial(_after_forward_raised, state), always_call=True)
+        )
     for handle in state.handles:  # also frozen ones: they may be unfrozen later
         # Weak: see [Note: hooks on tensors hold the unit weakly].
         hook: Callable[[torch.Tensor], None] = functools.partial(

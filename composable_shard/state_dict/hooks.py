@@ -41,12 +41,16 @@ logger = logging.getLogger(__name__)
 
 
 def register_state_dict_hooks(state: UnitState) -> list[RemovableHandle]:
-    """Attach the state-dict hooks to the unit's root module."""
-    module = state.module
+    """Attach the state-dict hooks to the unit's root module (each module
+    of a group: each hook handles the keys under its own module)."""
     return [
-        module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
-        module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
-        module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
+        registered
+        for module in state.members
+        for registered in (
+            module.register_state_dict_post_hook(functools.partial(_post_state_dict, state)),
+            module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state)),
+            module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state)),
+        )
     ]
 
 
