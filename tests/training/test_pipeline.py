@@ -1,0 +1,176 @@
+"""Pipeline parallelism composes with fully_shard: a
+``torch.distributed.pipelining`` schedule (GPipe and 1F1B) over two stages
+whose blocks are units, at 4 ranks = 2 stages x 2 data-parallel ranks
+(gloo, CPU: a pipeline group per data-parallel index, a ``fully_shard``
+process group per stage), trains in parity with the single-process model
+step by step; and a checkpoint saved across that layout (one DCP
+checkpoint, each stage writing its part) loads into the single-process
+model and into a fresh pipeline layout.
+
+The schedule drives our units as plain modules: one backward per
+micro-batch (1F1B runs several forwards before their backwards), each
+reducing its gradient into the sharded ``.grad`` (which sums over
+micro-batches), then ``scale_grads`` divides by the micro-batch count."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from composable_shard import fully_shard, get_model_state_dict, set_model_state_dict, unshard_params
+
+from tests.support.harness_pool import run_distributed
+from tests.support.models import DIM, SEQ, VOCAB, Block, batch
+
+STAGES = 2
+DP = 2
+GLOBAL_BATCH = 8
+MICROBATCHES = 4
+
+
+class _FirstStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, DIM)
+        self.pos_emb = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _LastStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class _PipeGPT(nn.Module):
+    """The single-process model: the two stages in a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([_FirstStage(), _LastStage()])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.stages[1](self.stages[0](idx))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _layout() -> tuple[int, int, dist.ProcessGroup, dist.ProcessGroup]:
+    """(stage, dp index, this stage's data-parallel group, this dp index's
+    pipeline group); rank = stage * DP + dp. Every rank makes every group."""
+    rank = dist.get_rank()
+    stage, dp_index = divmod(rank, DP)
+    stage_groups = [dist.new_group([s * DP + d for d in range(DP)]) for s in range(STAGES)]
+    pipe_groups = [dist.new_group([s * DP + d for s in range(STAGES)]) for d in range(DP)]
+    return stage, dp_index, stage_groups[stage], pipe_groups[dp_index]
+
+
+def _shard_stage(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """Every block a unit, the last stage's [norm, head] one group, the
+    stage the root."""
+    for block in module.blocks:
+        fully_shard(block, process_group=group)
+    if isinstance(module, _LastStage):
+        fully_shard([module.norm, module.head], process_group=group)
+    return fully_shard(module, process_group=group)
+
+
+def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.ProcessGroup):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    micro = GLOBAL_BATCH // DP // MICROBATCHES
+    # Static shapes: no metadata inference run (see the README's recipe).
+    # (requires_grad on float tensors: the activations between stages carry
+    # gradients back.)
+    example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)
+    example_out = torch.zeros(micro, SEQ, DIM if stage == 0 else VOCAB, requires_grad=True)
+    pipeline_stage = PipelineStage(
+        module, stage, STAGES, torch.device("cpu"), input_args=example_in, output_args=example_out, group=pipe_group
+    )
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
+    return schedule_class(pipeline_stage, MICROBATCHES, loss_fn=_loss)
+
+
+def _compare(module: nn.Module, expected: nn.Module, when: str, *, grads: bool) -> None:
+    reference = dict(expected.named_parameters())
+    with unshard_params(module, with_grads=grads, writeback=False):
+        for name, param in module.named_parameters():
+            torch.testing.assert_close(param.detach(), reference[name].detach(), atol=2e-6, rtol=1e-5, msg=lambda m: f"{when} {name}: {m}")
+            if grads:
+                torch.testing.assert_close(param.grad, reference[name].grad, atol=2e-6, rtol=1e-5, msg=lambda m: f"{when} grad {name}: {m}")
+
+
+def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
+    stage, dp_index, stage_group, pipe_group = _layout()
+    local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)
+    for kind in ("gpipe", "1f1b"):
+        torch.manual_seed(0)
+        reference = _PipeGPT()
+        module = copy.deepcopy(reference.stages[stage])
+        _shard_stage(module, stage_group)
+        schedule = _make_schedule(kind, module, stage, pipe_group)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for step in range(2):
+            inputs, targets = batch(step, GLOBAL_BATCH)
+            reference_loss = _loss(reference(inputs), targets)
+            reference_loss.backward()
+            losses: list[torch.Tensor] = []
+            if stage == 0:
+                schedule.step(inputs[local])
+            else:
+                schedule.step(target=targets[local], losses=losses)
+                mean_loss = torch.stack(losses).mean()
+                dist.all_reduce(mean_loss, group=stage_group)
+                torch.testing.assert_close(mean_loss / DP, reference_loss.detach(), msg=lambda m: f"{kind} step {step} loss: {m}")
+            _compare(module, reference.stages[stage], f"{kind} step {step} after backward", grads=True)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+            _compare(module, reference.stages[stage], f"{kind} step {step} after optimizer step", grads=False)
+
+    # One checkpoint across the layout: each stage writes its part, by the
+    # single-process model's names.
+    prefix = f"stages.{stage}."
+    dcp.save({prefix + key: value for key, value in get_model_state_dict(module).items()}, checkpoint_id=root)
+    dist.barrier()
+    if rank == 0:  # into the single-process model
+        single = _PipeGPT()
+        state = {key: value.clone() for key, value in single.state_dict().items()}
+        dcp.load(state, checkpoint_id=root, no_dist=True)
+        single.load_state_dict(state)
+        for name, param in single.named_parameters():
+            torch.testing.assert_close(param, dict(reference.named_parameters())[name], atol=2e-6, rtol=1e-5, msg=name)
+    # Into a fresh pipeline layout (other initial values).
+    torch.manual_seed(1)
+    fresh = _shard_stage(_PipeGPT().stages[stage], stage_group)
+    destination = {prefix + key: value for key, value in get_model_state_dict(fresh).items()}
+    dcp.load(destination, checkpoint_id=root)
+    set_model_state_dict(fresh, {key[len(prefix):]: value for key, value in destination.items()})
+    _compare(fresh, reference.stages[stage], "loaded checkpoint", grads=False)
+
+
+def test_gpipe_and_1f1b_over_sharded_stages_match_the_single_process_model(tmp_path: Path) -> None:
+    run_distributed(_pipeline_trains_in_parity, STAGES * DP, str(tmp_path / "pipeline_checkpoint"))
