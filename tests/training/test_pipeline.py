@@ -100,7 +100,7 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     micro = GLOBAL_BATCH // DP // MICROBATCHES
-    # Static shapes: no metadata inference run (see the README's recipe).
+    # Static shapes (the README's recipe): no metadata inference run.
     # (requires_grad on float tensors: the activations between stages carry
     # gradients back.)
     example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)
