@@ -10,7 +10,9 @@ model and into a fresh pipeline layout.
 The schedule drives our units as plain modules: one backward per
 micro-batch (1F1B runs several forwards before their backwards), each
 reducing its gradient into the sharded ``.grad`` (which sums over
-micro-batches), then ``scale_grads`` divides by the micro-batch count."""
+micro-batches), then ``scale_grads`` divides by the micro-batch count. A
+stage that runs every backward but the last under ``no_sync`` reduces once
+per unit per step (counted)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composable_shard import fully_shard, get_model_state_dict, set_model_state_dict, unshard_params
+from composable_shard import fully_shard, get_model_state_dict, no_sync, set_model_state_dict, unshard_params
+from torch.distributed.pipelining import PipelineStage
 
+from tests.support.comm_spies import CommSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import DIM, SEQ, VOCAB, Block, batch
 
@@ -96,8 +100,20 @@ def _shard_stage(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(module, process_group=group)
 
 
+class _ReduceOnLastBackwardStage(PipelineStage):
+    """A stage whose units reduce once per step: every micro-batch's
+    backward but the last accumulates locally (``no_sync``), as the
+    schedule does for DDP and FSDP2 modules."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):  # type: ignore[no-untyped-def]
+        if last_backward:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with no_sync(self.submod):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.ProcessGroup):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     micro = GLOBAL_BATCH // DP // MICROBATCHES
     # Static shapes (the README's recipe): no metadata inference run.
@@ -105,10 +121,11 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     # gradients back.)
     example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)
     example_out = torch.zeros(micro, SEQ, DIM if stage == 0 else VOCAB, requires_grad=True)
-    pipeline_stage = PipelineStage(
+    stage_class = _ReduceOnLastBackwardStage if kind.endswith("no_sync") else PipelineStage
+    pipeline_stage = stage_class(
         module, stage, STAGES, torch.device("cpu"), input_args=example_in, output_args=example_out, group=pipe_group
     )
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "1f1b no_sync": Schedule1F1B}[kind]
     return schedule_class(pipeline_stage, MICROBATCHES, loss_fn=_loss)
 
 
@@ -124,7 +141,7 @@ def _compare(module: nn.Module, expected: nn.Module, when: str, *, grads: bool) 
 def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
     stage, dp_index, stage_group, pipe_group = _layout()
     local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)
-    for kind in ("gpipe", "1f1b"):
+    for kind in ("gpipe", "1f1b", "1f1b no_sync"):
         torch.manual_seed(0)
         reference = _PipeGPT()
         module = copy.deepcopy(reference.stages[stage])
@@ -137,10 +154,19 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
             reference_loss = _loss(reference(inputs), targets)
             reference_loss.backward()
             losses: list[torch.Tensor] = []
-            if stage == 0:
-                schedule.step(inputs[local])
-            else:
-                schedule.step(target=targets[local], losses=losses)
+            with CommSpy() as spy:
+                if stage == 0:
+                    schedule.step(inputs[local])
+                else:
+                    schedule.step(target=targets[local], losses=losses)
+            # One reduction per flat parameter (stage 0: 2 blocks and the
+            # root's embeddings; stage 1: a block and [norm, head]; its root
+            # owns nothing) per micro-batch's backward, or per step with
+            # no_sync before the last backward.
+            units = 3 if stage == 0 else 2
+            reductions = units if kind.endswith("no_sync") else units * MICROBATCHES
+            assert spy.calls.count("reduce_scatter") == reductions, (kind, step, spy.calls)
+            if stage == 1:
                 mean_loss = torch.stack(losses).mean()
                 dist.all_reduce(mean_loss, group=stage_group)
                 torch.testing.assert_close(mean_loss / DP, reference_loss.detach(), msg=lambda m: f"{kind} step {step} loss: {m}")
