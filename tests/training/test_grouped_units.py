@@ -250,6 +250,8 @@ def _group_manages_its_modules_and_states(rank: int, world_size: int) -> None:
     # A group cannot be the root of its tree (FSDP2: "requires a single root").
     with pytest.raises(ValueError, match="a group cannot be the root"):
         model(torch.randn(2, 8))
+    planned = cs.plan(model, world_size=world_size)  # the group already made, the root planned
+    assert [(unit.name, unit.numel) for unit in planned.units] == [("", 552), ("0+1", group_numel)], planned.units
     fully_shard(model)
     cs_plan = cs.describe(model)
     assert [unit.name for unit in cs_plan.units] == ["", "0+1"], [u.name for u in cs_plan.units]
