@@ -215,6 +215,21 @@ def _state_dicts_round_trip(rank: int, world_size: int) -> None:
         torch.testing.assert_close(full[key], value, atol=0, rtol=0, msg=key)
     options = cs.StateDictOptions(full_state_dict=True)
     torch.testing.assert_close(cs.get_model_state_dict(model, options=options)["head.weight"], reference.head.weight)
+    # Optimizer state of a group's parameters, by their names, after a step.
+    inputs, targets = batch(0)
+    local = slice(rank * 4, rank * 4 + 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    lm_loss(model(inputs[local]), targets[local]).backward()
+    lm_loss(reference(inputs), targets).backward()
+    optimizer.step()
+    reference_optimizer.step()
+    optim_state = cs.get_optimizer_state_dict(model, optimizer, options=options)["state"]
+    reference_params = dict(reference.named_parameters())
+    for name in ("tok_emb.weight", "norm.weight", "norm.bias"):
+        expected_avg = reference_optimizer.state[reference_params[name]]["exp_avg"]
+        torch.testing.assert_close(optim_state[name]["exp_avg"], expected_avg, atol=2e-6, rtol=1e-5, msg=name)
+    expected = reference.state_dict()
     changed = {key: value + 1 for key, value in expected.items()}
     model.load_state_dict(changed)
     with cs.unshard_params(model):
