@@ -130,6 +130,19 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     return schedule_class(pipeline_stage, MICROBATCHES, loss_fn=_loss)
 
 
+def _record_order(module: nn.Module) -> list[str]:
+    """"F" per forward of ``module``, "B" when a backward reaches its output."""
+    order: list[str] = []
+
+    def forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        order.append("F")
+        if output.requires_grad:
+            output.register_hook(lambda grad: order.append("B"))
+
+    module.register_forward_hook(forward_hook)
+    return order
+
+
 def _compare(module: nn.Module, expected: nn.Module, when: str, *, grads: bool) -> None:
     reference = dict(expected.named_parameters())
     with unshard_params(module, with_grads=grads, writeback=False):
@@ -148,6 +161,7 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
         module = copy.deepcopy(reference.stages[stage])
         _shard_stage(module, stage_group)
         schedule = _make_schedule(kind, module, stage, pipe_group)
+        order = _record_order(module)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for step in range(2):
@@ -160,6 +174,9 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
                     schedule.step(inputs[local])
                 else:
                     schedule.step(target=targets[local], losses=losses)
+            if kind.startswith("1f1b") and stage == 0:  # two forwards before the first backward
+                assert order[:3] == ["F", "F", "B"], order
+            order.clear()
             # One reduction per flat parameter (stage 0: 2 blocks and the
             # root's embeddings; stage 1: a block and [norm, head]; its root
             # owns nothing) per micro-batch's backward, or per step with
