@@ -7,7 +7,7 @@ the reduction is issued: [Note: communication hooks] in comm/overrides.py).
 
 Public names: ``DefaultState``, ``LowPrecisionState``, ``allreduce_hook``,
 ``reduce_scatter_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
-``hook_reduce_dtype``.
+``hook_reduce_dtype``, ``reduce_dtype_of_unit``.
 
 The state names the group the hook reduces over: the unit's own (the
 default group for a unit sharded over all ranks; the subgroup given to
@@ -36,6 +36,7 @@ __all__ = [
     "fp16_compress_hook",
     "bf16_compress_hook",
     "hook_reduce_dtype",
+    "reduce_dtype_of_unit",
 ]
 
 
@@ -131,3 +132,13 @@ def hook_reduce_dtype(hook: Callable[..., Any]) -> torch.dtype | None:
     full-precision hooks (they reduce in place, as the default reduction
     does) and for a user's hook, which is opaque."""
     return _HOOK_DTYPES.get(hook)
+
+
+def reduce_dtype_of_unit(unit: Any) -> torch.dtype | None:
+    """The dtype a unit's communication hook sums in, where the plan can
+    know it (``hook_reduce_dtype``): ``plan.describe`` counts the
+    compression buffers as a reduction in that dtype. None without a hook
+    or for an opaque one (the plan then counts the unit's own dtypes: the
+    hook's buffers are unknown to it)."""
+    registered = unit.reduction_overrides.comm_hook
+    return None if registered is None else hook_reduce_dtype(registered[1])

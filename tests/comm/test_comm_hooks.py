@@ -17,6 +17,7 @@ import torch.nn as nn
 from composable_shard import (
     ShardingStrategy,
     comm_hooks,
+    describe,
     fully_shard,
     register_comm_hook,
     set_gradient_divide_factor,
@@ -194,6 +195,11 @@ def _registration_refusals(rank: int, world_size: int) -> None:
         sharded(torch.ones(2, 4)).sum().backward()
     assert comm_hooks.hook_reduce_dtype(comm_hooks.bf16_compress_hook) is torch.bfloat16
     assert comm_hooks.hook_reduce_dtype(comm_hooks.reduce_scatter_hook) is None
+    # The plan counts the compression buffers as a bf16 reduction.
+    compressed = fully_shard(nn.Linear(4, 4))
+    assert describe(compressed).units[0].flat_params[0].reduce_dtype is torch.float32
+    register_comm_hook(compressed, comm_hooks.LowPrecisionState(), comm_hooks.bf16_compress_hook)
+    assert describe(compressed).units[0].flat_params[0].reduce_dtype is torch.bfloat16
 
 
 def test_registration_refuses_bad_arguments_at_once() -> None:
