@@ -88,6 +88,14 @@ def _hybrid_accumulation(rank: int, world_size: int) -> None:
             optimizer.zero_grad()
             reference_optimizer.zero_grad()
             compare_full(model, reference, parity, f"{strategy.name} ({only}) step {step} after step", grads=False)
+        # A forward that raised resets the tree: the kept partial sums are
+        # dropped with the other local gradients ([Note: a backward that raised]).
+        set_requires_all_reduce(model, False)
+        lm_loss(model(inputs[local]), targets[local]).backward()
+        assert all(h.partial_reduced_grad is not None for _, s in unit_states_under(model) for h in s.trainable_handles)
+        with pytest.raises(IndexError):
+            model(inputs[local] + 1000)  # out of the vocabulary
+        assert all(h.partial_reduced_grad is None for _, s in unit_states_under(model) for h in s.handles)
 
 
 def test_hybrid_all_reduces_once_per_unit_per_step() -> None:
