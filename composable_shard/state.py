@@ -238,7 +238,9 @@ class UnitState:
                     finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
                 )
             except Exception as error:  # a communication hook's own error: [Note: communication hooks]
-                error.add_note(f"composable_shard: raised in the gradient reduction of unit '{self.fqn}'")
+                # __notes__ as add_note keeps it (Python 3.11+ prints it; 3.10 lacks add_note).
+                note = f"composable_shard: raised in the gradient reduction of unit '{self.fqn}'"
+                error.__notes__ = [*getattr(error, "__notes__", ()), note]
                 raise
         if not handle.has_frozen_params:
             self.reshard_handle(handle)

@@ -261,8 +261,9 @@ def _run_all_reduce_hook(summed_grad: torch.Tensor, settings: GradReduceSettings
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         hook(summed_grad)  # type: ignore[misc]
+    # Compute waits for the hook; the lane that may reuse the shard's memory
+    # waits on compute ([Note: what a lane waits for]): no record_stream.
     current.wait_stream(stream)
-    summed_grad.record_stream(stream)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
