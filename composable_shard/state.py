@@ -230,7 +230,8 @@ class UnitState:
         Returns whether every trainable handle of the unit is now reduced."""
         context = self.context
         if not self.skip_grad_sync:
-            check_overrides(handle.reduction_settings(), handle.param_dtype, self.fqn)  # [Note: communication hooks]
+            # Refuses what a communication hook cannot honour ([Note: communication hooks]).
+            check_overrides(handle.reduction_settings(), handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
             try:
                 context.scheduler.reduce(
                     functools.partial(_launch_reduce, handle),

@@ -99,7 +99,7 @@ def check_overrides(settings: GradReduceSettings, compute_dtype: torch.dtype, un
         clashes.append("hybrid sharding")
     if clashes:
         raise ValueError(
-            f"unit '{unit}': its communication hook ({getattr(settings.comm_hook[1], '__name__', settings.comm_hook[1])}) "
+            f"unit {unit}: its communication hook ({getattr(settings.comm_hook[1], '__name__', settings.comm_hook[1])}) "
             f"does the whole gradient reduction, which cannot combine with {', '.join(clashes)}. Remove the hook "
             "(there is no unregister: shard the model again) or undo the other setting; the hook owns the reduction's "
             "dtype, division and communication."

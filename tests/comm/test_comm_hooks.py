@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import (
+    MixedPrecision,
     ShardingStrategy,
     comm_hooks,
     describe,
@@ -149,7 +150,7 @@ def _failing_hook_then_parity(rank: int, world_size: int) -> None:
     optimizer.zero_grad()
     # A combination the hook cannot honour: refused at the next backward, naming the unit.
     set_gradient_divide_factor(model.blocks[2], 1.0)
-    with pytest.raises(ValueError, match=r"unit 'blocks.2': its communication hook \(hook\) does the whole gradient "
+    with pytest.raises(ValueError, match=r"unit 'blocks.2' \(Block\): its communication hook \(hook\) does the whole gradient "
                                          r"reduction, which cannot combine with set_gradient_divide_factor\(1.0\)"):
         lm_loss(model(inputs[local]), targets[local]).backward()
     set_gradient_divide_factor(model.blocks[2], None)
@@ -193,6 +194,12 @@ def _registration_refusals(rank: int, world_size: int) -> None:
     register_comm_hook(sharded, comm_hooks.DefaultState(solo), comm_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="the state's process group has 1 ranks but the gradient is split for 2"):
         sharded(torch.ones(2, 4)).sum().backward()
+    # A mixed-precision reduce dtype the hook would silently ignore: refused at backward.
+    mixed = fully_shard(nn.Linear(4, 4), mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
+    register_comm_hook(mixed, comm_hooks.DefaultState(), comm_hooks.reduce_scatter_hook)
+    refused = r"unit '<root>' \(Linear\): .*cannot combine with a mixed-precision reduce_dtype of torch.bfloat16"
+    with pytest.raises(ValueError, match=refused):
+        mixed(torch.ones(2, 4)).sum().backward()
     assert comm_hooks.hook_reduce_dtype(comm_hooks.bf16_compress_hook) is torch.bfloat16
     assert comm_hooks.hook_reduce_dtype(comm_hooks.reduce_scatter_hook) is None
     # The plan counts the compression buffers as a bf16 reduction.
