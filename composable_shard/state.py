@@ -240,7 +240,7 @@ class UnitState:
                 )
             except Exception as error:  # a communication hook's own error: [Note: communication hooks]
                 # __notes__ as add_note keeps it (Python 3.11+ prints it; 3.10 lacks add_note).
-                note = f"composable_shard: raised in the gradient reduction of unit '{self.fqn}'"
+                note = f"composable_shard: raised while unit '{self.fqn}' issued its gradient reduction"
                 error.__notes__ = [*getattr(error, "__notes__", ()), note]
                 raise
         if not handle.has_frozen_params:
@@ -341,7 +341,7 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Pe
     backward, so the hooks run there. Pinned by
     tests/runtime/test_optimizer_in_backward.py.
     """
-    if not handle.finish_grad_reduction(reduced):
+    if handle.finish_grad_reduction(reduced) is False:
         return  # a partial sum kept for a later all-reduce: no gradient yet
     if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
         if context.offloads_params:

@@ -146,7 +146,7 @@ def _failing_hook_then_parity(rank: int, world_size: int) -> None:
     inputs, targets = batch(0)
     with pytest.raises(_HookFailure, match="the hook failed on purpose") as raised:
         lm_loss(model(inputs[local]), targets[local]).backward()
-    assert any("gradient reduction of unit" in note for note in getattr(raised.value, "__notes__", [])), raised.value
+    assert any("issued its gradient reduction" in note for note in getattr(raised.value, "__notes__", [])), raised.value
     optimizer.zero_grad()
     # A combination the hook cannot honour: refused at the next backward, naming the unit.
     set_gradient_divide_factor(model.blocks[2], 1.0)
