@@ -30,7 +30,7 @@ in runtime/lifecycle.py). Pinned by tests/comm/test_comm_hooks.py.
 ``set_requires_all_reduce(False)`` (FSDP2's meaning) keeps reducing over the
 shard group every backward but skips the replica all-reduce: the shard's
 pre-divided sum (reduce dtype) is added to a per-flat-parameter carry, and
-nothing reaches ``.grad``. The next backward that all-reduces adds the carry
+nothing reaches ``.grad`` (so users' post-accumulate-grad hooks do not run). The next backward that all-reduces adds the carry
 before its all-reduce (the one collective of the accumulated steps), then
 post-divides and accumulates into ``.grad`` as usual. Only units with
 replicas have an all-reduce to skip: HYBRID_SHARD, HYBRID_SHARD_ZERO2 and

@@ -58,6 +58,8 @@ def _hybrid_accumulation(rank: int, world_size: int) -> None:
         hook_calls: list[int] = []
         for _, state in unit_states_under(model):
             set_all_reduce_hook(state.module, lambda shard: hook_calls.append(shard.numel()))
+        grad_hook_calls: list[int] = []  # a user's hook sees a gradient only when .grad gets one
+        model.blocks[0].fc_in.weight.register_post_accumulate_grad_hook(lambda p: grad_hook_calls.append(1))
         skipping = model if only is None else model.get_submodule(only)
         skipped_handles = _trainable_handles(model, None if only is None else {only})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -81,6 +83,8 @@ def _hybrid_accumulation(rank: int, world_size: int) -> None:
                     assert counts["reduce_scatter"] == _trainable_handles(model), (strategy.name, micro, counts)
                 if not last and only is None:
                     assert all(p.grad is None for p in model.parameters()), "a skipped all-reduce exposed a gradient"
+                assert len(grad_hook_calls) == (1 if last else 0), (strategy.name, only, micro, grad_hook_calls)
+                grad_hook_calls.clear()
                 assert_resharded(model)
             compare_full(model, reference, parity, f"{strategy.name} ({only}) step {step}", grads=True)
             optimizer.step()
