@@ -10,6 +10,8 @@ from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from .plan import Capacity, ShardingPlan, describe, largest_fitting, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
+from .reduce_controls import register_comm_hook, set_all_reduce_hook, set_gradient_divide_factor, set_requires_all_reduce
+from . import comm_hooks
 from .state_dict import (
     CheckpointError,
     StateDictError,
@@ -55,6 +57,11 @@ __all__ = [
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",
+    "set_requires_all_reduce",
+    "set_gradient_divide_factor",
+    "register_comm_hook",
+    "set_all_reduce_hook",
+    "comm_hooks",
     "register_elementwise_optimizer",
     "plan",
     "describe",

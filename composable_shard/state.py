@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .comm import PendingCollective, ShardGroups
+from .comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
 from .handle import FlatParamHandle
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
@@ -127,6 +127,12 @@ class UnitState:
         # buffer_dtype, by name relative to the unit's module (full state
         # dicts give buffers back in these dtypes).
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
+        # The user's overrides of the gradient reduction (divide factor,
+        # replica all-reduce, hooks: composable_shard/reduce_controls.py),
+        # shared with the unit's handles.
+        self.reduction_overrides = ReductionOverrides()
+        for handle in handles:
+            handle.reduction_overrides = self.reduction_overrides
 
     @property
     def is_group(self) -> bool:
@@ -233,11 +239,19 @@ class UnitState:
         Returns whether every trainable handle of the unit is now reduced."""
         context = self.context
         if not self.skip_grad_sync:
-            context.scheduler.reduce(
-                functools.partial(_launch_reduce, handle),
-                functools.partial(_finish_reduction, context, handle),
-                finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
-            )
+            # Refuses what a communication hook cannot honour ([Note: communication hooks]).
+            check_overrides(handle.reduction_settings(), handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
+            try:
+                context.scheduler.reduce(
+                    functools.partial(_launch_reduce, handle),
+                    functools.partial(_finish_reduction, context, handle),
+                    finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
+                )
+            except Exception as error:  # a communication hook's own error: [Note: communication hooks]
+                # __notes__ as add_note keeps it (Python 3.11+ prints it; 3.10 lacks add_note).
+                note = f"composable_shard: raised while unit '{self.fqn}' issued its gradient reduction"
+                error.__notes__ = [*getattr(error, "__notes__", ()), note]
+                raise
         if not handle.has_frozen_params:
             self.reshard_handle(handle)
         self.reduced_handles.add(handle)
@@ -336,7 +350,8 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Pe
     backward, so the hooks run there. Pinned by
     tests/runtime/test_optimizer_in_backward.py.
     """
-    handle.finish_grad_reduction(reduced)
+    if handle.finish_grad_reduction(reduced) is False:
+        return  # a partial sum kept for a later all-reduce: no gradient yet
     if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
         if context.offloads_params:
             context.handles_with_deferred_grad_hooks.append(handle)

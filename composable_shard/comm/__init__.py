@@ -14,7 +14,9 @@ Collectives live in this folder, one file per concern:
 - ``groups.py``: the process groups of one unit (``ShardGroups``);
 - ``reduction.py``: a gradient reduction's settings and arithmetic (divide
   factors, dtype casts), which ``reduce_grad`` and
-  ``finish_grad_reduction`` here run around the collectives.
+  ``finish_grad_reduction`` here run around the collectives;
+- ``overrides.py``: a unit's overrides of its reduction (divide factor,
+  skipped replica all-reduce, communication and all-reduce hooks).
 
 Only this folder calls ``torch.distributed`` collectives, and the rest of
 the package calls them through the functions defined here, so tests can
@@ -25,7 +27,8 @@ its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``all_reduce``, ``all_reduce_max``, ``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
-``finish_grad_reduction``; for state dicts and checkpoints,
+``finish_grad_reduction``, ``ReductionOverrides``, ``settings_with``,
+``check_overrides``; for state dicts and checkpoints,
 ``broadcast_object`` and ``all_gather_object``.
 """
 
@@ -41,6 +44,7 @@ from torch.distributed import ProcessGroup
 from . import process_group, transport
 from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
+from .overrides import ReductionOverrides, check_overrides, settings_with
 from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
 from .transport import expect_collective_bytes
@@ -63,6 +67,9 @@ __all__ = [
     "GradReduceSettings",
     "reduce_grad",
     "finish_grad_reduction",
+    "ReductionOverrides",
+    "settings_with",
+    "check_overrides",
 ]
 
 # Work handle returned by asynchronous collectives (``None`` when synchronous).
@@ -162,17 +169,29 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bo
     return process_group.all_reduce(tensor, group, async_op=async_op)
 
 
-def reduce_grad(unsharded_grad: torch.Tensor, settings: GradReduceSettings, *, async_op: bool) -> PendingCollective:
+def reduce_grad(
+    unsharded_grad: torch.Tensor,
+    settings: GradReduceSettings,
+    *,
+    async_op: bool,
+    carried: torch.Tensor | None = None,
+) -> PendingCollective:
     """Start reducing a padded unsharded gradient (see [Note: dividing
     around the reduction] in comm/reduction.py): cast to the reduce dtype and
     pre-divide, then reduce-scatter over the shard group or, unsharded,
     all-reduce over the replicate group (none: nothing to wait for). Its
     output is the summed shard; ``finish_grad_reduction`` makes the mean.
+    ``carried`` is the partial sum earlier backwards kept ([Note: partial
+    sums without the replica all-reduce] in comm/overrides.py): unsharded,
+    it joins the sum before this all-reduce. With a communication hook the
+    hook does all of it now ([Note: communication hooks]).
 
     The pending collective keeps ``unsharded_grad`` alive: on CUDA the cast
     reads it on the lane's stream, and compute (which allocated it) may
     reuse its memory only after waiting on the fence ([Note: buffer
     lifetimes across lanes] in scheduler.py)."""
+    if settings.comm_hook is not None:
+        return _reduce_with_comm_hook(unsharded_grad, settings)
     computed_grad = unsharded_grad
     summed_grad = prepare_for_sum(unsharded_grad, settings)
     groups = settings.groups
@@ -186,19 +205,65 @@ def reduce_grad(unsharded_grad: torch.Tensor, settings: GradReduceSettings, *, a
             return PendingCollective(work, output, ())
         return PendingCollective(work, output, (summed_grad, computed_grad))
     work = None
-    if groups.replicate_group is not None:
+    if groups.replicate_group is not None and settings.all_reduce:
+        if carried is not None:
+            summed_grad.add_(carried)
         work = all_reduce(summed_grad, groups.replicate_group, async_op=async_op)
     return PendingCollective(work, summed_grad, (computed_grad,))
 
 
-def finish_grad_reduction(reduced: PendingCollective, settings: GradReduceSettings) -> torch.Tensor:
-    """The mean gradient shard, in the gradient dtype, from a reduction whose
-    work was waited on: hybrid sharding first sums it over the replicate
-    group (synchronous), then the sum is post-divided and cast."""
+def _reduce_with_comm_hook(unsharded_grad: torch.Tensor, settings: GradReduceSettings) -> PendingCollective:
+    """Run the unit's communication hook on the gradient as backward
+    computed it ([Note: communication hooks] in comm/overrides.py)."""
+    state, hook = settings.comm_hook  # type: ignore[misc]  # checked by the caller
+    if settings.groups.is_sharded:
+        output = unsharded_grad.new_empty(unsharded_grad.numel() // settings.groups.shard_world_size)
+        hook(state, unsharded_grad, output)
+        return PendingCollective(None, output, (unsharded_grad,))
+    hook(state, unsharded_grad)
+    return PendingCollective(None, unsharded_grad, ())
+
+
+def finish_grad_reduction(
+    reduced: PendingCollective, settings: GradReduceSettings, *, carried: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """From a reduction whose work was waited on: ``(mean shard, None)`` in
+    the gradient dtype, or ``(None, carry)`` when the replica all-reduce is
+    skipped ([Note: partial sums without the replica all-reduce] in
+    comm/overrides.py). Hybrid sharding sums over the replicate group here
+    (synchronous, after adding ``carried``); the all-reduce hook runs on the
+    sum; then it is post-divided and cast."""
     summed_grad = reduced.output
-    if settings.groups.is_sharded and settings.groups.replicate_group is not None:
-        all_reduce(summed_grad, settings.groups.replicate_group, async_op=False)
-    return mean_of_sum(summed_grad, settings)
+    if settings.comm_hook is not None:  # the hook's result is the mean
+        return summed_grad.to(settings.grad_dtype), None
+    groups = settings.groups
+    if settings.has_replicas and not settings.all_reduce:
+        if carried is None:
+            return None, summed_grad
+        return None, carried.add_(summed_grad)
+    if groups.is_sharded and groups.replicate_group is not None:
+        if carried is not None:
+            summed_grad.add_(carried)
+        all_reduce(summed_grad, groups.replicate_group, async_op=False)
+    if settings.all_reduce_hook is not None:
+        _run_all_reduce_hook(summed_grad, settings)
+    return mean_of_sum(summed_grad, settings), None
+
+
+def _run_all_reduce_hook(summed_grad: torch.Tensor, settings: GradReduceSettings) -> None:
+    """FSDP2's all-reduce hook, on the summed shard; in its own CUDA
+    stream where one was given (ordered after and before the current one)."""
+    hook, stream = settings.all_reduce_hook, settings.all_reduce_hook_stream
+    if stream is None or summed_grad.device.type != "cuda":
+        hook(summed_grad)  # type: ignore[misc]  # checked by the caller
+        return
+    current = torch.cuda.current_stream(summed_grad.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(summed_grad)  # type: ignore[misc]
+    # Compute waits for the hook; the lane that may reuse the shard's memory
+    # waits on compute ([Note: what a lane waits for]): no record_stream.
+    current.wait_stream(stream)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:

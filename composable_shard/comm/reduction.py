@@ -21,12 +21,21 @@ reduced it. Pinned by test_gradient_reduction_is_the_mean_and_accumulates
 (tests/handle/test_flat_param.py) and
 test_mixed_precision_matches_a_low_precision_data_parallel_reference
 (test_mixed_precision.py).
+
+A unit's ``set_gradient_divide_factor`` replaces the world size in all of
+this: the gradient is the sum divided by the factor, split the same way
+around a low-precision sum (a factor of 1 divides by nothing). Partial sums
+kept by ``set_requires_all_reduce(False)`` are pre-divided and post-divided
+once, when the replica all-reduce finally runs. Pinned by
+test_divide_factor_one_with_a_loss_scaled_by_the_world_size
+(tests/training/test_reduction_controls.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -49,13 +58,38 @@ class GradReduceSettings:
     # Dtype of the mean handed back: the parameters' own, or the reduce
     # dtype with ``keep_low_precision_grads``.
     grad_dtype: torch.dtype
+    # What the sum is divided by (None: the data-parallel world size).
+    divide_factor: float | None = None
+    # Whether the replica all-reduce runs (False: the shard's partial sum is
+    # kept for a later reduction; see comm/overrides.py).
+    all_reduce: bool = True
+    # A communication hook that replaces the whole reduction: (state, hook);
+    # see [Note: communication hooks] in comm/overrides.py.
+    comm_hook: tuple[Any, Callable[..., Any]] | None = None
+    # Called on the summed shard after the replica all-reduce (FSDP2's
+    # all-reduce hook), and the CUDA stream to run it in.
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None
+
+    @property
+    def divisor(self) -> float:
+        """What the summed gradient is divided by in all."""
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return float(self.groups.data_parallel_world_size)
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether the shard is replicated (hybrid, or unsharded over
+        several ranks): only then is there a replica all-reduce to skip."""
+        return self.groups.replicate_world_size > 1
 
 
-def predivide_factor(reduce_dtype: torch.dtype, world_size: int) -> float:
+def predivide_factor(reduce_dtype: torch.dtype, divisor: float) -> float:
     """What the gradient is divided by before the sum (see [Note: dividing
-    around the reduction]); the rest of ``world_size`` after it."""
-    if reduce_dtype in _LOW_PRECISION and world_size > 1:
-        return float(2 ** round(math.log2(math.sqrt(world_size))))
+    around the reduction]); the rest of ``divisor`` after it."""
+    if reduce_dtype in _LOW_PRECISION and divisor > 1:
+        return float(2 ** round(math.log2(math.sqrt(divisor))))
     return 1.0
 
 
@@ -64,7 +98,7 @@ def prepare_for_sum(unsharded_grad: torch.Tensor, settings: GradReduceSettings) 
     a cast is needed, else ``unsharded_grad`` itself, divided in place."""
     if unsharded_grad.dtype != settings.reduce_dtype:
         unsharded_grad = unsharded_grad.to(settings.reduce_dtype)
-    predivide = predivide_factor(settings.reduce_dtype, settings.groups.data_parallel_world_size)
+    predivide = predivide_factor(settings.reduce_dtype, settings.divisor)
     if predivide != 1.0:
         unsharded_grad.div_(predivide)
     return unsharded_grad
@@ -72,9 +106,9 @@ def prepare_for_sum(unsharded_grad: torch.Tensor, settings: GradReduceSettings) 
 
 def mean_of_sum(summed_grad: torch.Tensor, settings: GradReduceSettings) -> torch.Tensor:
     """The mean from a reduced sum (divided in place by the rest of the
-    world size), cast to the gradient dtype where it lies."""
-    world_size = settings.groups.data_parallel_world_size
-    postdivide = world_size / predivide_factor(settings.reduce_dtype, world_size)
+    divisor), cast to the gradient dtype where it lies."""
+    divisor = settings.divisor
+    postdivide = divisor / predivide_factor(settings.reduce_dtype, divisor)
     if postdivide != 1.0:
         summed_grad.div_(postdivide)
     return summed_grad.to(settings.grad_dtype)

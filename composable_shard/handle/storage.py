@@ -134,6 +134,13 @@ class FlatParamHandle:
         # every low-precision ``.grad`` is first assigned as a view of
         # (``set_grad_of_other_dtype``); None until the first one.
         self._grad_placeholder: torch.Tensor | None = None
+        # The unit's reduction overrides (set by its state; None: defaults),
+        # the settings of the reduction in flight (issued with them), and the
+        # partial sum kept while the replica all-reduce is skipped ([Note:
+        # partial sums without the replica all-reduce] in comm/overrides.py).
+        self.reduction_overrides: comm.ReductionOverrides | None = None
+        self._settings_in_flight: GradReduceSettings | None = None
+        self.partial_reduced_grad: torch.Tensor | None = None
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ init
@@ -444,10 +451,12 @@ class FlatParamHandle:
     def has_unsharded_grad(self) -> bool:
         return self.unsharded_flat_param.grad is not None
 
-    def _reduce_settings(self) -> GradReduceSettings:
-        # Built per reduction: a dtype change (write-back) changes the dtypes.
+    def reduction_settings(self) -> GradReduceSettings:
+        """How the next reduction runs: built per reduction (a dtype change
+        in write-back changes the dtypes), with the unit's overrides."""
         grad_dtype = self.reduce_dtype if self.keep_low_precision_grads else self.layout.dtype
-        return GradReduceSettings(self.groups, self.reduce_dtype, grad_dtype)
+        settings = GradReduceSettings(self.groups, self.reduce_dtype, grad_dtype)
+        return comm.settings_with(settings, self.reduction_overrides)
 
     def reduce_grad(self, *, async_op: bool) -> PendingCollective | None:
         """Start reducing the padded unsharded gradient over the shard group
@@ -459,20 +468,29 @@ class FlatParamHandle:
         if unsharded_grad is None:
             return None
         self.unsharded_flat_param.grad = None
-        return comm.reduce_grad(unsharded_grad, self._reduce_settings(), async_op=async_op)
+        settings = self._settings_in_flight = self.reduction_settings()
+        return comm.reduce_grad(unsharded_grad, settings, async_op=async_op, carried=self.partial_reduced_grad)
 
-    def finish_grad_reduction(self, reduced: PendingCollective) -> None:
+    def finish_grad_reduction(self, reduced: PendingCollective) -> bool:
         """Complete a reduction whose work was waited on: the mean shard
         (``comm.finish_grad_reduction``: the hybrid replicate all-reduce, the
         division, the cast to the gradient dtype) is accumulated into the
-        sharded gradient, and the parameters' ``.grad`` point at it."""
-        shard_grad = comm.finish_grad_reduction(reduced, self._reduce_settings())
+        sharded gradient, and the parameters' ``.grad`` point at it. Returns
+        False where the replica all-reduce was skipped: the partial sum is
+        kept and ``.grad`` is unchanged."""
+        settings, self._settings_in_flight = self._settings_in_flight or self.reduction_settings(), None
+        shard_grad, self.partial_reduced_grad = comm.finish_grad_reduction(
+            reduced, settings, carried=self.partial_reduced_grad
+        )
+        if shard_grad is None:
+            return False
         existing = self._collect_user_grads()
         if self.offload_params:
             sharded_flat_grad = self._download_grad(shard_grad, existing)
         else:
             sharded_flat_grad = grads.accumulate_grad(shard_grad, existing)
         self.use_sharded_grad_views(sharded_flat_grad)
+        return True
 
     def _download_grad(self, shard_grad: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor:
         # A method (tests wrap it per handle to see where downloads run).
@@ -512,7 +530,10 @@ class FlatParamHandle:
             flat_param.requires_grad_(requires_grad)
 
     def clear_unsharded_grad(self) -> None:
+        """Drop the gradients not reduced yet: the unsharded one and the
+        partial sum of skipped all-reduces (a reset after an error)."""
         self.unsharded_flat_param.grad = None
+        self.partial_reduced_grad = None
 
     def __repr__(self) -> str:
         return f"FlatParamHandle({self.layout.describe()})"

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import transport
+from ..comm_hooks import reduce_dtype_of_unit
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..flat_layout import FlatParamLayout, compute_layout
 from .activations import ActivationProfile, measure_activations
@@ -250,8 +251,8 @@ def describe(
                 # fully_shard grouped it ([Note: changes to original
                 # parameters] in handle/writeback.py).
                 dataclasses.replace(h.layout, requires_grad=h.requires_grad),
-                h.param_dtype, h.reduce_dtype, h.keep_low_precision_grads, h.offload_params, order,
-                transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
+                h.param_dtype, reduce_dtype_of_unit(state) or h.reduce_dtype, h.keep_low_precision_grads,
+                h.offload_params, order, transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
                 state.compute_device.type,
             )
             for h in state.handles
