@@ -1,0 +1,173 @@
+"""Units that some ranks skip (a mixture-of-experts layer whose ranks route
+their rows to different experts): with ``set_may_be_skipped`` the training
+matches one process on the global batch (the union of work), step by step
+through the optimizer; without it every rank raises at the first collective
+where the ranks differ, naming the units, and no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import ShardingStrategy, fully_shard, set_may_be_skipped
+from composable_shard.state import unit_states_under
+
+from tests.support.harness_pool import run_distributed
+from tests.support.parity import Parity, assert_resharded, compare_full
+
+WIDTH = 8
+EXPERTS = 4
+GLOBAL_BATCH = 8
+
+# Per step, the two experts (top-2) each row of the global batch is routed
+# to; rows 0-3 are rank 0's, rows 4-7 rank 1's. Step 0: the ranks use
+# disjoint experts; step 1: rank 1 uses expert 1 alone and rank 0 calls
+# expert 0 twice (in both slots); step 2: no rank uses expert 2 (no
+# gradient anywhere, as in one process), rank 0 none of experts 0 and 1.
+ROUTES = (
+    ((0, 1), (1, 0), (0, 1), (1, 1), (2, 3), (3, 2), (2, 2), (3, 3)),
+    ((0, 0), (0, 2), (2, 0), (0, 0), (1, 1), (1, 1), (1, 1), (1, 1)),
+    ((3, 3), (3, 3), (3, 3), (3, 3), (0, 1), (1, 0), (1, 1), (0, 0)),
+    ((0, 1), (2, 3), (1, 2), (3, 0), (3, 3), (3, 3), (3, 3), (3, 3)),
+)
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-2 routing given from outside (a learned router would route the
+    same way on every rank only by chance): slot by slot, each expert sees
+    the rows routed to it in that slot; an expert no row reaches is not
+    called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, WIDTH)
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        x = self.gate(x)
+        out = x
+        for slot in range(routes.shape[1]):
+            for index, expert in enumerate(self.experts):
+                rows = routes[:, slot] == index
+                if rows.any():
+                    update = torch.zeros_like(out)
+                    update[rows] = expert(x[rows])
+                    out = out + 0.5 * update
+        return out
+
+
+class MoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.moe = MixtureOfExperts()
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.embed(x), routes))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    inputs = torch.randn(GLOBAL_BATCH, WIDTH, generator=generator)
+    targets = torch.randn(GLOBAL_BATCH, WIDTH, generator=generator)
+    return inputs, targets, torch.tensor(ROUTES[step])
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    return ((model(inputs, routes) - targets) ** 2).mean()
+
+
+def _shard(model: MoEModel, *, moe_unit: bool, mark: bool, **kwargs: object) -> None:
+    for expert in model.moe.experts:
+        fully_shard(expert, **kwargs)
+    if moe_unit:
+        fully_shard(model.moe, **kwargs)
+    fully_shard(model, **kwargs)
+    if mark:
+        set_may_be_skipped(model.moe.experts)
+
+
+def _train_in_parity(rank: int, world_size: int, label: str, *, moe_unit: bool, **kwargs: object) -> None:
+    torch.manual_seed(0)
+    model = MoEModel()
+    reference = copy.deepcopy(model)
+    _shard(model, moe_unit=moe_unit, mark=True, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    parity = Parity(build=MoEModel, shard=lambda m: None, atol=2e-6, rtol=1e-5)
+    local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+    for step in range(len(ROUTES)):
+        inputs, targets, routes = _batch(step)
+        _loss(reference, inputs, targets, routes).backward()
+        _loss(model, inputs[local], targets[local], routes[local]).backward()
+        assert_resharded(model)
+        for _, state in unit_states_under(model):
+            for handle in state.handles:
+                assert not handle.has_unsharded_grad(), f"{label} step {step}: {state.fqn} kept its unsharded gradient"
+        compare_full(model, reference, parity, f"{label} step {step}", grads=True)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
+    # Expert 2 ran on no rank in step 2: no gradient, as in one process.
+    assert "moe.experts.2.up.weight" in parity.compared and "moe.experts.0.up.weight" in parity.compared
+
+
+def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        _train_in_parity(rank, world_size, f"{strategy.name}, experts anchored at the root", moe_unit=False, strategy=strategy)
+    _train_in_parity(rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True)
+
+
+def test_experts_some_ranks_skip_train_as_one_process_on_the_global_batch_with_set_may_be_skipped() -> None:
+    run_distributed(_skipped_experts_in_parity, 2)
+
+
+GROUP_TIMEOUT_S = 20.0
+
+
+def _unmarked_experts_raise(rank: int, world_size: int) -> tuple[str, float]:
+    """Train without the mode in a group of its own (short timeout), so the
+    harness's default group stays in step; every rank must raise."""
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        torch.manual_seed(0)
+        model = MoEModel()
+        _shard(model, moe_unit=False, mark=False, process_group=group)
+        local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+        started = time.monotonic()
+        try:
+            for step in range(len(ROUTES)):
+                inputs, targets, routes = _batch(step)
+                _loss(model, inputs[local], targets[local], routes[local]).backward()
+        except RuntimeError as error:
+            return str(error), time.monotonic() - started
+        return "no error", time.monotonic() - started
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_experts_some_ranks_skip_raise_on_every_rank_naming_them_without_the_mode() -> None:
+    results = run_distributed(_unmarked_experts_raise, 2, timeout=3 * GROUP_TIMEOUT_S)
+    for rank, (message, seconds) in enumerate(results):
+        assert "unit 'moe.experts." in message, f"rank {rank}: {message}"
+        assert "set_may_be_skipped" in message, f"rank {rank}: {message}"
+        assert seconds < GROUP_TIMEOUT_S, f"rank {rank} raised after {seconds:.1f} s: {message}"
