@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import ShardingStrategy, fully_shard, set_may_be_skipped
-from composable_shard.state import unit_states_under
+from composable_shard.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.parity import Parity, assert_resharded, compare_full
@@ -97,8 +97,10 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, routes:
 def _shard(model: MoEModel, *, moe_unit: bool, mark: bool, **kwargs: object) -> None:
     for expert in model.moe.experts:
         fully_shard(expert, **kwargs)
-    if moe_unit:
+    if moe_unit:  # units before and after the anchor: prefetch targets
+        fully_shard(model.embed, **kwargs)
         fully_shard(model.moe, **kwargs)
+        fully_shard(model.head, **kwargs)
     fully_shard(model, **kwargs)
     if mark:
         set_may_be_skipped(model.moe.experts)
@@ -116,7 +118,14 @@ def _train_in_parity(rank: int, world_size: int, label: str, *, moe_unit: bool, 
     for step in range(len(ROUTES)):
         inputs, targets, routes = _batch(step)
         _loss(reference, inputs, targets, routes).backward()
-        _loss(model, inputs[local], targets[local], routes[local]).backward()
+        loss = _loss(model, inputs[local], targets[local], routes[local])
+        if kwargs.get("strategy") is not ShardingStrategy.NO_SHARD:
+            # Gathered by their anchor, resharded when its forward ends.
+            for expert in model.moe.experts:
+                state = get_state(expert)
+                held = sum(handle.unsharded_storage_bytes() for handle in state.handles)
+                assert held == 0, f"{label} step {step}: {state.fqn} holds {held} unsharded bytes after forward"
+        loss.backward()
         assert_resharded(model)
         for _, state in unit_states_under(model):
             for handle in state.handles:
