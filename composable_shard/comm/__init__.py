@@ -43,6 +43,7 @@ from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
 from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
+from .tag_check import checked
 from .transport import expect_collective_bytes
 
 __all__ = [
@@ -102,7 +103,8 @@ def _all_gather_into(
     shared = transport.host_transport(shard, group, shard.numel() * shard.element_size())
     if shared is not None:
         return shared.all_gather(output, shard, async_op=async_op)
-    return process_group.all_gather_into(output, shard, group=group, async_op=async_op)
+    # The message path carries no tag: checked beside ([Note: tagged collectives] in tags.py).
+    return checked(lambda: process_group.all_gather_into(output, shard, group=group, async_op=async_op), shard, group, async_op=async_op)
 
 
 def reduce_scatter(
@@ -141,7 +143,7 @@ def _reduce_scatter(
                 f"a host, with {transport.ENV_SWITCH} not set to 0 on any rank"
             )
         method = process_group.message_method(input, group)
-    return process_group.reduce_scatter(output, input, group, async_op=async_op, method=method)
+    return checked(lambda: process_group.reduce_scatter(output, input, group, async_op=async_op, method=method), input, group, async_op=async_op)
 
 
 def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> str:
@@ -159,7 +161,7 @@ def inputs_in_use(work: Any) -> bool:
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
     """Sum ``tensor`` in place over the group."""
-    return process_group.all_reduce(tensor, group, async_op=async_op)
+    return checked(lambda: process_group.all_reduce(tensor, group, async_op=async_op), tensor, group, async_op=async_op)
 
 
 def reduce_grad(unsharded_grad: torch.Tensor, settings: GradReduceSettings, *, async_op: bool) -> PendingCollective:

@@ -7,15 +7,19 @@ where the ranks differ, naming the units, and no rank is left waiting.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import os
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import ShardingStrategy, fully_shard, set_may_be_skipped
+from composable_shard.comm.transport import ENV_SWITCH
 from composable_shard.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
@@ -153,30 +157,46 @@ def test_experts_some_ranks_skip_train_as_one_process_on_the_global_batch_with_s
 GROUP_TIMEOUT_S = 20.0
 
 
-def _unmarked_experts_raise(rank: int, world_size: int) -> tuple[str, float]:
-    """Train without the mode in a group of its own (short timeout), so the
-    harness's default group stays in step; every rank must raise."""
-    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+@contextlib.contextmanager
+def _group_of_its_own(transport: str) -> Iterator[dist.ProcessGroup]:
+    """A group with a short timeout (the harness's default group stays in
+    step whatever happens in it), through shared memory or gloo's messages
+    (the switch is read when the group decides, at its first collective)."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    if transport == "gloo":
+        os.environ[ENV_SWITCH] = "0"
     try:
-        torch.manual_seed(0)
-        model = MoEModel()
-        _shard(model, moe_unit=False, mark=False, process_group=group)
-        local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
-        started = time.monotonic()
-        try:
-            for step in range(len(ROUTES)):
-                inputs, targets, routes = _batch(step)
-                _loss(model, inputs[local], targets[local], routes[local]).backward()
-        except RuntimeError as error:
-            return str(error), time.monotonic() - started
-        return "no error", time.monotonic() - started
+        yield group
     finally:
+        os.environ.pop(ENV_SWITCH, None)
         dist.destroy_process_group(group)
 
 
+def _unmarked_experts_raise(rank: int, world_size: int) -> list[tuple[str, str, float]]:
+    """Train without the mode; every rank must raise. Returns per case the
+    message and the seconds from the first step's start."""
+    results = []
+    for transport, strategy in (("shared memory", ShardingStrategy.FULL_SHARD), ("gloo", ShardingStrategy.FULL_SHARD), ("shared memory", ShardingStrategy.NO_SHARD)):
+        with _group_of_its_own(transport) as group:
+            torch.manual_seed(0)
+            model = MoEModel()
+            _shard(model, moe_unit=False, mark=False, process_group=group, strategy=strategy)
+            local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+            started, message = time.monotonic(), "no error"
+            try:
+                for step in range(len(ROUTES)):
+                    inputs, targets, routes = _batch(step)
+                    _loss(model, inputs[local], targets[local], routes[local]).backward()
+            except RuntimeError as error:
+                message = str(error)
+            results.append((f"{transport}, {strategy.name}", message, time.monotonic() - started))
+    return results
+
+
 def test_experts_some_ranks_skip_raise_on_every_rank_naming_them_without_the_mode() -> None:
-    results = run_distributed(_unmarked_experts_raise, 2, timeout=3 * GROUP_TIMEOUT_S)
-    for rank, (message, seconds) in enumerate(results):
-        assert "unit 'moe.experts." in message, f"rank {rank}: {message}"
-        assert "set_may_be_skipped" in message, f"rank {rank}: {message}"
-        assert seconds < GROUP_TIMEOUT_S, f"rank {rank} raised after {seconds:.1f} s: {message}"
+    results = run_distributed(_unmarked_experts_raise, 2, timeout=6 * GROUP_TIMEOUT_S)
+    for rank, cases in enumerate(results):
+        for case, message, seconds in cases:
+            assert "unit 'moe.experts." in message, f"rank {rank}, {case}: {message}"
+            assert "set_may_be_skipped" in message, f"rank {rank}, {case}: {message}"
+            assert seconds < GROUP_TIMEOUT_S / 2, f"rank {rank}, {case}: raised after {seconds:.1f} s: {message}"
