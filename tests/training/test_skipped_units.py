@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import gc
 import os
 import time
 from typing import Iterator
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -110,6 +112,25 @@ def _shard(model: MoEModel, *, moe_unit: bool, mark: bool, **kwargs: object) -> 
         set_may_be_skipped(model.moe.experts)
 
 
+GROUP_TIMEOUT_S = 20.0
+
+
+@contextlib.contextmanager
+def _group_of_its_own(transport: str) -> Iterator[dist.ProcessGroup]:
+    """A group with a short timeout (the harness's default group stays in
+    step whatever happens in it), through shared memory or gloo's messages
+    (the switch is read when the group decides, at its first collective)."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    if transport == "gloo":
+        os.environ[ENV_SWITCH] = "0"
+    try:
+        yield group
+    finally:
+        os.environ.pop(ENV_SWITCH, None)
+        gc.collect()  # models over the group (module <-> state cycles) go before it
+        dist.destroy_process_group(group)
+
+
 def _train_in_parity(rank: int, world_size: int, label: str, *, moe_unit: bool, **kwargs: object) -> None:
     torch.manual_seed(0)
     model = MoEModel()
@@ -148,28 +169,12 @@ def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         _train_in_parity(rank, world_size, f"{strategy.name}, experts anchored at the root", moe_unit=False, strategy=strategy)
     _train_in_parity(rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True)
+    with _group_of_its_own("gloo") as group:  # tags checked beside each collective
+        _train_in_parity(rank, world_size, "FULL_SHARD through gloo's messages", moe_unit=True, process_group=group)
 
 
 def test_experts_some_ranks_skip_train_as_one_process_on_the_global_batch_with_set_may_be_skipped() -> None:
     run_distributed(_skipped_experts_in_parity, 2)
-
-
-GROUP_TIMEOUT_S = 20.0
-
-
-@contextlib.contextmanager
-def _group_of_its_own(transport: str) -> Iterator[dist.ProcessGroup]:
-    """A group with a short timeout (the harness's default group stays in
-    step whatever happens in it), through shared memory or gloo's messages
-    (the switch is read when the group decides, at its first collective)."""
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    if transport == "gloo":
-        os.environ[ENV_SWITCH] = "0"
-    try:
-        yield group
-    finally:
-        os.environ.pop(ENV_SWITCH, None)
-        dist.destroy_process_group(group)
 
 
 def _unmarked_experts_raise(rank: int, world_size: int) -> list[tuple[str, str, float]]:
@@ -200,3 +205,32 @@ def test_experts_some_ranks_skip_raise_on_every_rank_naming_them_without_the_mod
             assert "unit 'moe.experts." in message, f"rank {rank}, {case}: {message}"
             assert "set_may_be_skipped" in message, f"rank {rank}, {case}: {message}"
             assert seconds < GROUP_TIMEOUT_S / 2, f"rank {rank}, {case}: raised after {seconds:.1f} s: {message}"
+
+
+def _misuses_are_refused(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"set_may_be_skipped\(MoEModel\): no module in this tree was given to fully_shard"):
+        set_may_be_skipped(MoEModel())
+    # The root marked before its first forward: refused there, and usable after unmarking.
+    model = MoEModel()
+    _shard(model, moe_unit=False, mark=False)
+    set_may_be_skipped(model)
+    inputs, targets, routes = _batch(0)
+    with pytest.raises(ValueError, match=r"unit '<root>' \(MoEModel\) is the root of its tree"):
+        _loss(model, inputs, targets, routes)
+    set_may_be_skipped(model, False)
+    set_may_be_skipped(model.moe.experts)
+    _loss(model, inputs, targets, routes).backward()
+    assert_resharded(model)
+    # After lazy init the root is known: refused at the call.
+    with pytest.raises(ValueError, match="is the root of its tree"):
+        set_may_be_skipped(model, recurse=False)
+    # A marked unit called outside its anchor's forward would gather alone.
+    with pytest.raises(RuntimeError, match=r"fully_shard\(moe.experts.1\): marked with set_may_be_skipped, it must run inside the forward of unit '<root>'"):
+        model.moe.experts[1](inputs)
+    _loss(model, inputs, targets, routes).backward()
+    assert_resharded(model)
+
+
+def test_marking_without_units_the_root_or_calling_a_marked_unit_outside_its_anchor_is_refused() -> None:
+    run_distributed(_misuses_are_refused, 2)
