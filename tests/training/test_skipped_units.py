@@ -78,11 +78,31 @@ class MixtureOfExperts(nn.Module):
         return out
 
 
-class MoEModel(nn.Module):
+class LearnedRouting(MixtureOfExperts):
+    """The README's recipe: a learned router picks each row's top-2 experts
+    and weighs them (``routes`` is ignored)."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.router = nn.Linear(WIDTH, EXPERTS)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        x = self.gate(x)
+        weight, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for index, expert in enumerate(self.experts):
+                rows = chosen[:, k] == index
+                if rows.any():
+                    out[rows] += weight[rows, k, None] * expert(x[rows])
+        return out
+
+
+class MoEModel(nn.Module):
+    def __init__(self, moe: type[MixtureOfExperts] = MixtureOfExperts) -> None:
+        super().__init__()
         self.embed = nn.Linear(WIDTH, WIDTH)
-        self.moe = MixtureOfExperts()
+        self.moe = moe()
         self.head = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
@@ -131,9 +151,11 @@ def _group_of_its_own(transport: str) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group(group)
 
 
-def _train_in_parity(rank: int, world_size: int, label: str, *, moe_unit: bool, **kwargs: object) -> None:
+def _train_in_parity(
+    rank: int, world_size: int, label: str, *, moe_unit: bool, moe: type[MixtureOfExperts] = MixtureOfExperts, **kwargs: object
+) -> None:
     torch.manual_seed(0)
-    model = MoEModel()
+    model = MoEModel(moe)
     reference = copy.deepcopy(model)
     _shard(model, moe_unit=moe_unit, mark=True, **kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -161,14 +183,20 @@ def _train_in_parity(rank: int, world_size: int, label: str, *, moe_unit: bool, 
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
         compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
-    # Expert 2 ran on no rank in step 2: no gradient, as in one process.
-    assert "moe.experts.2.up.weight" in parity.compared and "moe.experts.0.up.weight" in parity.compared
+    # An evaluation forward (no backward follows) routes as training does.
+    inputs, targets, routes = _batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs[local], routes[local]), reference(inputs, routes)[local], atol=2e-6, rtol=1e-5)
+    assert_resharded(model)
+    if moe is MixtureOfExperts:  # expert 2 ran on no rank in step 2: no gradient, as in one process
+        assert "moe.experts.2.up.weight" in parity.compared and "moe.experts.0.up.weight" in parity.compared
 
 
 def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         _train_in_parity(rank, world_size, f"{strategy.name}, experts anchored at the root", moe_unit=False, strategy=strategy)
     _train_in_parity(rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True)
+    _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (README)", moe_unit=True, moe=LearnedRouting)
     with _group_of_its_own("gloo") as group:  # tags checked beside each collective
         _train_in_parity(rank, world_size, "FULL_SHARD through gloo's messages", moe_unit=True, process_group=group)
 
