@@ -12,6 +12,8 @@ Collectives live in this folder, one file per concern:
 - ``shared_memory/``: the shared-memory transport between the processes
   of one host (its files, its slots and waits, its collectives);
 - ``groups.py``: the process groups of one unit (``ShardGroups``);
+- ``tags.py`` and ``tag_check.py``: the unit a collective belongs to, so
+  ranks that issue different units' collectives fail naming them;
 - ``reduction.py``: a gradient reduction's settings and arithmetic (divide
   factors, dtype casts), which ``reduce_grad`` and
   ``finish_grad_reduction`` here run around the collectives.

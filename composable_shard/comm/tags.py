@@ -16,10 +16,12 @@ sequences differ, and then either a collective waits forever or two units'
 collectives of equal size pair up and mix their bytes. Every collective of a
 flat parameter therefore carries its unit's tag: the shared-memory transport
 publishes it beside each round's kind and size (``signature_of`` in
-shared_memory/slots.py), so the first collective where two ranks disagree
-fails on each of them at once, naming both units. The tag is a number, the
-unit's position in its root's tree, the same on every rank. Pinned by
-tests/training/test_skipped_units.py.
+shared_memory/slots.py), and gloo's message path exchanges it in a tiny
+all-gather beside the collective (tag_check.py), so the first collective
+where two ranks disagree fails on each of them at once, naming both units.
+The tag is a number, the unit's position in its root's tree, the same on
+every rank; collectives launched outside ``collective_of`` are untagged (0).
+NCCL carries none. Pinned by tests/training/test_skipped_units.py.
 """
 
 from __future__ import annotations
