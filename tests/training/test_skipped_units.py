@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import ShardingStrategy, fully_shard, set_may_be_skipped
+from composable_shard import ShardingStrategy, fully_shard, no_sync, set_may_be_skipped
 from composable_shard.comm.transport import ENV_SWITCH
 from composable_shard.state import get_state, unit_states_under
 
@@ -152,7 +152,14 @@ def _group_of_its_own(transport: str) -> Iterator[dist.ProcessGroup]:
 
 
 def _train_in_parity(
-    rank: int, world_size: int, label: str, *, moe_unit: bool, moe: type[MixtureOfExperts] = MixtureOfExperts, **kwargs: object
+    rank: int,
+    world_size: int,
+    label: str,
+    *,
+    moe_unit: bool,
+    moe: type[MixtureOfExperts] = MixtureOfExperts,
+    micro_batches: int = 1,
+    **kwargs: object,
 ) -> None:
     torch.manual_seed(0)
     model = MoEModel(moe)
@@ -161,9 +168,20 @@ def _train_in_parity(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     parity = Parity(build=MoEModel, shard=lambda m: None, atol=2e-6, rtol=1e-5)
-    local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+    batch = GLOBAL_BATCH // micro_batches
+    local = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
     for step in range(len(ROUTES)):
         inputs, targets, routes = _batch(step)
+        if micro_batches == 2:
+            # The first half of every rank's rows under no_sync: marked
+            # units accumulate locally, reduced with the second half.
+            first = torch.tensor([r * 4 + i for r in range(world_size) for i in (0, 1)])
+            _loss(reference, inputs[first], targets[first], routes[first]).backward()
+            mine = slice(rank * 4, rank * 4 + 2)
+            with no_sync(model):
+                _loss(model, inputs[mine], targets[mine], routes[mine]).backward()
+            second = first + 2
+            inputs, targets, routes = inputs[second], targets[second], routes[second]
         _loss(reference, inputs, targets, routes).backward()
         loss = _loss(model, inputs[local], targets[local], routes[local])
         if kwargs.get("strategy") is not ShardingStrategy.NO_SHARD:
@@ -197,6 +215,7 @@ def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
         _train_in_parity(rank, world_size, f"{strategy.name}, experts anchored at the root", moe_unit=False, strategy=strategy)
     _train_in_parity(rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True)
     _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (README)", moe_unit=True, moe=LearnedRouting)
+    _train_in_parity(rank, world_size, "FULL_SHARD, a micro-batch under no_sync", moe_unit=False, micro_batches=2)
     with _group_of_its_own("gloo") as group:  # tags checked beside each collective
         _train_in_parity(rank, world_size, "FULL_SHARD through gloo's messages", moe_unit=True, process_group=group)
 
