@@ -33,6 +33,7 @@ gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +107,8 @@ def _all_gather_into(
     if shared is not None:
         return shared.all_gather(output, shard, async_op=async_op)
     # The message path carries no tag: checked beside ([Note: tagged collectives] in tags.py).
-    return checked(lambda: process_group.all_gather_into(output, shard, group=group, async_op=async_op), shard, group, async_op=async_op)
+    launch = functools.partial(process_group.all_gather_into, output, shard, group=group, async_op=async_op)
+    return checked(launch, shard, group, async_op=async_op)
 
 
 def reduce_scatter(
@@ -145,7 +147,8 @@ def _reduce_scatter(
                 f"a host, with {transport.ENV_SWITCH} not set to 0 on any rank"
             )
         method = process_group.message_method(input, group)
-    return checked(lambda: process_group.reduce_scatter(output, input, group, async_op=async_op, method=method), input, group, async_op=async_op)
+    launch = functools.partial(process_group.reduce_scatter, output, input, group, async_op=async_op, method=method)
+    return checked(launch, input, group, async_op=async_op)
 
 
 def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> str:

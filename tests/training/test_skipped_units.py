@@ -213,7 +213,9 @@ def _train_in_parity(
 def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         _train_in_parity(rank, world_size, f"{strategy.name}, experts anchored at the root", moe_unit=False, strategy=strategy)
-    _train_in_parity(rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True)
+    _train_in_parity(
+        rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True
+    )
     _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (README)", moe_unit=True, moe=LearnedRouting)
     _train_in_parity(rank, world_size, "FULL_SHARD, a micro-batch under no_sync", moe_unit=False, micro_batches=2)
     with _group_of_its_own("gloo") as group:  # tags checked beside each collective
@@ -228,7 +230,12 @@ def _unmarked_experts_raise(rank: int, world_size: int) -> list[tuple[str, str, 
     """Train without the mode; every rank must raise. Returns per case the
     message and the seconds from the first step's start."""
     results = []
-    for transport, strategy in (("shared memory", ShardingStrategy.FULL_SHARD), ("gloo", ShardingStrategy.FULL_SHARD), ("shared memory", ShardingStrategy.NO_SHARD)):
+    cases = (
+        ("shared memory", ShardingStrategy.FULL_SHARD),
+        ("gloo", ShardingStrategy.FULL_SHARD),
+        ("shared memory", ShardingStrategy.NO_SHARD),
+    )
+    for transport, strategy in cases:
         with _group_of_its_own(transport) as group:
             torch.manual_seed(0)
             model = MoEModel()
@@ -273,7 +280,8 @@ def _misuses_are_refused(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="is the root of its tree"):
         set_may_be_skipped(model, recurse=False)
     # A marked unit called outside its anchor's forward would gather alone.
-    with pytest.raises(RuntimeError, match=r"fully_shard\(moe.experts.1\): marked with set_may_be_skipped, it must run inside the forward of unit '<root>'"):
+    outside = r"fully_shard\(moe.experts.1\): marked with set_may_be_skipped, it must run inside the forward of unit '<root>'"
+    with pytest.raises(RuntimeError, match=outside):
         model.moe.experts[1](inputs)
     _loss(model, inputs, targets, routes).backward()
     assert_resharded(model)
