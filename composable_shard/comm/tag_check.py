@@ -28,6 +28,8 @@ from .tags import current_tag, name_of
 
 __all__ = ["checked", "TagCheckedWork"]
 
+_PREFIX = "composable_shard collective:"
+
 
 def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Any:
     """Run ``launch`` (a message-path collective over ``group``), preceded
@@ -58,7 +60,17 @@ class TagCheckedWork:
         self._group = group
 
     def wait(self, *timeout: Any) -> bool:
-        """As ``Work.wait``: the tags first (raising if they differ), then the collective."""
+        """As ``Work.wait``: the tags first (raising if they differ), then
+        the collective; a failure of either (a peer dead or stuck past the
+        timeout) is raised naming the unit the collective is for."""
+        try:
+            return self._wait(*timeout)
+        except RuntimeError as error:
+            if str(error).startswith(_PREFIX):
+                raise
+            raise RuntimeError(f"{_PREFIX} communication failure in a collective for {name_of(self._tag)}: {error}") from error
+
+    def _wait(self, *timeout: Any) -> bool:
         if self._tags_work is not None:
             self._tags_work.wait(*timeout)
             self._tags_work = None
@@ -91,7 +103,7 @@ def _mismatch(gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> R
     rank = dist.get_rank(group)
     peer, other = others[0]
     return RuntimeError(
-        f"composable_shard collective: rank {peer} of the group issued a collective for {name_of(other)} where "
+        f"{_PREFIX} rank {peer} of the group issued a collective for {name_of(other)} where "
         f"this rank (rank {rank}) issued one for {name_of(tag)}. Every rank must run the same units in the same "
         "order; mark units that some ranks skip (conditional compute) with composable_shard.set_may_be_skipped."
     )
