@@ -46,7 +46,7 @@ from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
 from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
-from .tag_check import checked
+from .tag_check import TagCheckedWork, checked
 from .transport import expect_collective_bytes
 
 __all__ = [
@@ -81,7 +81,7 @@ class PendingCollective:
     waited on (the backend may still be reading or writing them).
     """
 
-    work: Work | ChunkOfAllReduce | SharedMemoryWork | None
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
 
