@@ -26,6 +26,7 @@ from .state_dict import (
 from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
+from .runtime.skipped_units import set_may_be_skipped
 from . import autograd_inputs as _autograd_inputs, param_hooks as _param_hooks, torch_grad_norm as _torch_grad_norm
 
 # module.state_dict() / load_state_dict() on every unit: the state-dict wing
@@ -63,6 +64,7 @@ __all__ = [
     "set_all_reduce_hook",
     "comm_hooks",
     "register_elementwise_optimizer",
+    "set_may_be_skipped",
     "plan",
     "describe",
     "ShardingPlan",

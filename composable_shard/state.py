@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from .comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
+from .comm.tags import collective_of
 from .handle import FlatParamHandle
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
@@ -327,11 +328,13 @@ class RootContext:
 
 
 def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
-    return handle.unshard(async_op=async_op)
+    with collective_of(handle):  # [Note: tagged collectives] in comm/tags.py
+        return handle.unshard(async_op=async_op)
 
 
 def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
-    return handle.reduce_grad(async_op=async_op)
+    with collective_of(handle):
+        return handle.reduce_grad(async_op=async_op)
 
 
 def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: PendingCollective) -> None:

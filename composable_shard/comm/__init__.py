@@ -12,6 +12,8 @@ Collectives live in this folder, one file per concern:
 - ``shared_memory/``: the shared-memory transport between the processes
   of one host (its files, its slots and waits, its collectives);
 - ``groups.py``: the process groups of one unit (``ShardGroups``);
+- ``tags.py`` and ``tag_check.py``: the unit a collective belongs to, so
+  ranks that issue different units' collectives fail naming them;
 - ``reduction.py``: a gradient reduction's settings and arithmetic (divide
   factors, dtype casts), which ``reduce_grad`` and
   ``finish_grad_reduction`` here run around the collectives;
@@ -34,6 +36,7 @@ gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,7 @@ from .process_group import ChunkOfAllReduce
 from .overrides import ReductionOverrides, check_overrides, settings_with
 from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
+from .tag_check import TagCheckedWork, checked
 from .transport import expect_collective_bytes
 
 __all__ = [
@@ -84,7 +88,7 @@ class PendingCollective:
     waited on (the backend may still be reading or writing them).
     """
 
-    work: Work | ChunkOfAllReduce | SharedMemoryWork | None
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
 
@@ -109,7 +113,9 @@ def _all_gather_into(
     shared = transport.host_transport(shard, group, shard.numel() * shard.element_size())
     if shared is not None:
         return shared.all_gather(output, shard, async_op=async_op)
-    return process_group.all_gather_into(output, shard, group=group, async_op=async_op)
+    # The message path carries no tag: checked beside ([Note: tagged collectives] in tags.py).
+    launch = functools.partial(process_group.all_gather_into, output, shard, group=group, async_op=async_op)
+    return checked(launch, shard, group, async_op=async_op)
 
 
 def reduce_scatter(
@@ -148,7 +154,8 @@ def _reduce_scatter(
                 f"a host, with {transport.ENV_SWITCH} not set to 0 on any rank"
             )
         method = process_group.message_method(input, group)
-    return process_group.reduce_scatter(output, input, group, async_op=async_op, method=method)
+    launch = functools.partial(process_group.reduce_scatter, output, input, group, async_op=async_op, method=method)
+    return checked(launch, input, group, async_op=async_op)
 
 
 def reduce_scatter_method(input: torch.Tensor, group: ProcessGroup | None) -> str:
@@ -166,7 +173,7 @@ def inputs_in_use(work: Any) -> bool:
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
     """Sum ``tensor`` in place over the group."""
-    return process_group.all_reduce(tensor, group, async_op=async_op)
+    return checked(lambda: process_group.all_reduce(tensor, group, async_op=async_op), tensor, group, async_op=async_op)
 
 
 def reduce_grad(

@@ -49,6 +49,7 @@ from .partial_backward import backward_accumulates, hold_after_partial_backward
 from .pending_grads import reduce_left_behind
 from .prefetch import backward_starts_with, prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
+from .skipped_units import end_anchor_forward, gather_anchored, reduce_or_defer, reduce_skippable, stays_gathered
 
 __all__ = ["register_hooks", "call_as_forward"]
 
@@ -75,6 +76,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)  # from HELD: it already ran in this forward
         context.record_forward(state)
         state.unshard(wait=True)
+        gather_anchored(state)  # [Note: units that some ranks skip]
         prefetch_in_forward(state)
         args, kwargs = cast_inputs(state, args, kwargs)
         return hook_inputs_for_frozen_reshard(state, args, kwargs)
@@ -99,6 +101,7 @@ def _end_forward(state: UnitState, grad_enabled: bool, outputs_hooked: bool) -> 
     keeps_unsharded = grad_enabled and (
         state.is_root or not state.config.strategy.reshards_after_forward or backward_starts_with(state)
     )
+    keeps_unsharded = keeps_unsharded or stays_gathered(state)  # [Note: units that some ranks skip]
     if grad_enabled and not outputs_hooked:
         keeps_unsharded = len(state.trainable_handles) > 0  # [Note: outputs without a hookable tensor]
     if keeps_unsharded:
@@ -108,6 +111,7 @@ def _end_forward(state: UnitState, grad_enabled: bool, outputs_hooked: bool) -> 
         # Inside the root's forward the next unit's all-gather follows:
         # its buffer must not reuse this one ([Note: what a lane waits for]).
         state.reshard(defer_free=state.context.root.training_state is TrainingState.FORWARD)
+    end_anchor_forward(state)  # [Note: units that some ranks skip]
     if not grad_enabled and state.is_root:
         end_forward_without_backward(state.context)
 
@@ -196,6 +200,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
             context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
         state.unshard(wait=True)
+        gather_anchored(state)  # [Note: units that some ranks skip]
         context.scheduler.unit_backward_starts()  # [Note: backward prefetch on CPU]
         prefetch_in_backward(state, BackwardPrefetch.BACKWARD_PRE)
 
@@ -203,7 +208,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
 def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.Tensor) -> None:
     with hook_label(state, "post_backward"):
         _queue_finalize_once(state.context)
-        if state.reduce_grad(handle):
+        if reduce_or_defer(state, handle):  # [Note: units that some ranks skip]
             # From any state: a unit whose outputs had no hookable tensor
             # never ran its pre-backward.
             state.transition(TrainingState.POST_BACKWARD, *TrainingState)
@@ -224,6 +229,7 @@ def _finalize_backward(context: RootContext) -> None:
     """End of backward: finish every reduction (which sets ``.grad``),
     reshard every unit, reset states for the next step."""
     with hook_label(context.root, "finalize_backward"):
+        reduce_skippable(context)  # [Note: units that some ranks skip]
         reduce_left_behind(context)  # [Note: no_sync gradients of units that did not run]
         return_tree_to_idle(context, discard_grads=False)
         context.run_deferred_grad_hooks()

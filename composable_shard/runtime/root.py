@@ -13,6 +13,7 @@ import logging
 from ..scheduler import Scheduler
 from ..state import RootContext, UnitState, unit_states_under
 from .lifecycle import track_root
+from .skipped_units import tag_collectives
 
 __all__ = ["lazy_init"]
 
@@ -36,5 +37,6 @@ def lazy_init(state: UnitState) -> RootContext:
         unit.root_context = context
         unit.fqn = name or "<root>"
     track_root(context)
+    tag_collectives(context)  # [Note: tagged collectives] in comm/tags.py
     logger.debug("composable_shard: lazy init of root %s with %d units", type(state.module).__name__, len(units))
     return context

@@ -83,6 +83,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed import ProcessGroup
 
+from ..tags import current_tag, name_of
 from .eager import build_eager_versions, eagerly, outside_graph
 from .files import HEADER, SLOTS, GroupFiles
 
@@ -103,14 +104,17 @@ _FIRST_PAUSE_S = 5e-6
 _SHORT_WAIT_PAUSE_S = 2e-4
 _PAUSE_FRACTION = 0.1
 _MAX_PAUSE_S = 20e-3
+# A signature's bits: kind (2), bytes per rank (44: up to 16 TiB), tag above.
+_TAG_SHIFT = 46
 # The timeout of a group whose backend does not say (torch's default).
 _DEFAULT_TIMEOUT_S = 1800.0
 
 
 def signature_of(kind: int, nbytes: int) -> int:
     """What a peer must have written for the same operation: every rank
-    writes the same number of bytes for a given collective."""
-    return nbytes * 4 + kind
+    writes the same number of bytes for a given collective, tagged with the
+    same unit ([Note: tagged collectives] in comm/tags.py)."""
+    return (current_tag() << _TAG_SHIFT) + nbytes * 4 + kind
 
 
 class SlotRing:
@@ -196,7 +200,8 @@ class SlotRing:
                         f"composable_shard shared-memory collective (round {seq}): rank {peer} of the group issued "
                         f"{_describe(header[entry - 1])} where this rank (rank {self.rank}) issued "
                         f"{_describe(signature)}. Every rank must run the same collectives in the same order "
-                        "(the same modules in forward and backward, the same no_sync and state-dict calls)."
+                        "(the same modules in forward and backward, the same no_sync and state-dict calls); mark "
+                        "units that some ranks skip (conditional compute) with composable_shard.set_may_be_skipped."
                     )
             peers = waiting
             if not peers:
@@ -351,7 +356,16 @@ def _timeout_s(timeout: Any) -> float | None:
 
 def _describe(signature: int) -> str:
     kind = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter"}.get(signature % 4, "an unknown operation")
-    return f"{kind} writing {signature // 4} bytes"
+    return f"{kind} writing {_size(signature)} bytes{_of_unit(signature)}"
+
+
+def _size(signature: int) -> int:
+    return (signature & ((1 << _TAG_SHIFT) - 1)) // 4
+
+
+def _of_unit(signature: int) -> str:
+    tag = signature >> _TAG_SHIFT
+    return f" for {name_of(tag)}" if tag else ""
 
 
 def _operation(seq: int, signature: int, written: bool) -> str:
@@ -360,4 +374,4 @@ def _operation(seq: int, signature: int, written: bool) -> str:
     if not written:
         return f"collective (round {seq + SLOTS}, waiting for its slot to be read)"
     kind = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}.get(signature % 4, "collective")
-    return f"{kind} (round {seq}, {signature // 4} bytes per rank)"
+    return f"{kind} (round {seq}, {_size(signature)} bytes per rank{_of_unit(signature)})"

@@ -1,0 +1,109 @@
+"""Owns: checking a tagged collective's tag on the message path (gloo on
+CPU), which has no header to carry it: a tiny all-gather of every rank's
+tag, issued just before the collective and waited on first, so ranks that
+issue different units' collectives raise, naming both, before they wait on
+bytes that do not match.
+
+Knows nothing of: units (``tags`` names them), the shared-memory transport
+(its header carries the tag: [Note: tagged collectives] in tags.py), which
+collectives are tagged.
+
+Public names: ``checked``, ``TagCheckedWork``.
+
+CPU tensors only: on CUDA reading the peers' tags would stall the host at
+every collective. Pinned by tests/training/test_skipped_units.py (the gloo
+case).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import process_group
+from .tags import current_tag, name_of
+
+__all__ = ["checked", "TagCheckedWork"]
+
+_PREFIX = "composable_shard collective:"
+
+
+def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Any:
+    """Run ``launch`` (a message-path collective over ``group``), preceded
+    by the exchange of the current tag where one is set (CPU tensors of a
+    group of two or more ranks): its work, wrapped to check the tags first,
+    or, synchronous, after checking them."""
+    tag = current_tag()
+    if tag == 0 or tensor.device.type != "cpu" or dist.get_world_size(group) < 2:
+        return launch()
+    mine = torch.tensor([tag], dtype=torch.int64)
+    gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64)
+    tags_work = process_group.all_gather_into(gathered, mine, group=group, async_op=async_op)
+    if not async_op:
+        _check(gathered, tag, group)
+        return launch()
+    return TagCheckedWork(launch(), tags_work, gathered, tag, group)
+
+
+class TagCheckedWork:
+    """A collective's work whose wait first waits for and checks the ranks'
+    tags (the tiny exchange issued before it)."""
+
+    def __init__(self, work: Any, tags_work: Any, gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> None:
+        self._work = work
+        self._tags_work: Any = tags_work
+        self._gathered = gathered
+        self._tag = tag
+        self._group = group
+
+    def wait(self, *timeout: Any) -> bool:
+        """As ``Work.wait``: the tags first (raising if they differ), then
+        the collective; a failure of either (a peer dead or stuck past the
+        timeout) is raised naming the unit the collective is for."""
+        try:
+            return self._wait(*timeout)
+        except RuntimeError as error:
+            if str(error).startswith(_PREFIX):
+                raise
+            raise RuntimeError(f"{_PREFIX} communication failure in a collective for {name_of(self._tag)}: {error}") from error
+
+    def _wait(self, *timeout: Any) -> bool:
+        if self._tags_work is not None:
+            self._tags_work.wait(*timeout)
+            self._tags_work = None
+            mismatch = _mismatch(self._gathered, self._tag, self._group)
+            if mismatch is not None:
+                # The backend still writes into the output, which the caller
+                # frees once this raises: let the mispaired collective end first.
+                try:
+                    if self._work is not None:
+                        self._work.wait(*timeout)
+                finally:
+                    raise mismatch
+        return True if self._work is None else self._work.wait(*timeout)
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _check(gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> None:
+    mismatch = _mismatch(gathered, tag, group)
+    if mismatch is not None:
+        raise mismatch
+
+
+def _mismatch(gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> RuntimeError | None:
+    """The error naming both units where a peer's tag differs from ours."""
+    others = [(peer, other) for peer, other in enumerate(gathered.tolist()) if other != tag]
+    if not others:
+        return None
+    rank = dist.get_rank(group)
+    peer, other = others[0]
+    return RuntimeError(
+        f"{_PREFIX} rank {peer} of the group issued a collective for {name_of(other)} where "
+        f"this rank (rank {rank}) issued one for {name_of(tag)}. Every rank must run the same units in the same "
+        "order; mark units that some ranks skip (conditional compute) with composable_shard.set_may_be_skipped."
+    )
