@@ -10,6 +10,17 @@ from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from .plan import Capacity, ShardingPlan, describe, largest_fitting, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
+from .controls import (
+    UnshardHandle,
+    reshard,
+    set_is_last_backward,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
+)
 from .state_dict import (
     CheckpointError,
     StateDictError,
@@ -55,6 +66,15 @@ __all__ = [
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",
+    "set_requires_gradient_sync",
+    "set_is_last_backward",
+    "set_reshard_after_forward",
+    "set_reshard_after_backward",
+    "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch",
+    "unshard",
+    "reshard",
+    "UnshardHandle",
     "register_elementwise_optimizer",
     "plan",
     "describe",
