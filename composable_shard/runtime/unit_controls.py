@@ -80,7 +80,7 @@ def check_unit_controls(state: UnitState, when: str) -> None:
             )
     for kind, listed in (("forward", state.forward_prefetch_units), ("backward", state.backward_prefetch_units)):
         for unit in listed or ():
-            if unit.root_context is not None and unit.root_context is not state.root_context:
+            if unit.root_context is not state.root_context:  # None: a tree that never ran
                 raise RuntimeError(
                     f"fully_shard({state.fqn}): its {kind} prefetch list names {type(unit.module).__name__} "
                     f"('{unit.fqn}'), a unit of another tree, seen at its {when}. List units under the same "
