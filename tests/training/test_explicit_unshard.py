@@ -85,9 +85,12 @@ def _optimizer_steps(model, reference, optimizer, reference_optimizer, when: str
 def _unshard_before_forward(rank: int, world_size: int) -> None:
     model, reference, optimizer, reference_optimizer = _models(ShardingStrategy.FULL_SHARD)
     for step in range(2):
+        # The first time blocks before the root: each starts a tree of its
+        # own, which the root's lazy init takes over with its gathers.
+        units = _units(model)[::-1] if step == 0 else _units(model)
         issue = CollectiveSpy()
         with issue.watching():
-            handles = [unshard(unit, async_op=True) for unit in _units(model)]
+            handles = [unshard(unit, async_op=True) for unit in units]
         assert all(isinstance(handle, UnshardHandle) for handle in handles)
         assert _gathers(issue) == UNITS, issue.counts()
         handles[1].wait()  # optional: the forward waits for the rest
