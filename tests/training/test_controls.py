@@ -1,5 +1,7 @@
 """Per-unit runtime controls in training (composable_shard/controls.py):
-gradient accumulation with ``set_requires_gradient_sync`` on every unit or
+the other controls together (prefetch lists, resharding after forward
+switched per unit, ``unshard(async_op=True)`` before every forward) in
+every strategy; gradient accumulation with ``set_requires_gradient_sync`` on every unit or
 on some only, with ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)``, in every strategy at 4 ranks (hybrid:
 2 x 2), in parity with a single-process reference that sums the
@@ -19,14 +21,19 @@ from composable_shard import (
     ShardingStrategy,
     fully_shard,
     set_is_last_backward,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
     set_requires_gradient_sync,
     set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
 )
+from composable_shard.state import unit_states_under
 
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step, run_parity
 
 MICRO_BATCHES = 3
 UNITS = 4  # the root (embedding, norm, tied head) and three blocks
@@ -148,3 +155,36 @@ def _accumulation(rank: int, world_size: int, strategy_name: str, modes: tuple[s
 )
 def test_accumulation_with_per_unit_controls_matches_reference(strategy: str, modes: tuple[str, ...]) -> None:
     run_distributed(_accumulation, 4, strategy, modes)
+
+
+def _shard_with_every_control(strategy: ShardingStrategy, world_size: int):
+    def shard(model: nn.Module) -> None:
+        _shard(model, strategy, world_size)
+        blocks = list(model.blocks)
+        set_modules_to_forward_prefetch(blocks[0], [blocks[1], blocks[2]])
+        set_modules_to_backward_prefetch(blocks[2], [blocks[1], blocks[0]])
+        set_reshard_after_forward(blocks[1], not strategy.reshards_after_forward, recurse=False)
+
+    return shard
+
+
+def _step_after_unshard(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    for _, state in unit_states_under(model):
+        unshard(state.module, async_op=True)
+    return plain_step(model, inputs, targets)
+
+
+def _every_control(rank: int, world_size: int) -> None:
+    for strategy in (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.NO_SHARD,
+        ShardingStrategy.HYBRID_SHARD,
+    ):
+        run_parity(
+            Parity(build=TinyGPT, shard=_shard_with_every_control(strategy, world_size), steps=2, step_fn=_step_after_unshard)
+        )
+
+
+def test_prefetch_lists_reshard_after_forward_and_unshard_match_reference_in_every_strategy() -> None:
+    run_distributed(_every_control, 4)
