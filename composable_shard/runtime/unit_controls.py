@@ -26,7 +26,9 @@ of flat parameters the user wrote since (``drop_gathered_written_back``),
 and every other entry through the lifecycle's gate (optimizer step, state
 dicts, ``unshard_params``, ``clip_grad_norm_``) drops them all. An
 in-place edit of a shard's values between steps is not seen: call
-``reshard`` on such a unit first. Pinned by tests/training/test_controls.py.
+``reshard`` on such a unit first. Pinned by
+tests/training/test_explicit_unshard.py and tests/training/test_controls.py
+(all-gathers counted).
 
 [Note: a backward that is not the last]
 With ``set_is_last_backward(False)`` the end of backward reshards and
@@ -35,7 +37,8 @@ flight: they overlap the next forward, and finish when the next backward
 starts, when a later reduction pushes them out, or at the next entry
 through the gate (the optimizer step included), so no ``.grad`` is read
 before it is complete. CPU offload needs the host's one wait per backward
-for the gradient downloads, so the two do not combine.
+for the gradient downloads, so the two do not combine. Pinned by
+tests/training/test_controls.py ("not_last").
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ def check_unit_controls(state: UnitState, when: str) -> None:
         if not state.reshard_after_backward:
             raise RuntimeError(
                 f"fully_shard({state.fqn}): set_reshard_after_backward(False) with CPU offload, seen at its "
-                f"{when}. Offloaded parameters leave the device between uses, so they cannot stay gathered "
-                "after backward. Call set_reshard_after_backward(module, True) or shard without cpu_offload."
+                f"{when}. CPU offload keeps parameters off the device between uses; keeping them gathered "
+                "after backward is not supported with it. Call set_reshard_after_backward(module, True) or shard without cpu_offload."
             )
         if not state.is_last_backward:
             raise RuntimeError(
