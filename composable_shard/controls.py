@@ -12,7 +12,7 @@ Knows nothing of: hooks, streams, flattening details.
 Public names: ``set_requires_gradient_sync``, ``set_is_last_backward``,
 ``set_reshard_after_forward``, ``set_reshard_after_backward``,
 ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``,
-``unshard``, ``reshard``, ``UnshardHandle``.
+``unshard``, ``reshard``, ``UnshardHandle``, ``set_units_gradient_sync``.
 
 Where our flat layout makes a control differ from FSDP2's (README,
 "Per-unit runtime controls"): a unit's flat parameters are gathered and
@@ -43,6 +43,7 @@ __all__ = [
     "unshard",
     "reshard",
     "UnshardHandle",
+    "set_units_gradient_sync",
 ]
 
 
@@ -91,11 +92,19 @@ def set_requires_gradient_sync(module: nn.Module, requires: bool, *, recurse: bo
     reduce-scatter and the replica all-reduce together. Same on every rank.
     """
     _check_bool(module, "set_requires_gradient_sync", "requires", requires)
-    for unit in _units(module, recurse, "set_requires_gradient_sync"):
+    set_units_gradient_sync(_units(module, recurse, "set_requires_gradient_sync"), requires)
+
+
+def set_units_gradient_sync(units: list[UnitState], requires: bool) -> None:
+    """``set_requires_gradient_sync`` on units already checked (``no_sync``
+    restores each unit's own setting through it)."""
+    for unit in units:
         resumes = unit.skip_grad_sync and requires
         unit.skip_grad_sync = not requires
         if resumes:
-            # [Note: no_sync gradients of units that did not run] (runtime/pending_grads.py)
+            # The next synchronised backward reduces the gradients of units
+            # absent from it: [Note: no_sync gradients of units that did not
+            # run] (runtime/pending_grads.py).
             mark_local_accumulation([unit])
 
 

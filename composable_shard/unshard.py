@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .handle import FlatParamHandle, set_grad_of_other_dtype
-from .controls import set_requires_gradient_sync
+from .controls import set_units_gradient_sync
 from .runtime import enter_between_steps
 from .state import UnitState, get_state, unit_states_under
 
@@ -185,15 +185,12 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     """
     units = _units(module, recurse=True, what="no_sync")
     previous = [not unit.skip_grad_sync for unit in units]
-    set_requires_gradient_sync(module, False)
+    set_units_gradient_sync(units, False)
     try:
         yield
     finally:
         for unit, requires in zip(units, previous):
-            # Back to synchronised: the next synchronised backward reduces
-            # the gradients of units absent from it ([Note: no_sync
-            # gradients of units that did not run] in runtime/pending_grads.py).
-            set_requires_gradient_sync(unit.module, requires, recurse=False)
+            set_units_gradient_sync([unit], requires)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
