@@ -12,6 +12,17 @@ from .plan import Capacity, ShardingPlan, describe, largest_fitting, plan
 from .unshard import clip_grad_norm_, no_sync, unshard_params
 from .reduce_controls import register_comm_hook, set_all_reduce_hook, set_gradient_divide_factor, set_requires_all_reduce
 from . import comm_hooks
+from .controls import (
+    UnshardHandle,
+    reshard,
+    set_is_last_backward,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
+)
 from .state_dict import (
     CheckpointError,
     StateDictError,
@@ -63,6 +74,15 @@ __all__ = [
     "register_comm_hook",
     "set_all_reduce_hook",
     "comm_hooks",
+    "set_requires_gradient_sync",
+    "set_is_last_backward",
+    "set_reshard_after_forward",
+    "set_reshard_after_backward",
+    "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch",
+    "unshard",
+    "reshard",
+    "UnshardHandle",
     "register_elementwise_optimizer",
     "set_may_be_skipped",
     "plan",

@@ -124,6 +124,17 @@ class UnitState:
         self.reduced_handles: set[FlatParamHandle] = set()
         # Inside no_sync: gradients stay unsharded and accumulate locally.
         self.skip_grad_sync = False
+        # Per-unit runtime controls (controls.py; checked by
+        # runtime/unit_controls.py at the unit's next forward or backward).
+        # None: the strategy's rule (the root and the last unit stay gathered).
+        self.reshard_after_forward: bool | None = None
+        self.reshard_after_backward = True
+        # Whether the end of the tree's next backward finishes its reductions.
+        self.is_last_backward = True
+        # Units whose all-gathers this unit's forward / backward issues
+        # (None: the prefetch options decide).
+        self.forward_prefetch_units: list[UnitState] | None = None
+        self.backward_prefetch_units: list[UnitState] | None = None
         # Original dtype of each buffer cast to the mixed-precision
         # buffer_dtype, by name relative to the unit's module (full state
         # dicts give buffers back in these dtypes).
@@ -253,7 +264,7 @@ class UnitState:
                 note = f"composable_shard: raised while unit '{self.fqn}' issued its gradient reduction"
                 error.__notes__ = [*getattr(error, "__notes__", ()), note]
                 raise
-        if not handle.has_frozen_params:
+        if not handle.has_frozen_params and self.reshard_after_backward:
             self.reshard_handle(handle)
         self.reduced_handles.add(handle)
         return len(self.reduced_handles) == len(self.trainable_handles)
@@ -261,7 +272,11 @@ class UnitState:
     def reshard_frozen_when_done(self) -> None:
         """Reshard the frozen flat parameters once backward is done with them
         ([Note: resharding frozen flat parameters])."""
-        if self.pending_backward_uses == 0 and len(self.reduced_handles) == len(self.trainable_handles):
+        if (
+            self.reshard_after_backward
+            and self.pending_backward_uses == 0
+            and len(self.reduced_handles) == len(self.trainable_handles)
+        ):
             for handle in self.frozen_handles_to_reshard:
                 self.reshard_handle(handle)
 

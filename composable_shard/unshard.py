@@ -21,7 +21,8 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .handle import FlatParamHandle, set_grad_of_other_dtype
-from .runtime import enter_between_steps, mark_local_accumulation
+from .controls import set_units_gradient_sync
+from .runtime import enter_between_steps
 from .state import UnitState, get_state, unit_states_under
 
 __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
@@ -178,22 +179,18 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     or accumulate sharded gradients (plain backwards, one reduction each)
     where it does not.
 
-    Applies to every unit under ``module``; nesting restores the outer
-    setting.
+    Applies to every unit under ``module``: ``set_requires_gradient_sync``
+    with ``False`` for the context's duration, each unit's own setting
+    restored at its exit (so nesting restores the outer setting).
     """
     units = _units(module, recurse=True, what="no_sync")
-    previous = [unit.skip_grad_sync for unit in units]
-    for unit in units:
-        unit.skip_grad_sync = True
+    previous = [not unit.skip_grad_sync for unit in units]
+    set_units_gradient_sync(units, False)
     try:
         yield
     finally:
-        for unit, skip in zip(units, previous):
-            unit.skip_grad_sync = skip
-        # Gradients of units that skip the next synchronised backward are
-        # reduced at its end ([Note: no_sync gradients of units that did
-        # not run] in runtime/pending_grads.py).
-        mark_local_accumulation(units)
+        for unit, requires in zip(units, previous):
+            set_units_gradient_sync([unit], requires)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -9,11 +9,14 @@ Layout (each module depends only on those above it)::
     optimizer_checks.py  what the optimizer step refuses: optimizers not
                        elementwise over shards, a step between a forward
                        and its backward
+    prefetch.py        which unit to gather ahead, and when (explicit lists too)
+    unit_controls.py   what the per-unit runtime controls change in a step:
+                       units kept gathered between steps, backwards that
+                       are not the last, combinations refused
     lifecycle.py       a tree idle / in a step / held for backward; the one
                        gate every entry from outside a step passes; back to
                        idle at the end of backward; the optimizer step hook
     root.py            lazy init: the root's shared context
-    prefetch.py        which unit to gather ahead, and when
     partial_backward.py  a backward that accumulates none of the tree's
                        gradients (autograd.grad over inputs) holds, not ends
     pending_grads.py   no_sync gradients of units absent from the

@@ -47,9 +47,15 @@ from .lifecycle import (
 )
 from .partial_backward import backward_accumulates, hold_after_partial_backward
 from .pending_grads import reduce_left_behind
-from .prefetch import backward_starts_with, prefetch_in_backward, prefetch_in_forward
+from .prefetch import prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
 from .skipped_units import end_anchor_forward, gather_anchored, reduce_or_defer, reduce_skippable, stays_gathered
+from .unit_controls import (
+    check_unit_controls,
+    finish_reductions_left_in_flight,
+    keep_gathered_between_steps,
+    keeps_after_forward,
+)
 
 __all__ = ["register_hooks", "call_as_forward"]
 
@@ -60,6 +66,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         if state.root_context is None:
             lazy_init(state)
         context = state.context
+        check_unit_controls(state, "forward")
         if in_backward():  # [Note: activation-checkpoint re-runs]
             if state.training_state in BETWEEN_STEPS:
                 state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS)
@@ -71,7 +78,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
             check_input_devices(state, args, kwargs)
             context.start_forward_order()
         elif context.root.training_state is not TrainingState.FORWARD:  # called on its own
-            enter_between_steps(context.units, "forward", inside_a_step="skip")
+            enter_between_steps(context.units, "forward", inside_a_step="skip", keep_gathered=True)
             context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
         state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)  # from HELD: it already ran in this forward
         context.record_forward(state)
@@ -97,15 +104,15 @@ def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any)
 def _end_forward(state: UnitState, grad_enabled: bool, outputs_hooked: bool) -> None:
     """The unit's forward ended (a group's: after its last module)."""
     # The root's backward comes first, so its parameters stay gathered;
-    # so do the last unit's ([Note: the last unit stays gathered]).
-    keeps_unsharded = grad_enabled and (
-        state.is_root or not state.config.strategy.reshards_after_forward or backward_starts_with(state)
-    )
-    keeps_unsharded = keeps_unsharded or stays_gathered(state)  # [Note: units that some ranks skip]
+    # so do the last unit's ([Note: the last unit stays gathered]), and
+    # those set_reshard_after_forward(False) keeps (runtime/unit_controls.py).
+    keeps_unsharded = keeps_after_forward(state, grad_enabled)
     if grad_enabled and not outputs_hooked:
         keeps_unsharded = len(state.trainable_handles) > 0  # [Note: outputs without a hookable tensor]
-    if keeps_unsharded:
+    if stays_gathered(state) or (keeps_unsharded and grad_enabled):  # [Note: units that some ranks skip]
         state.hold_for_backward()
+    elif keeps_unsharded:  # set_reshard_after_forward(False) without autograd
+        keep_gathered_between_steps(state)
     else:
         state.transition(TrainingState.IDLE, TrainingState.FORWARD)
         # Inside the root's forward the next unit's all-gather follows:
@@ -191,6 +198,7 @@ def _pre_backward(state: UnitState, grad: torch.Tensor) -> None:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):
         context = state.context
+        check_unit_controls(state, "backward")
         if backward_accumulates(state):
             _queue_finalize_once(context)
         else:  # [Note: backwards that accumulate nothing of ours]
@@ -218,6 +226,7 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
 
 def _queue_finalize_once(context: RootContext) -> None:
     if not context.post_backward_callback_queued:
+        finish_reductions_left_in_flight(context)  # [Note: a backward that is not the last]
         context.post_backward_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
         # A backward starts: shards may have changed since the forward

@@ -57,6 +57,12 @@ from torch.utils.hooks import RemovableHandle
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
 from .optimizer_checks import refuse_unless_elementwise, remember_step_while_held
+from .unit_controls import (
+    drop_gathered_written_back,
+    end_backward_leaving_reductions,
+    needs_settling,
+    settle_gathered_and_reductions,
+)
 
 __all__ = [
     "TreePhase",
@@ -121,13 +127,22 @@ def _trees(units: Iterable[UnitState]) -> list[tuple[RootContext | None, list[Un
     return trees
 
 
-def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step: Literal["raise", "skip"] = "raise") -> None:
+def enter_between_steps(
+    units: Iterable[UnitState],
+    what: str,
+    *,
+    inside_a_step: Literal["raise", "skip"] = "raise",
+    keep_gathered: bool = False,
+) -> None:
     """The gate: every entry point that reads or changes the parameters
     outside a step calls it first. For each tree ``units`` belong to: inside
     a step, raise a ``RuntimeError`` naming ``what`` (``inside_a_step="skip"``:
     leave that tree alone, for callers that may legally run inside a step,
     such as an optimizer stepping from a gradient hook); held for backward,
-    end the held state ([Note: held for backward])."""
+    end the held state ([Note: held for backward]); then, unless
+    ``keep_gathered`` (a forward), finish reductions left in flight and free
+    what idle units kept gathered ([Note: units kept gathered between
+    steps] in unit_controls.py)."""
     for context, tree in _trees(units):
         if context is not None and backward_was_abandoned(context):
             recover_from_abandoned_backward(context)
@@ -142,6 +157,8 @@ def enter_between_steps(units: Iterable[UnitState], what: str, *, inside_a_step:
             )
         if phase is TreePhase.HELD_FOR_BACKWARD and context is not None:
             _end_held_state(context)
+        if phase is not TreePhase.IN_STEP and context is not None and not keep_gathered:
+            settle_gathered_and_reductions(context)
 
 
 def start_root_forward(context: RootContext) -> None:
@@ -167,10 +184,8 @@ def start_root_forward(context: RootContext) -> None:
             f"(units still in backward: {[unit.fqn for unit in busy[:4]]}). Finish backward (or call it on every "
             "output) before the next forward; the model has been reset to its sharded state and is usable."
         )
-    enter_between_steps(context.units, "forward")
-    for unit in context.units:
-        for handle in unit.handles:
-            handle.writeback_orig_params(name_prefix=unit.name_prefix)
+    enter_between_steps(context.units, "forward", keep_gathered=True)
+    drop_gathered_written_back(context)
     # The optimizer, the user and this write-back wrote shards on compute:
     # the step's first all-gather comes after ([Note: what a lane waits for]).
     context.scheduler.mark_shards_written()
@@ -178,9 +193,11 @@ def start_root_forward(context: RootContext) -> None:
 
 def end_forward_without_backward(context: RootContext) -> None:
     """The root's forward ran without autograd: no backward will come, so
-    free what forward prefetch left gathered."""
+    free what forward prefetch left gathered, but what a unit keeps with
+    ``set_reshard_after_forward(False)``."""
     for unit in context.units:
-        unit.reshard()
+        if unit.reshard_after_forward is not False:
+            unit.reshard()
     synchronize_host_copies(context)
 
 
@@ -208,18 +225,28 @@ def return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
     counters, and (with CPU offload) wait for the host's copies: the end of
     a backward, or, with ``discard_grads``, the reset after a misuse, which
     also drops unreduced gradients and re-registers every handle's
-    parameters whatever it shows."""
-    context.scheduler.wait_for_all()
+    parameters whatever it shows. A backward that is not the last leaves
+    its reductions in flight, and units with
+    ``set_reshard_after_backward(False)`` stay gathered ([Note: a backward
+    that is not the last], [Note: units kept gathered between steps] in
+    unit_controls.py)."""
+    leave_reductions = not discard_grads and end_backward_leaving_reductions(context)
+    if not leave_reductions:
+        context.scheduler.wait_for_all()
     for unit in context.units:
+        keep = not discard_grads and not unit.reshard_after_backward
         for handle in unit.handles:
             if discard_grads:
                 handle.clear_unsharded_grad()
                 unit.reshard_handle(handle)
+            elif keep:
+                handle.hide_unsharded_views()
             elif handle.is_unsharded or handle.shows_unsharded_views:  # else post-backward resharded it
                 unit.reshard_handle(handle)
         unit.reset_step_counters()
     context.post_backward_callback_queued = False
-    synchronize_host_copies(context)
+    if not leave_reductions:
+        synchronize_host_copies(context)
 
 
 def reset_after_error(context: RootContext) -> None:
@@ -267,8 +294,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
         if backward_was_abandoned(context) and _updates_tree(optimizer, context):
             recover_from_abandoned_backward(context)  # [Note: a backward that raised]
         held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
-        if held and _updates_tree(optimizer, context):
-            if tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:
+        if (held or needs_settling(context)) and _updates_tree(optimizer, context):
+            if held and tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:
                 remember_step_while_held(context, optimizer)  # [Note: optimizer step between forward and backward]
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
 

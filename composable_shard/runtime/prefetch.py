@@ -17,9 +17,14 @@ __all__ = ["prefetch_in_forward", "prefetch_in_backward", "backward_prefetch_poi
 
 
 def prefetch_in_forward(state: UnitState) -> None:
-    """With ``forward_prefetch``, issue the all-gather of the unit that ran
-    after ``state`` in the previous forward."""
-    if state.config.forward_prefetch:
+    """Issue the all-gathers of the units ``set_modules_to_forward_prefetch``
+    listed for ``state``, in their order; without a list, with
+    ``forward_prefetch``, the one of the unit that ran after ``state`` in
+    the previous forward."""
+    if state.forward_prefetch_units is not None:
+        for listed in state.forward_prefetch_units:
+            listed.prefetch()
+    elif state.config.forward_prefetch:
         context = state.context
         following = context.next_in(context.previous_forward_order, state, +1)
         if following is not None:
@@ -28,8 +33,14 @@ def prefetch_in_forward(state: UnitState) -> None:
 
 def prefetch_in_backward(state: UnitState, point: BackwardPrefetch) -> None:
     """At ``point`` of ``state``'s backward, issue the all-gather of the
-    unit backward reaches next, if the policy prefetches there."""
-    if backward_prefetch_point(state) is point:
+    unit backward reaches next, if the policy prefetches there; a list from
+    ``set_modules_to_backward_prefetch`` replaces the policy: its units'
+    all-gathers are issued in its order at the pre-backward."""
+    if state.backward_prefetch_units is not None:
+        if point is BackwardPrefetch.BACKWARD_PRE:
+            for listed in state.backward_prefetch_units:
+                listed.prefetch()
+    elif backward_prefetch_point(state) is point:
         context = state.context
         following = context.next_in(context.forward_order, state, -1)
         if following is not None:

@@ -28,6 +28,10 @@ def lazy_init(state: UnitState) -> RootContext:
         return state.root_context
     named_units = list(unit_states_under(state.module))
     units = [unit for _, unit in named_units]
+    # An earlier, smaller tree (an explicit unshard before the first
+    # forward) may have work in flight on its scheduler: finished first.
+    for earlier in {id(u.root_context): u.root_context for u in units if u.root_context is not None}.values():
+        earlier.scheduler.wait_for_all()
     context = RootContext(
         state,
         units,

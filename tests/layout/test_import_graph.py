@@ -113,7 +113,7 @@ CORE = (
     "init",
     "fully_shard",
 )
-WINGS = ("state_dict", "checkpoint", "plan", "unshard", "param_hooks", "torch_grad_norm", "autograd_inputs",
+WINGS = ("state_dict", "checkpoint", "plan", "unshard", "controls", "param_hooks", "torch_grad_norm", "autograd_inputs",
          "reduce_controls", "comm_hooks")
 
 
