@@ -35,6 +35,7 @@ from .handle import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
+from .tensor_parallel import data_parallel_mesh
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
     choose_units,
@@ -272,6 +273,7 @@ def _resolve_groups(name: str, kwargs: dict[str, Any]) -> ShardGroups:
     mesh = kwargs["device_mesh"]
     if process_group is not None and mesh is not None:
         raise ValueError(f"fully_shard({name}): pass process_group or device_mesh, not both.")
+    mesh = data_parallel_mesh(mesh)  # [Note: meshes with a tensor-parallel dimension]
     if mesh is not None:
         if mesh.ndim == 2:
             process_group = (mesh.get_group(1), mesh.get_group(0))

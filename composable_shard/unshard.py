@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .handle import FlatParamHandle, set_grad_of_other_dtype
+from .handle.dtensor_views import local_tensor
 from .runtime import enter_between_steps, mark_local_accumulation
 from .state import UnitState, get_state, unit_states_under
 
@@ -139,12 +140,13 @@ def _absorb_replaced_data(handle: FlatParamHandle, full_flat: torch.Tensor) -> l
     with torch.no_grad():
         for info, index, param in zip(layout.params, layout.param_segments, handle.orig_params):
             view = segments[index].view(info.shape)
-            if param.data_ptr() == view.data_ptr() and param.shape == info.shape:
+            data = local_tensor(param)  # a DTensor's local tensor: the layout's shape
+            if data.data_ptr() == view.data_ptr() and data.shape == info.shape:
                 continue  # still the view: in-place edits are already there
-            if param.shape != info.shape:
+            if data.shape != info.shape:
                 wrong.append(info.fqn)
                 continue
-            view.copy_(param.detach())
+            view.copy_(data.detach())
     return wrong
 
 
