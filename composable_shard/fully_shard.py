@@ -35,7 +35,7 @@ from .handle import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
-from .tensor_parallel import data_parallel_mesh
+from .tensor_parallel import check_dtensor_params, data_parallel_mesh
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
     choose_units,
@@ -124,8 +124,9 @@ def fully_shard(
     sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, module, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
-    for unit_groups in groups:
+    for choice, unit_groups in zip(choices, groups):
         _check_groups_reach_device(name, unit_groups, compute_device)
+        check_dtensor_params(name, sources[id(choice.module)], unit_groups)
     check_materializable(module, param_init_fn, skip)
 
     # Validated: from here on the module is changed.

@@ -1,10 +1,11 @@
 """Owns: which dimensions of a ``device_mesh`` passed to ``fully_shard`` are
-data-parallel when the mesh also carries tensor parallelism.
+data-parallel when the mesh also carries tensor parallelism, and the
+refusal of ``DTensor`` parameters before anything is sharded.
 
-Knows nothing of: process groups beyond the mesh's own, parameters (their
-``DTensor`` specs are read in ``handle/dtensor_views.py``), strategies.
+Knows nothing of: how ``DTensor`` parameters are flattened and shown
+(``handle/dtensor_views.py``), strategies.
 
-Public names: ``data_parallel_mesh``.
+Public names: ``data_parallel_mesh``, ``check_dtensor_params``.
 
 [Note: meshes with a tensor-parallel dimension]
 ``fully_shard(module, device_mesh=mesh)`` reads a named mesh as follows: a
@@ -19,9 +20,13 @@ Pinned by test_two_dimensional_mesh_is_read_by_its_dp_dimension
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["data_parallel_mesh", "DATA_PARALLEL_DIM", "TENSOR_PARALLEL_DIM"]
+from .comm import ShardGroups
+from .handle import FlatParamSource
+from .handle.dtensor_views import tensor_parallel_spec
+
+__all__ = ["data_parallel_mesh", "check_dtensor_params", "DATA_PARALLEL_DIM", "TENSOR_PARALLEL_DIM"]
 
 DATA_PARALLEL_DIM = "dp"
 TENSOR_PARALLEL_DIM = "tp"
@@ -39,3 +44,10 @@ def data_parallel_mesh(mesh: Any) -> Any:
         others = tuple(name for name in names if name != TENSOR_PARALLEL_DIM)
         return mesh[others[0]] if len(others) == 1 else mesh[others]
     return mesh
+
+
+def check_dtensor_params(name: str, sources: Sequence[FlatParamSource], groups: ShardGroups) -> None:
+    """Refuse, before ``fully_shard`` changes anything, ``DTensor``
+    parameters a flat parameter cannot hold (see ``tensor_parallel_spec``)."""
+    for source in sources:
+        tensor_parallel_spec(source.param, f"{source.owners[0].fqn}", (groups.shard_group, groups.replicate_group))

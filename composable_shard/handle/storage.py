@@ -81,6 +81,12 @@ class FlatParamHandle:
             dtensor_views.tensor_parallel_spec(src.param, src.owners[0].fqn, (groups.shard_group, groups.replicate_group))
             for src in sources
         )
+        if keep_low_precision_grads and any(self.tp_specs):
+            raise ValueError(
+                f"fully_shard: parameter '{sources[0].owners[0].fqn}' and others are DTensors (tensor parallelism); "
+                "keep_low_precision_grads=True would give them plain low-precision .grad tensors, which "
+                "optimizers cannot combine with DTensor parameters. Use keep_low_precision_grads=False."
+            )
         self.layout: FlatParamLayout = compute_layout(
             [(spec.local_shape if spec else src.param.shape, src.owners) for src, spec in zip(sources, self.tp_specs)],
             dtype=first.dtype,

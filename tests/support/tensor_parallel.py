@@ -106,11 +106,11 @@ def local_loss(out: torch.Tensor, global_x: torch.Tensor, mesh: DeviceMesh) -> t
     add up (tensor-parallel backward sums them), the dp ranks' are averaged
     by the gradient reduction."""
     rows = global_x.shape[0] // mesh["dp"].size()
-    return out.pow(2).sum() / (rows * global_x.shape[1] * global_x.shape[2])
+    return out.float().pow(2).sum() / (rows * global_x.shape[1] * global_x.shape[2])
 
 
 def reference_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.pow(2).mean()
+    return out.float().pow(2).mean()
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -137,6 +137,9 @@ class TPParity:
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     )
     clip: float | None = None
+    # The dtype the reference computes forward and backward in (its master
+    # weights stay fp32; see [Note: low-precision 2-D reference]).
+    compute_dtype: torch.dtype | None = None
     atol: float = 1e-5
     rtol: float = 1e-5
     # Filled by the run: the norms clip_grad_norm_ returned (sharded, reference).
@@ -166,9 +169,7 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
         loss_total = torch.zeros(())
         for micro in range(parity.micro_batches):
             x = global_batch(step * 10 + micro)
-            ref_loss = reference_loss(reference(x)) / parity.micro_batches
-            ref_loss.backward()
-            ref_loss_total += ref_loss.item()
+            ref_loss_total += _reference_backward(reference, x, parity) / parity.micro_batches
             local = local_slice(x, mesh)
             last = micro == parity.micro_batches - 1
             with (no_sync(model) if not last else _null()):
@@ -177,7 +178,11 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
             loss_total += loss.detach()
         dist.all_reduce(loss_total)  # tp shares add, dp ranks' means: / dp
         loss_value = loss_total.item() / mesh["dp"].size()
-        assert abs(loss_value - ref_loss_total) <= 1e-5 * max(1.0, abs(ref_loss_total)), (step, loss_value, ref_loss_total)
+        assert abs(loss_value - ref_loss_total) <= parity.atol + parity.rtol * abs(ref_loss_total), (
+            step,
+            loss_value,
+            ref_loss_total,
+        )
         if parity.clip is not None:
             norm = clip_grad_norm_(model, parity.clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), parity.clip)
@@ -194,6 +199,32 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
             )
         losses.append(loss_value)
     return losses
+
+
+def _reference_backward(reference: nn.Module, x: torch.Tensor, parity: TPParity) -> float:
+    """Forward and backward of the reference on the global batch; gradients
+    accumulate into its fp32 ``.grad``.
+
+    [Note: low-precision 2-D reference]
+    With ``compute_dtype`` the reference runs a copy of its master weights
+    cast to that dtype (as the sharded units compute) and adds the copy's
+    gradients, cast up, to the masters'. The tensor-parallel reductions sum
+    in another order than one process does, so the comparison uses the
+    dtype's round-off (callers set the tolerances), with SGD so that a
+    gradient's rounding moves a weight in proportion."""
+    if parity.compute_dtype is None:
+        loss = reference_loss(reference(x)) / parity.micro_batches
+        loss.backward()
+        return loss.item() * parity.micro_batches
+    low = copy.deepcopy(reference).to(parity.compute_dtype)
+    loss = reference_loss(low(x.to(parity.compute_dtype))) / parity.micro_batches
+    loss.backward()
+    for master, copy_param in zip(reference.parameters(), low.parameters()):
+        if copy_param.grad is None:
+            continue
+        grad = copy_param.grad.float()
+        master.grad = grad if master.grad is None else master.grad + grad
+    return loss.item() * parity.micro_batches
 
 
 class _null:
