@@ -8,7 +8,7 @@ Knows nothing of: the flat layout's arithmetic, collectives, modules'
 training state, hooks.
 
 Public names: ``TensorParallelSpec``, ``tensor_parallel_spec``,
-``local_tensor``, ``forward_view``, ``show_local``, ``as_grad_of``.
+``local_tensor``, ``norm_group_of``, ``forward_view``, ``show_local``, ``as_grad_of``.
 
 [Note: DTensor parameters]
 A parameter that is a ``DTensor`` (``parallelize_module`` on a "tp" mesh
@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["TensorParallelSpec", "tensor_parallel_spec", "local_tensor", "forward_view", "show_local", "as_grad_of"]
+__all__ = ["TensorParallelSpec", "tensor_parallel_spec", "local_tensor", "norm_group_of", "forward_view", "show_local", "as_grad_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +73,12 @@ class TensorParallelSpec:
     def is_sharded(self) -> bool:
         """Whether the tensor-parallel ranks hold different parts of it."""
         return any(isinstance(p, Shard) for p in self.placements)
+
+    def norm_group(self) -> object | None:
+        """The group over which this parameter's local parts add up to the
+        whole (its mesh's group when sharded; None when replicated: every
+        tensor-parallel rank holds the same values, counted once)."""
+        return self.mesh.get_group() if self.is_sharded else None
 
 
 def tensor_parallel_spec(
@@ -113,6 +119,19 @@ def tensor_parallel_spec(
         global_stride=tuple(param.stride()),
         local_shape=local.shape,
     )
+
+
+def norm_group_of(tensor: torch.Tensor) -> object | None:
+    """For a tensor no flat parameter holds: the group its local parts add
+    up over (a ``DTensor`` sharded on a 1-D mesh), else None."""
+    if isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements):
+        if tensor.device_mesh.ndim != 1:
+            raise ValueError(
+                "clip_grad_norm_: a gradient is a DTensor sharded on a multi-dimensional mesh "
+                f"{tensor.device_mesh}; give its parameter to fully_shard or clip it separately."
+            )
+        return tensor.device_mesh.get_group()
+    return None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -154,10 +154,11 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
     mesh = mesh if mesh is not None else mesh_2x2()
     reference = build_stack(checkpointed=parity.checkpointed)
     model = copy.deepcopy(reference)
+    parallelize(model, mesh["tp"])
+    # After parallelize_module, which makes new parameters (requires_grad=True).
     for name in parity.frozen:
         reference.get_parameter(name).requires_grad_(False)
         model.get_parameter(name).requires_grad_(False)
-    parallelize(model, mesh["tp"])
     for block in model.blocks:
         fully_shard(block, **parity.shard_kwargs)
     fully_shard(model, **parity.shard_kwargs)
@@ -188,6 +189,8 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), parity.clip)
             parity.norms.append((norm.item(), ref_norm.item()))
             torch.testing.assert_close(norm, ref_norm, atol=parity.atol, rtol=parity.rtol)
+        for name in parity.frozen:  # frozen: autograd gave it no gradient
+            assert model.get_parameter(name).grad is None, name
         opt.step()
         ref_opt.step()
         opt.zero_grad()

@@ -36,6 +36,10 @@ def _fp32_cases(rank: int, world_size: int) -> dict[str, list[float]]:
         "adamw_foreach": TPParity(
             shard_kwargs=dp, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)
         ),
+        # clip_grad_norm_ (ours) equals torch's on the reference, every step;
+        # max_norm below the norm, so the gradients are really scaled.
+        "clip_grad_norm": TPParity(shard_kwargs=dp, clip=0.05),
+        "clip_grad_norm_frozen": TPParity(shard_kwargs=dp, clip=0.05, frozen=("blocks.1.norm.weight",)),
         "adamw_fused": TPParity(
             shard_kwargs=dp, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
         ),
