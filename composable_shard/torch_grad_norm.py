@@ -46,6 +46,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from . import comm
+from .handle.dtensor_views import local_tensor, norm_group_of
 from .state import UnitState
 
 __all__ = ["track_unit_grads", "install"]
@@ -124,15 +125,21 @@ def _global_norm(tensors: list[torch.Tensor], owners: dict[int, UnitState], norm
     """The ``norm_type``-norm of all of ``tensors`` as full tensors: local
     contributions summed (max for inf) per shard group, then combined."""
     device = next(iter(owners.values())).compute_device  # where the group's collectives run
-    by_group: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    # Per (shard group, tensor-parallel group): a DTensor gradient's local
+    # part also adds up over its mesh when sharded there (see
+    # ``norm_group_of``); a replicated one counts once.
+    by_group: dict[tuple[ProcessGroup | None, ProcessGroup | None], list[torch.Tensor]] = {}
     for tensor in tensors:
         unit = owners.get(id(tensor))
-        by_group.setdefault(unit.groups.shard_group if unit is not None else None, []).append(tensor)
+        key = (unit.groups.shard_group if unit is not None else None, norm_group_of(tensor))
+        by_group.setdefault(key, []).append(local_tensor(tensor))
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, group_tensors in by_group.items():
+    for groups, group_tensors in by_group.items():
         local = _contribution(group_tensors, norm_type, device)
-        if group is not None:
+        for group in groups:
+            if group is None:
+                continue
             if is_inf:
                 comm.all_reduce_max(local, group)
             else:

@@ -137,6 +137,9 @@ class TPParity:
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     )
     clip: float | None = None
+    # Clip with torch.nn.utils.clip_grad_norm_ over the parameters instead
+    # of composable_shard.clip_grad_norm_.
+    torch_clip: bool = False
     # The dtype the reference computes forward and backward in (its master
     # weights stay fp32; see [Note: low-precision 2-D reference]).
     compute_dtype: torch.dtype | None = None
@@ -185,7 +188,10 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
             ref_loss_total,
         )
         if parity.clip is not None:
-            norm = clip_grad_norm_(model, parity.clip)
+            if parity.torch_clip:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parity.clip)
+            else:
+                norm = clip_grad_norm_(model, parity.clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), parity.clip)
             parity.norms.append((norm.item(), ref_norm.item()))
             torch.testing.assert_close(norm, ref_norm, atol=parity.atol, rtol=parity.rtol)

@@ -40,6 +40,7 @@ def _fp32_cases(rank: int, world_size: int) -> dict[str, list[float]]:
         # max_norm below the norm, so the gradients are really scaled.
         "clip_grad_norm": TPParity(shard_kwargs=dp, clip=0.05),
         "clip_grad_norm_frozen": TPParity(shard_kwargs=dp, clip=0.05, frozen=("blocks.1.norm.weight",)),
+        "torch_clip_grad_norm": TPParity(shard_kwargs=dp, clip=0.05, torch_clip=True),
         "adamw_fused": TPParity(
             shard_kwargs=dp, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
         ),
