@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["TensorParallelSpec", "tensor_parallel_spec", "local_tensor", "norm_group_of", "forward_view", "show_local", "as_grad_of"]
@@ -73,6 +74,11 @@ class TensorParallelSpec:
     def is_sharded(self) -> bool:
         """Whether the tensor-parallel ranks hold different parts of it."""
         return any(isinstance(p, Shard) for p in self.placements)
+
+    def local_offsets(self) -> tuple[int, ...]:
+        """Where this rank's local tensor starts in the global tensor."""
+        shape, offsets = compute_local_shape_and_global_offset(self.global_shape, self.mesh, self.placements)
+        return tuple(offsets)
 
     def norm_group(self) -> object | None:
         """The group over which this parameter's local parts add up to the
