@@ -8,11 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import parallelize_module
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, is_fully_sharded
 
 from tests.support.harness_pool import run_distributed
-from tests.support.tensor_parallel import TPParity, build_stack, mesh_2x2, parallelize, run_tp_parity
+from tests.support.tensor_parallel import (
+    TPBlock,
+    TPParity,
+    block_plan,
+    build_stack,
+    mesh_2x2,
+    parallelize,
+    run_tp_parity,
+)
 
 
 def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -89,6 +98,12 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     assert not is_fully_sharded(block) and block.up.weight.shape == (16, 8)  # left as it was
     # The model stays usable: sharding on the dp dimension works afterwards.
     fully_shard(block, device_mesh=mesh["dp"])
+    # Refused before any unit is built: a policy whose first unit is plain.
+    model = build_stack()
+    parallelize_module(model.blocks[1], mesh["tp"], block_plan())
+    with pytest.raises(ValueError, match=r"parameter 'norm.weight' is a DTensor"):
+        fully_shard(model, policy={TPBlock})
+    assert not any(is_fully_sharded(m) for m in model.modules())
     # A 3-D mesh with a "tp" dimension gives its other two (hybrid) dims.
     from composable_shard.tensor_parallel import data_parallel_mesh
 
