@@ -93,11 +93,25 @@ def global_batch(step: int, batch: int = 4) -> torch.Tensor:
     return torch.randn(batch, SEQ, DIM, generator=generator)
 
 
+def data_parallel_coords(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this rank among the data-parallel ranks: the "dp"
+    dimension, or every dimension but "tp" (a (replicate, shard, tp) mesh)."""
+    names = mesh.mesh_dim_names
+    if "dp" in names:
+        return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    rank, size = 0, 1
+    for name in names:
+        if name != "tp":
+            rank, size = rank * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    return rank, size
+
+
 def local_slice(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's part of a global batch: its dp rank's rows, its tp
     rank's sequence positions."""
-    dp, tp = mesh["dp"], mesh["tp"]
-    rows = x.chunk(dp.size(), dim=0)[dp.get_local_rank()]
+    dp_rank, dp_size = data_parallel_coords(mesh)
+    tp = mesh["tp"]
+    rows = x.chunk(dp_size, dim=0)[dp_rank]
     return rows.chunk(tp.size(), dim=1)[tp.get_local_rank()]
 
 
@@ -105,7 +119,7 @@ def local_loss(out: torch.Tensor, global_x: torch.Tensor, mesh: DeviceMesh) -> t
     """This rank's share of the global mean of out**2: the tp ranks' shares
     add up (tensor-parallel backward sums them), the dp ranks' are averaged
     by the gradient reduction."""
-    rows = global_x.shape[0] // mesh["dp"].size()
+    rows = global_x.shape[0] // data_parallel_coords(mesh)[1]
     return out.float().pow(2).sum() / (rows * global_x.shape[1] * global_x.shape[2])
 
 
@@ -181,7 +195,7 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
                 loss.backward()
             loss_total += loss.detach()
         dist.all_reduce(loss_total)  # tp shares add, dp ranks' means: / dp
-        loss_value = loss_total.item() / mesh["dp"].size()
+        loss_value = loss_total.item() / data_parallel_coords(mesh)[1]
         assert abs(loss_value - ref_loss_total) <= parity.atol + parity.rtol * abs(ref_loss_total), (
             step,
             loss_value,

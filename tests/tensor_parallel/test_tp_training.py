@@ -84,6 +84,21 @@ def test_bf16_mixed_precision_over_tensor_parallel_blocks_matches_low_precision_
     run_distributed(_bf16_cases, 4, timeout=600)
 
 
+def _hybrid_over_a_3d_mesh(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # HYBRID over (replicate, shard, tp): gradients reduce-scattered over
+    # "shard", all-reduced over "replicate", never over "tp".
+    for shape in ((2, 1, 2), (1, 2, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
+            run_tp_parity(TPParity(shard_kwargs=dict(device_mesh=mesh, strategy=strategy), clip=0.05), mesh)
+
+
+def test_hybrid_sharding_over_a_replicate_shard_tp_mesh_matches_single_process() -> None:
+    run_distributed(_hybrid_over_a_3d_mesh, 4, timeout=600)
+
+
 def _refusals(rank: int, world_size: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
