@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from composable_shard import fully_shard
@@ -83,6 +84,17 @@ def parallelize_and_shard(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """DTensor (tensor-parallel) and plain parameters in separate groups:
+    optimizers' foreach and fused kernels take one group's tensors at once,
+    and DTensor refuses a list that mixes both."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if isinstance(p, DTensor)]},
+        {"params": [p for p in params if not isinstance(p, DTensor)]},
+    ]
+
+
 def batch(step: int, global_batch: int = 8, seq: int = 16, vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (global_batch, seq + 1), generator=torch.Generator().manual_seed(step))
 
@@ -109,7 +121,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = parallelize_and_shard(GPT(), mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=True)
     for step in range(args.steps):
         # One batch over and over, so the printed loss visibly falls.
         loss = train_step(model, optimizer, local_rows(batch(0), mesh))

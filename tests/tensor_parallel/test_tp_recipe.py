@@ -33,7 +33,7 @@ def _recipe_matches_one_process(rank: int, world_size: int) -> list[float]:
     torch.manual_seed(0)
     reference = example.GPT()
     model = example.parallelize_and_shard(copy.deepcopy(reference), mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(example.param_groups(model), lr=1e-2, foreach=True)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
