@@ -88,5 +88,34 @@ def _plan_counts_local_shards(rank: int, world_size: int) -> None:
     assert described.rank_bytes["params"] == planned.rank_bytes["params"]
 
 
+def _module_state_dict_round_trip(rank: int, world_size: int) -> None:
+    mesh = mesh_2x2()
+    reference = build_stack()
+    model = parallelize(copy.deepcopy(reference), mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, device_mesh=mesh["dp"])
+    fully_shard(model, device_mesh=mesh["dp"])
+    # state_dict(): DTensors with their TP placements, as without fully_shard.
+    state = model.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    for key, value in state.items():
+        assert isinstance(value, DTensor), key
+        torch.testing.assert_close(value.full_tensor(), reference.state_dict()[key], atol=0, rtol=0)
+    # load_state_dict of DTensors (its own, scaled) and of plain full tensors.
+    scaled = {key: value * 2 for key, value in state.items()}
+    model.load_state_dict(scaled)
+    with unshard_params(model):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.full_tensor(), 2 * reference.get_parameter(name).detach(), atol=0, rtol=0)
+    model.load_state_dict(reference.state_dict())
+    with unshard_params(model):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.full_tensor(), reference.get_parameter(name).detach(), atol=0, rtol=0)
+
+
+def test_module_state_dict_gives_and_takes_tensor_parallel_dtensors() -> None:
+    run_distributed(_module_state_dict_round_trip, 4, timeout=300)
+
+
 def test_plan_and_describe_count_the_local_tensor_parallel_shards() -> None:
     run_distributed(_plan_counts_local_shards, 4, timeout=300)
