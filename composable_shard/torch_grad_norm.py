@@ -21,8 +21,10 @@ before importing this package. The replacement finds the tensors that are
 the current ``.grad`` of a sharded unit's parameters (by identity; a dict of
 the live units' gradients per call, O(parameters)); with none it calls
 torch's own function unchanged. Otherwise each rank sums its contributions
-per shard group, all-reduces them over that group (replicas hold the same
-values and count once), and every rank gets the same total; torch's
+per shard group (and, for a ``DTensor`` gradient sharded on its
+tensor-parallel mesh, per that mesh's group too), all-reduces them over
+those groups (replicas hold the same values and count once), and every rank
+gets the same total; torch's
 ``_clip_grads_with_norm_`` then scales each local slice by the same
 coefficient, which is exactly the single-process clipping (the scaling is
 elementwise). Collective when sharded gradients are present: every rank must

@@ -67,7 +67,11 @@ def unshard_params(
     ``module`` (only ``module``'s own unit with ``recurse=False``) has its
     full shape and value, in its own dtype (not the mixed-precision compute
     dtype); with ``with_grads``, ``.grad`` is the full mean gradient (zeros
-    where no rank holds one; edits to it are not kept).
+    where no rank holds one; edits to it are not kept). A ``DTensor``
+    (tensor-parallel) parameter shows a ``DTensor`` of its whole local
+    tensor with its TP placements (``.full_tensor()`` gathers the global
+    one over the tp mesh; in-place edits of ``.to_local()`` are kept), and
+    its ``.grad`` likewise.
 
     With ``writeback`` (the default), changes made inside, in place or by
     assigning a same-shaped tensor to ``.data``, are kept after it; every
