@@ -167,6 +167,8 @@ def full_dtensor(local: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 def show_local(param: nn.Parameter, shell: DTensor) -> None:
     """Make the ``DTensor`` parameter ``param`` show ``shell`` (its local
     tensor and spec), keeping the object (see the note)."""
+    if param._local_tensor is shell._local_tensor and param._spec is shell._spec:
+        return  # already shown (every reshard asks again)
     param.data = shell
     param._local_tensor = shell._local_tensor
     param._spec = shell._spec
