@@ -272,7 +272,7 @@ def _gather_state(
         value = (optimizer.state.get(op.param) or {}).get(key)
         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
         if info.local_numel and _is_local_shaped(value, op.param):
-            shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(value.detach().reshape(-1))
+            shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local_tensor(value).detach().reshape(-1))
     return handle.gather_full(shard)
 
 
