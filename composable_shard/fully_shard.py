@@ -35,6 +35,7 @@ from .handle import FlatParamHandle, FlatParamSource
 from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
+from .tensor_parallel import check_dtensor_params, data_parallel_mesh
 from .state import UnitConfig, UnitState, get_state, register_state
 from .units import (
     check_group_members,
@@ -135,8 +136,9 @@ def fully_shard(
     sources = assign_param_owners(given, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, members, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
-    for unit_groups in groups:
+    for choice, unit_groups in zip(choices, groups):
         _check_groups_reach_device(name, unit_groups, compute_device)
+        check_dtensor_params(name, sources[id(choice.module)], unit_groups)
     for member in members:
         check_materializable(member, param_init_fn, skip)
     if len(members) > 1:
@@ -311,6 +313,7 @@ def _resolve_groups(name: str, kwargs: dict[str, Any]) -> ShardGroups:
     mesh = kwargs["device_mesh"]
     if process_group is not None and mesh is not None:
         raise ValueError(f"fully_shard({name}): pass process_group or device_mesh, not both.")
+    mesh = data_parallel_mesh(mesh)  # [Note: meshes with a tensor-parallel dimension]
     if mesh is not None:
         if mesh.ndim == 2:
             process_group = (mesh.get_group(1), mesh.get_group(0))

@@ -21,8 +21,10 @@ before importing this package. The replacement finds the tensors that are
 the current ``.grad`` of a sharded unit's parameters (by identity; a dict of
 the live units' gradients per call, O(parameters)); with none it calls
 torch's own function unchanged. Otherwise each rank sums its contributions
-per shard group, all-reduces them over that group (replicas hold the same
-values and count once), and every rank gets the same total; torch's
+per shard group (and, for a ``DTensor`` gradient sharded on its
+tensor-parallel mesh, per that mesh's group too), all-reduces them over
+those groups (replicas hold the same values and count once), and every rank
+gets the same total; torch's
 ``_clip_grads_with_norm_`` then scales each local slice by the same
 coefficient, which is exactly the single-process clipping (the scaling is
 elementwise). Collective when sharded gradients are present: every rank must
@@ -46,6 +48,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from . import comm
+from .handle.dtensor_views import local_tensor, norm_group_of
 from .state import UnitState
 
 __all__ = ["track_unit_grads", "install"]
@@ -124,15 +127,21 @@ def _global_norm(tensors: list[torch.Tensor], owners: dict[int, UnitState], norm
     """The ``norm_type``-norm of all of ``tensors`` as full tensors: local
     contributions summed (max for inf) per shard group, then combined."""
     device = next(iter(owners.values())).compute_device  # where the group's collectives run
-    by_group: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    # Per (shard group, tensor-parallel group): a DTensor gradient's local
+    # part also adds up over its mesh when sharded there (see
+    # ``norm_group_of``); a replicated one counts once.
+    by_group: dict[tuple[ProcessGroup | None, ProcessGroup | None], list[torch.Tensor]] = {}
     for tensor in tensors:
         unit = owners.get(id(tensor))
-        by_group.setdefault(unit.groups.shard_group if unit is not None else None, []).append(tensor)
+        key = (unit.groups.shard_group if unit is not None else None, norm_group_of(tensor))
+        by_group.setdefault(key, []).append(local_tensor(tensor))
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, group_tensors in by_group.items():
+    for groups, group_tensors in by_group.items():
         local = _contribution(group_tensors, norm_type, device)
-        if group is not None:
+        for group in groups:
+            if group is None:
+                continue
             if is_inf:
                 comm.all_reduce_max(local, group)
             else:

@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 from . import comm
 from .handle import FlatParamHandle, set_grad_of_other_dtype
 from .controls import set_units_gradient_sync
+from .handle.dtensor_views import local_tensor, norm_group_of
 from .runtime import enter_between_steps
 from .state import UnitState, get_state, unit_states_under
 
@@ -67,7 +68,11 @@ def unshard_params(
     ``module`` (only ``module``'s own unit with ``recurse=False``) has its
     full shape and value, in its own dtype (not the mixed-precision compute
     dtype); with ``with_grads``, ``.grad`` is the full mean gradient (zeros
-    where no rank holds one; edits to it are not kept).
+    where no rank holds one; edits to it are not kept). A ``DTensor``
+    (tensor-parallel) parameter shows a ``DTensor`` of its whole local
+    tensor with its TP placements (``.full_tensor()`` gathers the global
+    one over the tp mesh; in-place edits of ``.to_local()`` are kept), and
+    its ``.grad`` likewise.
 
     With ``writeback`` (the default), changes made inside, in place or by
     assigning a same-shaped tensor to ``.data``, are kept after it; every
@@ -140,12 +145,13 @@ def _absorb_replaced_data(handle: FlatParamHandle, full_flat: torch.Tensor) -> l
     with torch.no_grad():
         for info, index, param in zip(layout.params, layout.param_segments, handle.orig_params):
             view = segments[index].view(info.shape)
-            if param.data_ptr() == view.data_ptr() and param.shape == info.shape:
+            data = local_tensor(param)  # a DTensor's local tensor: the layout's shape
+            if data.data_ptr() == view.data_ptr() and data.shape == info.shape:
                 continue  # still the view: in-place edits are already there
-            if param.shape != info.shape:
+            if data.shape != info.shape:
                 wrong.append(info.fqn)
                 continue
-            view.copy_(param.detach())
+            view.copy_(data.detach())
     return wrong
 
 
@@ -202,7 +208,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 
     Each unit's local gradients are reduced over its shard group only:
     replicas (``NO_SHARD``, the replicate group of hybrid sharding) hold the
-    same values and are counted once. Parameters no unit owns (ignored
+    same values and are counted once. ``DTensor`` (tensor-parallel)
+    parameters' local parts are also summed over their mesh when sharded
+    there (``Shard``), and counted once when replicated (``Replicate``). Parameters no unit owns (ignored
     states) count with their local gradient, as if replicated (reduce them
     first). Frozen parameters and empty local parts add nothing.
     Collective over every shard group in the tree.
@@ -211,27 +219,38 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     enter_between_steps(units, "clip_grad_norm_")
     norm_type = float(norm_type)
     sharded_params: set[int] = set()
-    # Per shard group (None: this rank alone), local norm contributions.
-    group_grads: dict[ProcessGroup | None, list[torch.Tensor]] = {}
+    # Per (shard group, tensor-parallel group) (None: this rank alone),
+    # local norm contributions: a DTensor parameter sharded on its own mesh
+    # also sums over that mesh's group, a replicated one counts once.
+    group_grads: dict[tuple[ProcessGroup | None, ProcessGroup | None], list[torch.Tensor]] = {}
     for unit in units:
         shard_group = unit.groups.shard_group if unit.groups.is_sharded else None
         for handle in unit.handles:
-            grads = _local_grads(handle)
             sharded_params.update(id(p) for p in handle.orig_params)
-            group_grads.setdefault(shard_group, []).extend(grads)
-    # Parameters no unit owns (ignored states) are whole on every rank.
+            for param, spec in zip(handle.orig_params, handle.tp_specs):
+                # Every parameter's key, with a gradient here or not: the
+                # keys (and so the collectives' order) agree across ranks.
+                tp_group = spec.norm_group() if spec is not None else None
+                grads = group_grads.setdefault((shard_group, tp_group), [])
+                grad = None if param.grad is None else local_tensor(param.grad)
+                if grad is not None and grad.numel() > 0:
+                    grads.append(grad)
+    # Parameters no unit owns (ignored states) are whole on every rank (a
+    # DTensor one: its local part, summed over its mesh when sharded).
     for param in module.parameters():
         if id(param) not in sharded_params and param.grad is not None and param.grad.numel() > 0:
-            group_grads.setdefault(None, []).append(param.grad)
+            group_grads.setdefault((None, norm_group_of(param.grad)), []).append(local_tensor(param.grad))
     device = units[0].compute_device
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for shard_group, grads in group_grads.items():
+    for groups, grads in group_grads.items():
         local = _norm_contribution(grads, norm_type, device)
-        if shard_group is not None:
+        for group in groups:
+            if group is None:
+                continue
             if math.isinf(norm_type):
-                comm.all_reduce_max(local, shard_group)
+                comm.all_reduce_max(local, group)
             else:
-                comm.all_reduce(local, shard_group, async_op=False)
+                comm.all_reduce(local, group, async_op=False)
         total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -244,10 +263,6 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         # it needs the coefficient), one per call.
         torch._foreach_mul_(grads, clip_coef.to(grad_device))
     return total_norm
-
-
-def _local_grads(handle: FlatParamHandle) -> list[torch.Tensor]:
-    return [p.grad for p in handle.orig_params if p.grad is not None and p.grad.numel() > 0]
 
 
 def _norm_contribution(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -5,6 +5,9 @@ Knows nothing of: modules' training state, hooks, streams.
 
 The folder, one noun per module, in import order:
 
+- ``dtensor_views.py``: ``DTensor`` (tensor-parallel) parameters: their
+  local tensors are what is flattened, and what they show in forward and
+  between steps;
 - ``writeback.py``: what users changed on their parameters (values,
   ``requires_grad``, a cast) and what is refused;
 - ``grads.py``: the sharded gradient once reduced: collected from what the

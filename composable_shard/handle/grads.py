@@ -70,6 +70,7 @@ import torch
 import torch.nn as nn
 
 from ..flat_layout import FlatParamLayout
+from .dtensor_views import as_grad_of, local_tensor
 
 __all__ = [
     "set_grad_of_other_dtype",
@@ -106,7 +107,7 @@ def collect_user_grads(
     [Note: sharded gradient ownership]): the flat gradient under the
     parameters' ``.grad`` views, or one rebuilt on ``device`` (pinned host
     memory with ``pin``). None when every ``.grad`` is None."""
-    grads = [param.grad for param in orig_params]
+    grads = [None if param.grad is None else local_tensor(param.grad) for param in orig_params]
     present = [(info, grad) for info, grad in zip(layout.params, grads) if grad is not None]
     if not present:
         return None
@@ -195,7 +196,7 @@ def use_sharded_grad_views(
         else:
             local = sharded_flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
         if local.dtype == param.dtype:
-            param.grad = local
+            param.grad = as_grad_of(param, local)
         else:
             placeholder = set_grad_of_other_dtype(param, local, placeholder)
     return placeholder

@@ -42,7 +42,8 @@ from torch.utils.hooks import RemovableHandle
 from .. import comm
 from ..comm import GradReduceSettings, PendingCollective, ShardGroups
 from ..flat_layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
-from . import grads, writeback
+from . import dtensor_views, grads, writeback
+from .dtensor_views import TensorParallelSpec
 
 __all__ = ["FlatParamHandle", "FlatParamSource"]
 
@@ -73,8 +74,21 @@ class FlatParamHandle:
             raise ValueError("FlatParamHandle needs at least one parameter")
         first = sources[0].param
         self.groups = groups
+        # Each parameter's tensor-parallel spec (None: a plain tensor); the
+        # layout holds DTensors' local tensors ([Note: DTensor parameters]
+        # in handle/dtensor_views.py).
+        self.tp_specs: tuple[TensorParallelSpec | None, ...] = tuple(
+            dtensor_views.tensor_parallel_spec(src.param, src.owners[0].fqn, (groups.shard_group, groups.replicate_group))
+            for src in sources
+        )
+        if keep_low_precision_grads and any(self.tp_specs):
+            raise ValueError(
+                f"fully_shard: parameter '{sources[0].owners[0].fqn}' and others are DTensors (tensor parallelism); "
+                "keep_low_precision_grads=True would give them plain low-precision .grad tensors, which "
+                "optimizers cannot combine with DTensor parameters. Use keep_low_precision_grads=False."
+            )
         self.layout: FlatParamLayout = compute_layout(
-            [(src.param.shape, src.owners) for src in sources],
+            [(spec.local_shape if spec else src.param.shape, src.owners) for src, spec in zip(sources, self.tp_specs)],
             dtype=first.dtype,
             requires_grad=first.requires_grad,
             shard_rank=groups.shard_rank,
@@ -129,6 +143,8 @@ class FlatParamHandle:
         # Every parameter's view of the shard, built once per shard tensor
         # (resharding runs every step for every unit).
         self._shard_views: tuple[torch.Tensor, ...] = ()
+        # What DTensor parameters show between steps (None for plain ones).
+        self._shard_shells: tuple[torch.Tensor | None, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
@@ -150,7 +166,7 @@ class FlatParamHandle:
         with torch.no_grad():
             for info, param in zip(layout.params, self.orig_params):
                 if info.local_numel:
-                    local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+                    local = dtensor_views.local_tensor(param).detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
                     shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local)
         if device.type == "cpu" and self.compute_device.type == "cuda":
             # CPU offload: pinned, so the copy to the device for the
@@ -199,10 +215,29 @@ class FlatParamHandle:
         register it back on its owners."""
         if self._shard_views_of is not self.sharded_flat_param:
             self._shard_views = tuple(self.local_shard_view(info) for info in self.layout.params)
+            self._shard_shells = tuple(
+                dtensor_views.range_dtensor(view, spec) if spec is not None else None
+                for view, spec in zip(self._shard_views, self.tp_specs)
+            )
             self._shard_views_of = self.sharded_flat_param
-        for param, view in zip(self.orig_params, self._shard_views):
-            param.data = view
+        for param, view, shell in zip(self.orig_params, self._shard_views, self._shard_shells):
+            if shell is None:
+                param.data = view
+            else:
+                dtensor_views.show_local(param, shell)
         self._register_orig_params()
+
+    def show_local_data(self, index: int, local: torch.Tensor, *, full: bool = False) -> None:
+        """Point parameter ``index``'s data at ``local``: its range of the
+        shard, or (``full``) its whole local tensor; a ``DTensor`` parameter
+        shows it with the spec of [Note: DTensor parameters]."""
+        param, spec = self.orig_params[index], self.tp_specs[index]
+        if spec is None:
+            param.data = local
+        elif full:
+            dtensor_views.show_local(param, dtensor_views.full_dtensor(local, spec))
+        else:
+            dtensor_views.show_local(param, dtensor_views.range_dtensor(local, spec))
 
     def _register_orig_params(self) -> None:
         """Register the original parameters back on their owners (their
@@ -229,12 +264,16 @@ class FlatParamHandle:
         behind every node of later steps, i.e. at the end of backward."""
         self._check_unsharded("use_unsharded_views")
         segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
-        for info, index, requires_grad in zip(self.layout.params, self.layout.param_segments, self.param_requires_grad):
+        for info, index, requires_grad, spec in zip(
+            self.layout.params, self.layout.param_segments, self.param_requires_grad, self.tp_specs
+        ):
             view = segments[index]
             if view.shape != info.shape:  # 1-D parameters use their segment as it is
                 view = view.view(info.shape)
             if not requires_grad and view.requires_grad:
                 view = view.detach()  # frozen: see [Note: changes to original parameters]
+            if spec is not None:
+                view = dtensor_views.forward_view(view, spec)
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = view
         self.shows_unsharded_views = True
@@ -360,7 +399,7 @@ class FlatParamHandle:
             for info, param, local in edits:
                 if local is not None:
                     self.local_shard_view(info).copy_(local)
-                param.data = self.local_shard_view(info)
+                self.show_local_data(self.layout.params.index(info), self.local_shard_view(info))
         return any(edit.local is not None for edit in edits)
 
     def _set_requires_grad(self, requires_grad: tuple[bool, ...], name_prefix: str) -> None:
@@ -429,10 +468,13 @@ class FlatParamHandle:
         ``full_grad`` is given) at its view of the full copies."""
         param_views = self._views_of(full_flat)
         grad_views = self._views_of(full_grad) if full_grad is not None else [None] * len(param_views)
-        for info, param, view, grad_view in zip(self.layout.params, self.orig_params, param_views, grad_views):
-            param.data = view
+        for index, (info, param, view, grad_view) in enumerate(
+            zip(self.layout.params, self.orig_params, param_views, grad_views)
+        ):
+            self.show_local_data(index, view, full=True)
             if full_grad is not None:
-                param.grad = grad_view if grad_view.dtype == param.dtype else grad_view.to(param.dtype)
+                grad = grad_view if grad_view.dtype == param.dtype else grad_view.to(param.dtype)
+                param.grad = dtensor_views.as_grad_of(param, grad)
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = param
 

@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from ..flat_layout import FlatParamLayout, ParamInfo
+from .dtensor_views import local_tensor
 
 __all__ = ["UserEdit", "ShardedParams", "find_user_edits", "common_cast_dtype", "check_requires_grad_change"]
 
@@ -97,19 +98,22 @@ def find_user_edits(handle: ShardedParams, *, name_prefix: str) -> tuple[list[Us
                     f"fully_shard: parameter '{name_prefix}{owner.fqn}' was replaced by another object after "
                     "sharding. Assign to its .data (same shape) or copy_() into it instead."
                 )
-        if param.untyped_storage().data_ptr() == shard_ptr and param.numel() == info.local_numel:
+        # A DTensor parameter is compared by its local tensor ([Note: DTensor
+        # parameters] in handle/dtensor_views.py).
+        data = local_tensor(param)
+        if data.untyped_storage().data_ptr() == shard_ptr and data.numel() == info.local_numel:
             continue
-        if param.numel() == info.local_numel and info.local_numel > 0:
-            edits.append(UserEdit(info, param, param.detach().reshape(-1)))
-        elif param.shape == info.shape and param.numel() > 0:
-            local = param.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
+        if data.numel() == info.local_numel and info.local_numel > 0:
+            edits.append(UserEdit(info, param, data.detach().reshape(-1)))
+        elif data.shape == info.shape and data.numel() > 0:
+            local = data.detach().reshape(-1)[info.local_start : info.local_start + info.local_numel]
             edits.append(UserEdit(info, param, local))
-        elif param.numel() == 0 and info.local_numel == 0:
+        elif data.numel() == 0 and info.local_numel == 0:
             edits.append(UserEdit(info, param, None))
         else:
             raise ValueError(
                 f"fully_shard: parameter '{name_prefix}{info.fqn}' changed size behind the shards: it holds "
-                f"shape {tuple(param.shape)}, but its unsharded shape is {tuple(info.shape)} and "
+                f"shape {tuple(data.shape)}, but its unsharded shape is {tuple(info.shape)} and "
                 f"this rank's shard of it has {info.local_numel} elements. Change a sharded "
                 "parameter's values in place (or inside unshard_params), not its size."
             )

@@ -32,6 +32,7 @@ from ..comm import transport
 from ..comm_hooks import reduce_dtype_of_unit
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..flat_layout import FlatParamLayout, compute_layout
+from ..handle.dtensor_views import local_tensor
 from .activations import ActivationProfile, measure_activations
 from .memory import (
     OPTIMIZERS,
@@ -185,7 +186,7 @@ def plan(
         shard_size, shard_rank = _shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
         layouts = [
             compute_layout(
-                [(src.param.shape, src.owners) for src in flat_sources],
+                [(local_tensor(src.param).shape, src.owners) for src in flat_sources],  # DTensor: its local tensor
                 dtype=flat_sources[0].param.dtype,
                 requires_grad=flat_sources[0].param.requires_grad,
                 shard_rank=shard_rank,

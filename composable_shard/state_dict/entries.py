@@ -21,10 +21,11 @@ import torch.nn as nn
 
 from ..flat_layout import ParamInfo
 from ..handle import FlatParamHandle
+from ..handle.dtensor_views import full_dtensor
 from ..runtime import enter_between_steps
 from ..state import UnitState, unit_states_under
 from ..unshard import is_inside_unshard_params
-from .shards import RangeSharding, range_sharding
+from .shards import LocalBox, RangeSharding, range_sharding
 
 __all__ = [
     "ModelEntries",
@@ -33,6 +34,7 @@ __all__ = [
     "prepare_units",
     "is_shown_unsharded",
     "sharding_of",
+    "full_tensor_of_local",
 ]
 
 
@@ -46,6 +48,9 @@ class ShardedParamEntry:
     # Every key naming it, in state-dict order; keys[0] is its canonical name
     # (the one ``named_parameters()`` yields).
     keys: tuple[str, ...]
+    # A DTensor parameter: where its local tensor lies in the global one
+    # ([Note: tensor-parallel boxes] in shards.py); None for a plain one.
+    local_box: LocalBox | None = None
 
 
 @dataclass
@@ -111,10 +116,11 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
                 if prefix + name in entries.buffers:
                     entries.buffer_dtypes[prefix + name] = dtype
         for handle in unit.handles:
-            for info, param in zip(handle.layout.params, handle.orig_params):
+            for info, param, spec in zip(handle.layout.params, handle.orig_params, handle.tp_specs):
                 keys = keys_of.get(id(param))
                 if keys:  # a parameter registered outside ``module`` is not its to name
-                    entry = ShardedParamEntry(handle, info, param, tuple(keys))
+                    box = LocalBox(spec.global_shape, spec.local_offsets(), spec.local_shape) if spec else None
+                    entry = ShardedParamEntry(handle, info, param, tuple(keys), box)
                     entries.sharded.append(entry)
                     entries.sharded_by_key.update((key, entry) for key in keys)
     return entries
@@ -162,4 +168,15 @@ def sharding_of(entry: ShardedParamEntry) -> RangeSharding:
         ranks = _GROUP_RANKS.get(groups.shard_group)
         if ranks is None:
             ranks = _GROUP_RANKS[groups.shard_group] = dist.get_process_group_ranks(groups.shard_group)
-    return range_sharding(entry.info, entry.handle.layout, ranks, rank)
+    return range_sharding(entry.info, entry.handle.layout, ranks, rank, entry.local_box)
+
+
+def full_tensor_of_local(entry: ShardedParamEntry, local: torch.Tensor) -> torch.Tensor:
+    """The global tensor of a DTensor parameter (or of a per-element state
+    of it) from this rank's whole local tensor ``local``: a collective over
+    its tensor-parallel mesh."""
+    handle = entry.handle
+    spec = handle.tp_specs[handle.layout.params.index(entry.info)]
+    if spec is None:
+        return local
+    return full_dtensor(local, spec).full_tensor()

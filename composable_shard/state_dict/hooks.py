@@ -12,7 +12,9 @@ every name its parameters go by below the call's prefix. Its load pre-hook
 runs before the module loads its tensors, so it replaces each full tensor
 with this rank's 1-D slice, which ``_load_from_state_dict`` copies into the
 shard view: identity kept, no collective; a wrong shape is reported in
-``error_msgs`` with the unsharded shapes. After ``assign=True`` the post-hook
+``error_msgs`` with the unsharded shapes. A ``DTensor`` (tensor-parallel)
+parameter gives a ``DTensor`` with its TP placements (as the model without
+``fully_shard`` would) and takes one, or a full global tensor. After ``assign=True`` the post-hook
 copies the assigned data into the shard and restores the original objects.
 Pinned by tests/state_dict/test_model.py.
 """
@@ -25,15 +27,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from ..flat_layout import ParamInfo
 from ..handle import FlatParamHandle
+from ..handle.dtensor_views import TensorParallelSpec, as_grad_of, full_dtensor, local_tensor
 from ..runtime import enter_between_steps
 from ..state import UnitState
 from .entries import is_shown_unsharded
-from .shards import global_shape, local_part, param_view
+from .shards import LocalBox, global_shape, local_part, param_view
 
 __all__ = ["register_state_dict_hooks"]
 
@@ -94,9 +98,11 @@ def _post_state_dict(
         if not any(keys_per_param):
             continue  # the same on every rank: the traversal is
         full_flat = handle.gather_full_flat_param()  # collective over the shard group
-        for info, keys in zip(handle.layout.params, keys_per_param):
+        for info, keys, spec in zip(handle.layout.params, keys_per_param, handle.tp_specs):
             if keys:
                 value = param_view(full_flat, info).clone()
+                if spec is not None:  # a DTensor parameter: as the unsharded TP model gives it
+                    value = full_dtensor(value, spec)
                 state_dict.update((key, value) for key in keys)
         del full_flat
 
@@ -119,10 +125,26 @@ def _pre_load_state_dict(
     _prepare(state, handles, "load_state_dict")
     prefixes = _relative_prefixes(module)
     for handle in handles:
-        for info, param in zip(handle.layout.params, handle.orig_params):
+        for info, param, spec in zip(handle.layout.params, handle.orig_params, handle.tp_specs):
             for key in _keys(info, prefixes, prefix):
                 if key in state_dict:
-                    state_dict[key] = _local_slice(key, state_dict[key], info, param, error_msgs)
+                    value = state_dict[key]
+                    if spec is not None and isinstance(value, torch.Tensor):
+                        value = _tensor_parallel_local(value, spec)
+                    value = _local_slice(key, value, info, param, error_msgs)
+                    # A DTensor parameter copies from a DTensor of its spec.
+                    state_dict[key] = as_grad_of(param, value) if spec is not None and value is not param else value
+
+
+def _tensor_parallel_local(value: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
+    """A DTensor parameter's local tensor out of a state-dict value: a
+    DTensor's own local tensor, or the local box of a full global tensor
+    (anything else is left for the shape check to report)."""
+    if isinstance(value, DTensor):
+        return local_tensor(value)
+    if value.shape == spec.global_shape:
+        return LocalBox(spec.global_shape, spec.local_offsets(), spec.local_shape).of_full(value)
+    return value
 
 
 def _local_slice(key: str, value: Any, info: ParamInfo, param: nn.Parameter, error_msgs: list[str]) -> Any:

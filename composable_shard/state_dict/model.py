@@ -34,7 +34,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .. import comm
 from ..state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
-from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of
+from .entries import ModelEntries, ShardedParamEntry, full_tensor_of_local, model_entries, prepare_units, sharding_of
 from .shards import global_shape, local_part, param_view, range_source_error, read_range, sharded_tensor_of_range
 
 __all__ = [
@@ -98,11 +98,13 @@ def _full_values(units: list[UnitState], entries: ModelEntries, options: StateDi
             if not handle_entries:
                 continue
             full_flat = handle.gather_full_flat_param()  # collective over the shard group
-            if not keep:
+            if not keep and not any(entry.local_box for entry in handle_entries):
                 continue
             for entry in handle_entries:
                 info = entry.info
                 view = param_view(full_flat, info)
+                if entry.local_box is not None:  # the global tensor: collective over the tp mesh
+                    view = full_tensor_of_local(entry, view)
                 value = view.to("cpu", copy=True) if options.cpu_offload else view.clone()
                 values.update((key, value) for key in entry.keys)
             del full_flat  # one unit's gathered copy at a time
@@ -226,7 +228,7 @@ def _value_problems(entries: ModelEntries, state_dict: Mapping[str, Any]) -> lis
         entry = entries.sharded_by_key.get(key)
         if entry is not None:
             info = entry.info
-            why = range_source_error(value, info.shape, info.local_start, info.local_numel)
+            why = range_source_error(value, info.shape, info.local_start, info.local_numel, entry.local_box)
         else:
             expected = (entries.plain_params.get(key) if key in entries.plain_params else entries.buffers[key]).shape
             found = global_shape(value)
@@ -249,7 +251,7 @@ def _copy_in(entries: ModelEntries, state_dict: Mapping[str, Any]) -> None:
             if not present:
                 continue
             info = entry.info
-            source = read_range(state_dict[present[-1]], info.local_start, info.local_numel)
+            source = read_range(state_dict[present[-1]], info.local_start, info.local_numel, entry.local_box)
             target = entry.handle.local_shard_view(info)
             if info.local_numel and source.data_ptr() != target.data_ptr():
                 target.copy_(source)
@@ -295,7 +297,11 @@ def _set_broadcast(
             keys = [key for key in entry.keys if key in present]
             if keys:
                 info = entry.info
-                full = _broadcast_tensor(state_dict, keys[-1], info.shape, entry.param.dtype, device)
+                box = entry.local_box
+                shape = box.global_shape if box is not None else info.shape
+                full = _broadcast_tensor(state_dict, keys[-1], shape, entry.param.dtype, device)
+                if box is not None:
+                    full = box.of_full(full)
                 entry.handle.local_shard_view(info).copy_(local_part(full, info))
         for tensors in (entries.plain_params, entries.buffers):
             for key, tensor in tensors.items():

@@ -25,12 +25,14 @@ from typing import Any, Mapping, NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..handle import FlatParamHandle
+from ..handle.dtensor_views import as_grad_of, local_tensor
 from ..state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
-from .entries import ModelEntries, ShardedParamEntry, model_entries, prepare_units, sharding_of
+from .entries import ModelEntries, ShardedParamEntry, full_tensor_of_local, model_entries, prepare_units, sharding_of
 from .shards import (
     global_shape,
     is_sharded_tensor,
@@ -189,6 +191,7 @@ def _sharded_state(
         values = {}
         for key, value in param_state.items():
             if op.entry is not None and _is_local_shaped(value, op.param):
+                value = local_tensor(value)  # a DTensor parameter's state: its range
                 local = value.detach().cpu() if options.cpu_offload else value.detach()
                 values[key] = sharded_tensor_of_range(local, sharding_of(op.entry))
             else:
@@ -229,6 +232,8 @@ def _full_state(
                     if merged[op.fqn].get(key, ("",))[0] == "sharded":
                         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
                         view = param_view(full_flat, info)
+                        if op.entry.local_box is not None:  # type: ignore[union-attr]  # collective over tp
+                            view = full_tensor_of_local(op.entry, view)  # type: ignore[arg-type]
                         state[op.fqn][key] = view.to("cpu", copy=True) if options.cpu_offload else view.clone()
     return state if keep else {}
 
@@ -267,7 +272,7 @@ def _gather_state(
         value = (optimizer.state.get(op.param) or {}).get(key)
         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
         if info.local_numel and _is_local_shaped(value, op.param):
-            shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(value.detach().reshape(-1))
+            shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local_tensor(value).detach().reshape(-1))
     return handle.gather_full(shard)
 
 
@@ -348,10 +353,13 @@ def _check(params: list[OptimParam], state_dict: Mapping[str, Any], options: Sta
         op = by_fqn.get(fqn)
         if op is None:
             continue  # strict=False: parameters this optimizer does not hold are skipped
+        box = op.entry.local_box if op.entry is not None else None
         shape = op.entry.info.shape if op.entry is not None else op.param.shape
+        if box is not None:
+            shape = box.global_shape
         for key, value in (values or {}).items():
             if op.entry is not None and is_param_shaped(key, value, shape):
-                why = range_source_error(value, shape, op.entry.info.local_start, op.entry.info.local_numel)
+                why = range_source_error(value, op.entry.info.shape, op.entry.info.local_start, op.entry.info.local_numel, box)
             elif isinstance(value, torch.Tensor) and value.dim() > 0 and global_shape(value) != shape:
                 why = f"shape {tuple(value.shape)} does not match the parameter's {tuple(shape)}"
             else:
@@ -368,7 +376,7 @@ def _local_value(op: OptimParam, key: str, value: Any) -> Any:
     if op.entry is None or not is_param_shaped(key, value, op.entry.info.shape):
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
     info = op.entry.info
-    local = read_range(value, info.local_start, info.local_numel)
+    local = read_range(value, info.local_start, info.local_numel, op.entry.local_box)
     nbytes = local.numel() * local.element_size()
     spans_storage = local.storage_offset() == 0 and local.untyped_storage().nbytes() == nbytes
     return local if spans_storage and is_sharded_tensor(value) else local.clone()
@@ -388,7 +396,21 @@ def _load(
         torch_groups.append({**hyper, "params": [index_of[id(p)] for p in group["params"]]})
     torch_state = {index: state[op.fqn] for index, op in enumerate(params) if op.fqn in state}
     optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+    for op in params:
+        if op.entry is not None and op.entry.local_box is not None:
+            _as_dtensor_state(op.param, optimizer.state.get(op.param, {}))
     logger.debug("set_optimizer_state_dict: loaded state of %d parameters", len(torch_state))
+
+
+def _as_dtensor_state(param: nn.Parameter, state: dict[str, Any]) -> None:
+    """A DTensor parameter's per-element states as DTensors of its spec
+    (optimizers' DTensor rules need every operand a DTensor): loaded values
+    are this rank's range as plain tensors."""
+    held = local_tensor(param)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+            if value.shape == held.shape:
+                state[key] = as_grad_of(param, value)
 
 
 def _receive_broadcast(
@@ -426,6 +448,9 @@ def _receive_broadcast(
             if isinstance(item, _TensorSpec):
                 full = _broadcast_full(state_dict, op, key, item)
                 info = op.entry.info  # type: ignore[union-attr]  # specs are for sharded parameters
+                box = op.entry.local_box  # type: ignore[union-attr]
+                if box is not None:
+                    full = box.of_full(full.view(box.global_shape))
                 state[op.fqn][key] = local_part(full, info).clone()
             else:
                 state[op.fqn][key] = item

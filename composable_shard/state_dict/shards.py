@@ -36,6 +36,7 @@ from ..flat_layout import FlatParamLayout, ParamInfo
 from .range_tensor import Box, RangeShardedTensor
 
 __all__ = [
+    "LocalBox",
     "RangeSharding",
     "range_sharding",
     "range_boxes",
@@ -53,6 +54,31 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class LocalBox:
+    """Where a ``DTensor`` parameter's local tensor (what the flat parameter
+    holds) lies in its global tensor: one rectangular box.
+
+    [Note: tensor-parallel boxes]
+    A rank's range of a tensor-parallel parameter is a range of its *local*
+    tensor, so its boxes are computed in local coordinates and shifted by
+    the local tensor's offset in the global one (a ``Shard(d)`` local tensor
+    is a slab along ``d``; a ``Replicate()`` one is the whole tensor, which
+    every tensor-parallel rank then offers with the same indices, written
+    once). State-dict values have the global shape, so checkpoints reshard
+    across (dp, tp) layouts and interchange with FSDP2's DTensors. Pinned by
+    tests/tensor_parallel/test_tp_checkpoint.py."""
+
+    global_shape: torch.Size
+    offsets: tuple[int, ...]
+    local_shape: torch.Size
+
+    def of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """The local tensor's box of a full (global-shape) tensor, a view."""
+        index = tuple(slice(start, start + size) for start, size in zip(self.offsets, self.local_shape))
+        return full.detach()[index]
+
+
+@dataclass(frozen=True)
 class RangeSharding:
     """Which contiguous range of one flattened parameter every rank holds."""
 
@@ -66,13 +92,23 @@ class RangeSharding:
     # (global rank, start, numel) of every rank of the shard group, in group
     # rank order (numel may be 0; replicas list only their own shard group).
     rank_ranges: tuple[tuple[int, int, int], ...]
+    # A DTensor parameter: where its local tensor (``shape``) lies in the
+    # global tensor; None for a plain parameter.
+    local_box: LocalBox | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def value_shape(self) -> torch.Size:
+        """The shape state-dict values of this parameter have (global)."""
+        return self.local_box.global_shape if self.local_box is not None else self.shape
 
-def range_sharding(info: ParamInfo, layout: FlatParamLayout, group_ranks: Sequence[int], rank: int) -> RangeSharding:
+
+def range_sharding(
+    info: ParamInfo, layout: FlatParamLayout, group_ranks: Sequence[int], rank: int, local_box: LocalBox | None = None
+) -> RangeSharding:
     """The ranges of ``info``'s parameter over the shard group whose global
     ranks are ``group_ranks`` (in group rank order), from the layout alone."""
     rank_ranges = []
@@ -81,7 +117,7 @@ def range_sharding(info: ParamInfo, layout: FlatParamLayout, group_ranks: Sequen
         start = max(info.offset, window_start)
         end = min(info.offset + info.numel, window_start + layout.shard_numel)
         rank_ranges.append((global_rank, start - info.offset, end - start) if end > start else (global_rank, 0, 0))
-    return RangeSharding(torch.Size(info.shape), info.local_start, info.local_numel, rank, tuple(rank_ranges))
+    return RangeSharding(torch.Size(info.shape), info.local_start, info.local_numel, rank, tuple(rank_ranges), local_box)
 
 
 LEGACY_SCALAR_SHAPE = torch.Size([1])
@@ -151,7 +187,13 @@ def sharded_tensor_of_range(local: torch.Tensor, sharding: RangeSharding) -> tor
         return local.new_empty(sharding.shape)
     end = sharding.local_start + sharding.local_numel
     boxes = tuple(range_boxes(sharding.shape, sharding.local_start, end))
-    return RangeShardedTensor(local, sharding.shape, sharding.local_start, boxes)
+    if sharding.local_box is None:
+        return RangeShardedTensor(local, sharding.shape, sharding.local_start, boxes)
+    # [Note: tensor-parallel boxes]: the same flat positions (of the local
+    # tensor), offsets in global coordinates.
+    shift = sharding.local_box.offsets
+    boxes = tuple((tuple(o + d for o, d in zip(offsets, shift)), sizes, flat) for offsets, sizes, flat in boxes)
+    return RangeShardedTensor(local, sharding.local_box.global_shape, sharding.local_start, boxes)
 
 
 def is_sharded_tensor(value: Any) -> bool:
@@ -166,10 +208,16 @@ def global_shape(value: Any) -> torch.Size | None:
     return None
 
 
-def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) -> str | None:
+def range_source_error(
+    value: Any, shape: torch.Size, start: int, numel: int, local_box: LocalBox | None = None
+) -> str | None:
     """Why ``value`` cannot give the range ``[start, start + numel)`` of a
     tensor of ``shape`` (None when it can): a full tensor of that shape, or a
-    RangeShardedTensor of that shape whose range covers it."""
+    RangeShardedTensor of that shape whose range covers it. With
+    ``local_box`` (a DTensor parameter), ``shape`` is the local tensor's and
+    values have the global shape (see [Note: tensor-parallel boxes])."""
+    if local_box is not None:
+        shape = local_box.global_shape
     found = global_shape(value)
     if found is None:
         return f"expected a tensor, got {type(value).__name__}"
@@ -187,10 +235,13 @@ def range_source_error(value: Any, shape: torch.Size, start: int, numel: int) ->
     return None
 
 
-def read_range(value: Any, start: int, numel: int) -> torch.Tensor:
+def read_range(value: Any, start: int, numel: int, local_box: LocalBox | None = None) -> torch.Tensor:
     """This rank's range (1-D) of ``value``, which ``range_source_error``
-    accepted: a view of it."""
+    accepted: a view of it (of a full value of a DTensor parameter:
+    ``local_box``'s part first)."""
     if not is_sharded_tensor(value):
+        if local_box is not None:
+            value = local_box.of_full(value).contiguous()
         return value.detach().reshape(-1)[start : start + numel]
     begin = start - value.local_start
     return value.local[begin : begin + numel]

@@ -112,6 +112,7 @@ CORE = (
     "units",
     "init",
     "fully_shard",
+    "tensor_parallel",
 )
 WINGS = ("state_dict", "checkpoint", "plan", "unshard", "controls", "param_hooks", "torch_grad_norm", "autograd_inputs",
          "reduce_controls", "comm_hooks")
