@@ -45,6 +45,8 @@ def runtime_tensor_bytes(state: UnitState) -> int:
 
     def add(tensor: torch.Tensor | None) -> None:
         if tensor is not None:
+            # A DTensor's gradient (tensor parallelism) lives in its local tensor.
+            tensor = getattr(tensor, "_local_tensor", tensor)
             storage = tensor.untyped_storage()
             if storage.nbytes():
                 seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()

@@ -87,6 +87,17 @@ def _plan_counts_local_shards(rank: int, world_size: int) -> None:
         assert got == want, unit.name
     assert described.rank_bytes["params"] == planned.rank_bytes["params"]
 
+    # The memory recorder reads DTensor gradients by their local tensors.
+    from composable_shard.plan import MemoryRecorder
+
+    fully_shard(model, device_mesh=mesh["dp"])
+    x = global_batch(0)
+    with MemoryRecorder().record() as record:
+        local_loss(model(local_slice(x, mesh)), x, mesh).backward()
+    assert all(isinstance(param.grad, DTensor) for param in model.parameters())
+    peak_runtime_bytes = max(sample.runtime_bytes or 0 for sample in record.samples)
+    assert peak_runtime_bytes >= planned.rank_bytes["params"] + planned.rank_bytes["grads"]
+
 
 def _module_state_dict_round_trip(rank: int, world_size: int) -> None:
     mesh = mesh_2x2()
