@@ -8,7 +8,8 @@ and the model and optimizer bit-identical on every rank afterwards, at 2
 ranks (and 1 for a few); a symbolic link that stays inside the directory
 still loads exactly. Plain ``dcp.load`` through ``DirectFileSystemReader``,
 ``verify_checkpoint``, the converters and their command line refuse the
-same directories with no process group."""
+same directories, saved by 1 and by 2 ranks, with no process group, and
+write no file anywhere."""
 
 from __future__ import annotations
 
@@ -339,22 +340,35 @@ ENTRY_POINT_CASES = [
 ]
 
 
-def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(tmp_path: Path) -> None:
-    run_distributed(_build_all, 1, str(tmp_path), ENTRY_POINT_CASES)
+def _tree(top: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``top``: (size, modification time in ns)."""
+    return {str(path.relative_to(top)): (path.lstat().st_size, path.lstat().st_mtime_ns) for path in top.rglob("*")}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(world_size: int, tmp_path: Path) -> None:
+    """Each directory as saved by ``world_size`` ranks (one ``.distcp`` file
+    per rank), read with no process group; the command line's converters
+    write nothing anywhere (the whole tree is compared), not even their
+    output."""
+    run_distributed(_build_all, world_size, str(tmp_path), ENTRY_POINT_CASES)
+    assert len(list((tmp_path / "base").glob("*.distcp"))) == world_size
     convert_main = _convert_script().main
     for name in ENTRY_POINT_CASES:
         directory = tmp_path / name.replace(" ", "_").replace(".", "")
         expected = CASES[name][1]
-        outputs = [tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "cli.pt"]
+        outputs = [tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "cli.pt", tmp_path / "cli.safetensors"]
         entry_points: dict[str, Callable[[], Any]] = {
             "dcp.load": lambda: dcp.load(_plain_destination(), storage_reader=DirectFileSystemReader(directory), no_dist=True),
             "dcp_to_torch_save": lambda: dcp_to_torch_save(directory, outputs[0], everything=True),
             "dcp_to_safetensors": lambda: dcp_to_safetensors(directory, outputs[1]),
-            "convert_checkpoint.py to-torch": lambda: convert_main(["to-torch", str(directory), str(outputs[2])]),
+            "convert_checkpoint.py to-torch --everything": lambda: convert_main(["to-torch", str(directory), str(outputs[2]), "--everything"]),
+            "convert_checkpoint.py to-safetensors": lambda: convert_main(["to-safetensors", str(directory), str(outputs[3])]),
         }
         if (directory / MANIFEST_NAME).exists():
             entry_points["verify_checkpoint"] = lambda: verify_checkpoint(directory, ranks_share_work=False)
         for entry, call in entry_points.items():
+            tree = _tree(tmp_path)
             start = time.perf_counter()
             try:
                 call()
@@ -367,6 +381,7 @@ def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(tmp_pa
                 assert entry == "verify_checkpoint", f"{name} via {entry}: loaded"
             assert time.perf_counter() - start < TIME_BOUND_S, f"{name} via {entry}"
             assert not any(path.exists() for path in outputs), f"{name} via {entry}: wrote an output"
+            assert _tree(tmp_path) == tree, f"{name} via {entry}: wrote or changed a file"
             assert not os.path.exists(str(directory) + ".marker"), f"{name} via {entry}: the payload ran"
 
 
