@@ -92,8 +92,9 @@ def main() -> None:
                                       "peak_moment": planned.peak_moment, "ranks": ranks}, indent=1))
     for r, rank in enumerate(ranks):
         s, e = rank["snaps"]["start"], rank["snaps"][f"step{args.memory_steps - 1}"]
+        tensors = (planned.rank_bytes["total"] - planned.rank_bytes.get("runtime", 0)) / MIB
         print(f"rank {r}: peak increase {rank['peak_increase_mb']:.1f} MiB, plan total {planned.rank_bytes['total'] / MIB:.1f} "
-              f"(non-tensor at peak {rank['peak_increase_mb'] - planned.rank_bytes['total'] / MIB:.1f}); at the end: "
+              f"(tensors {tensors:.1f}; non-tensor at peak {rank['peak_increase_mb'] - tensors:.1f}); at the end: "
               + ", ".join(f"{k} {e[k] - s[k]:+.1f}" for k in e))
 
 
