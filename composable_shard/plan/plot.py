@@ -22,7 +22,7 @@ __all__ = ["plot_timeline"]
 _MIB = 2**20
 # One colour per category of timeline.CATEGORIES, steady state in greys.
 _COLOURS = (
-    "#4d4d4d", "#7f7f7f", "#a6a6a6", "#c7c7c7",
+    "#262626", "#4d4d4d", "#7f7f7f", "#a6a6a6", "#c7c7c7",
     "#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#8c564b", "#2ca02c",
 )
 

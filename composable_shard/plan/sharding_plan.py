@@ -47,6 +47,7 @@ from .memory import (
 )
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
+from .runtime_memory import runtime_bytes
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
@@ -87,8 +88,11 @@ class ShardingPlan:
     - ``transport``: the shared memory this rank's collectives keep in
       ``/dev/shm`` for the whole run (0 where they go through the backend;
       see ``_transport_bytes``);
+    - ``runtime``: what the rank holds beyond tensors (libraries' code,
+      the allocator's kept pages, Python objects), a constant measured per
+      device and transport (runtime_memory.py);
     - ``total``: the peak — params + optimizer + buffers + transport +
-      grads_at_peak + the moment's transients and activations;
+      runtime + grads_at_peak + the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
 
     ``optimizer_in_backward``: planned for an optimizer stepped in the
@@ -542,6 +546,7 @@ def _assemble(
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
     cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
     moved = _transport_bytes(flat_params) if shared_memory else 0
+    runtime = runtime_bytes(device_type, shared_memory)
     rank_bytes = {
         "params": params,
         "grads": grads,
@@ -556,7 +561,8 @@ def _assemble(
         "activations_peak": activations.peak if activations is not None else 0,
         "buffers": buffers,
         "transport": moved,
-        "total": params + optim + buffers + moved + peak.transient,
+        "runtime": runtime,
+        "total": params + optim + buffers + moved + runtime + peak.transient,
         "cpu": cpu,
     }
     return ShardingPlan(

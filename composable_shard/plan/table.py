@@ -118,6 +118,13 @@ def format_plan(plan: PlanFields) -> str:
             if rb["transport"]
             else "none: collectives through the backend",
         ),
+        (
+            "runtime (not tensors)",
+            rb.get("runtime", 0),
+            "measured constant: libraries' code, allocator's kept pages, Python objects"
+            if rb.get("runtime", 0)
+            else "not measured on this device",
+        ),
     ]
     peak_items = [
         ("sharded gradients", rb["grads_at_peak"], "reduced so far"),
@@ -140,7 +147,7 @@ def format_plan(plan: PlanFields) -> str:
         lines.append(item("activations", rb["activations"], "measured under FakeTensorMode", indent=4))
     else:
         lines.append("    activations: not measured (pass input_shape= or example_inputs= to plan)")
-    lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + transport + the above"))
+    lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + transport + runtime + the above"))
     if rb["cpu"]:
         lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
     if plan.warnings:

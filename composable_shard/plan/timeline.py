@@ -9,8 +9,9 @@ Public names: ``MemoryTimeline``, ``CATEGORIES``, ``plan_timeline``,
 ``moment_positions`` (where a measured sample falls on the plan's axis).
 
 [Note: the timeline adds up to the plan]
-Each moment is the always-alive part (sharded parameters, optimizer state,
-module buffers, the transport's shared memory) plus that moment's
+Each moment is the always-alive part (the runtime's non-tensor memory,
+sharded parameters, optimizer state, module buffers, the transport's
+shared memory) plus that moment's
 transients, so the worst moment's sum is ``rank_bytes["total"]`` and each
 of its categories is the ``rank_bytes`` entry of the same meaning. Pinned
 by tests/plan/test_timeline.py.
@@ -29,6 +30,7 @@ __all__ = ["MemoryTimeline", "CATEGORIES", "plan_timeline", "moment_positions"]
 # (category, its rank_bytes key at the peak), bottom of the stack first: the
 # always-alive state, then the transients.
 CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("runtime (not tensors)", "runtime"),
     ("sharded parameters", "params"),
     ("optimizer state", "optimizer"),
     ("module buffers", "buffers"),
@@ -40,7 +42,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("optimizer step temporaries", "optimizer_step"),
     ("activations", "activations"),
 )
-_STEADY = {"params", "optimizer", "buffers", "transport"}
+_STEADY = {"runtime", "params", "optimizer", "buffers", "transport"}
 # StepPeak's field for each transient category.
 _FIELD = {
     "grads_at_peak": "sharded_grads",
@@ -114,7 +116,7 @@ def plan_timeline(plan: _PlanLike) -> MemoryTimeline:
     entries: list[tuple[str, str, int]] = []
     for moment in plan.moments:
         for category, key in CATEGORIES:
-            count = rb[key] if key in _STEADY else getattr(moment, _FIELD[key])
+            count = rb.get(key, 0) if key in _STEADY else getattr(moment, _FIELD[key])
             entries.append((moment.moment, category, count))
     peak = worst_moment(plan.moments)
     title = f"rank {plan.rank} of {plan.world_size}, {plan.optimizer}"
@@ -122,7 +124,7 @@ def plan_timeline(plan: _PlanLike) -> MemoryTimeline:
         moments=tuple(m.moment for m in plan.moments),
         entries=tuple(entries),
         peak_moment=peak.moment,
-        peak_bytes=sum(rb[key] for key in _STEADY) + peak.transient,
+        peak_bytes=sum(rb.get(key, 0) for key in _STEADY) + peak.transient,
         title=title + (", optimizer in backward" if getattr(plan, "optimizer_in_backward", False) else ""),
     )
 

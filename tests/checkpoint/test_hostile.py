@@ -8,13 +8,13 @@ and the model and optimizer bit-identical on every rank afterwards, at 2
 ranks (and 1 for a few); a symbolic link that stays inside the directory
 still loads exactly. Plain ``dcp.load`` through ``DirectFileSystemReader``,
 ``verify_checkpoint``, the converters and their command line refuse the
-same directories with no process group."""
+same directories, saved by 1 and by 2 ranks, with no process group, and
+write no file anywhere."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -49,6 +49,9 @@ from tests.support.state_dicts import assert_same_tensors, make_optimizer, shard
 
 REPO = Path(__file__).resolve().parents[2]
 TIME_BOUND_S = 10.0
+# Far below what the hostile cases claim (512 MiB) and far above a refused
+# load of this tiny model (a few MiB).
+MEMORY_BOUND_MIB = 64
 
 
 class CodePayload:
@@ -201,8 +204,22 @@ def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _start_peak_rss() -> float:
+    """Reset this process's resident-set high-water mark (VmHWM) to its
+    resident set now (Linux: ``/proc/self/clear_refs``) and return that, in
+    MiB: the growth read back by ``_peak_rss_growth_mib`` is this
+    operation's, even in a warm worker whose earlier peak was higher."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mib("VmRSS")
+
+
+def _peak_rss_growth_mib(start: float) -> float:
+    return _status_mib("VmHWM") - start
+
+
+def _status_mib(field: str) -> float:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
 
 
 def _every_case_is_refused(rank: int, world_size: int, root: str, names: list[str]) -> dict[str, str]:
@@ -225,15 +242,16 @@ def _every_case_is_refused(rank: int, world_size: int, root: str, names: list[st
         dist.barrier()
         fresh, fresh_optimizer = _trained(seed=1)
         before = snapshot(fresh, fresh_optimizer)
-        peak = _peak_rss_mib()
+        rss = _start_peak_rss()
         start = time.perf_counter()
         with pytest.raises(CheckpointError) as refused:
             load_checkpoint(directory, fresh, fresh_optimizer)
         took = time.perf_counter() - start
+        growth = _peak_rss_growth_mib(rss)
+        assert growth < MEMORY_BOUND_MIB, f"{name}: peak RSS grew by {growth:.0f} MiB ({refused.value})"
         message = str(refused.value)
         assert expected in message, f"{name}: {message}"
         assert took < TIME_BOUND_S, f"{name}: took {took:.1f} s"
-        assert _peak_rss_mib() - peak < 256, f"{name}: peak RSS grew by {_peak_rss_mib() - peak:.0f} MiB"
         assert not os.path.exists(str(directory) + ".marker"), f"{name}: the payload ran"
         after = snapshot(fresh, fresh_optimizer)
         assert_same_tensors(after["model"], before["model"], f"{name}: model")
@@ -278,17 +296,22 @@ def _link_inside_loads(rank: int, world_size: int, root: str) -> None:
     fresh2, fresh2_optimizer = _trained(seed=2)
     load_checkpoint(directory, fresh2, fresh2_optimizer, allow_links_outside=True)
     assert_same_tensors(snapshot(fresh2, fresh2_optimizer)["model"], expected["model"], "link admitted: model")
-    # Even admitted, a link to a device is not a regular file: refused without a read, quickly.
+    # Even admitted, a link to a device is not a regular file: refused
+    # without a read, quickly, and without the 512 MiB it claims to hold.
     if rank == 0:
         (directory / "__0_0.distcp").unlink()
         os.symlink("/dev/zero", directory / "__0_0.distcp")
         (directory / MANIFEST_NAME).unlink()  # nothing to check it against: the reader meets it
+        edit_metadata(directory, lambda md: [setattr(info, "length", 512 << 20) for info in md.storage_data.values() if info.relative_path == "__0_0.distcp"])
     dist.barrier()
     before = snapshot(fresh2, fresh2_optimizer)
+    rss = _start_peak_rss()
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match="not a regular file"):
+    with pytest.raises(CheckpointError) as refused:
         load_checkpoint(directory, fresh2, fresh2_optimizer, allow_links_outside=True)
+    assert _peak_rss_growth_mib(rss) < MEMORY_BOUND_MIB, f"peak RSS grew by {_peak_rss_growth_mib(rss):.0f} MiB ({refused.value})"
     assert time.perf_counter() - start < TIME_BOUND_S
+    assert "not a regular file" in str(refused.value), refused.value
     assert_same_tensors(snapshot(fresh2, fresh2_optimizer)["model"], before["model"], "/dev/zero: model")
 
 
@@ -339,22 +362,35 @@ ENTRY_POINT_CASES = [
 ]
 
 
-def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(tmp_path: Path) -> None:
-    run_distributed(_build_all, 1, str(tmp_path), ENTRY_POINT_CASES)
+def _tree(top: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``top``: (size, modification time in ns)."""
+    return {str(path.relative_to(top)): (path.lstat().st_size, path.lstat().st_mtime_ns) for path in top.rglob("*")}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(world_size: int, tmp_path: Path) -> None:
+    """Each directory as saved by ``world_size`` ranks (one ``.distcp`` file
+    per rank), read with no process group; the command line's converters
+    write nothing anywhere (the whole tree is compared), not even their
+    output."""
+    run_distributed(_build_all, world_size, str(tmp_path), ENTRY_POINT_CASES)
+    assert len(list((tmp_path / "base").glob("*.distcp"))) == world_size
     convert_main = _convert_script().main
     for name in ENTRY_POINT_CASES:
         directory = tmp_path / name.replace(" ", "_").replace(".", "")
         expected = CASES[name][1]
-        outputs = [tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "cli.pt"]
+        outputs = [tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "cli.pt", tmp_path / "cli.safetensors"]
         entry_points: dict[str, Callable[[], Any]] = {
             "dcp.load": lambda: dcp.load(_plain_destination(), storage_reader=DirectFileSystemReader(directory), no_dist=True),
             "dcp_to_torch_save": lambda: dcp_to_torch_save(directory, outputs[0], everything=True),
             "dcp_to_safetensors": lambda: dcp_to_safetensors(directory, outputs[1]),
-            "convert_checkpoint.py to-torch": lambda: convert_main(["to-torch", str(directory), str(outputs[2])]),
+            "convert_checkpoint.py to-torch --everything": lambda: convert_main(["to-torch", str(directory), str(outputs[2]), "--everything"]),
+            "convert_checkpoint.py to-safetensors": lambda: convert_main(["to-safetensors", str(directory), str(outputs[3])]),
         }
         if (directory / MANIFEST_NAME).exists():
             entry_points["verify_checkpoint"] = lambda: verify_checkpoint(directory, ranks_share_work=False)
         for entry, call in entry_points.items():
+            tree = _tree(tmp_path)
             start = time.perf_counter()
             try:
                 call()
@@ -367,6 +403,7 @@ def test_every_entry_point_refuses_hostile_directories_and_writes_nothing(tmp_pa
                 assert entry == "verify_checkpoint", f"{name} via {entry}: loaded"
             assert time.perf_counter() - start < TIME_BOUND_S, f"{name} via {entry}"
             assert not any(path.exists() for path in outputs), f"{name} via {entry}: wrote an output"
+            assert _tree(tmp_path) == tree, f"{name} via {entry}: wrote or changed a file"
             assert not os.path.exists(str(directory) + ".marker"), f"{name} via {entry}: the payload ran"
 
 

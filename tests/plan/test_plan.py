@@ -40,8 +40,9 @@ def _check_record(record: dict) -> None:
     assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
     if record["peak_comparable"]:
         # The allocator sees tensors only; the transport's shared memory is
-        # checked against the transport itself (test_plan_counts_...).
-        tensors = planned["total"] - planned["transport"]
+        # checked against the transport itself (test_plan_counts_...), the
+        # runtime's constant in test_runtime_memory_is_its_own_line_of_the_total.
+        tensors = planned["total"] - planned["transport"] - planned["runtime"]
         error = abs(tensors - allocated["peak"]) / allocated["peak"]
         assert error <= PEAK_TOLERANCE, (
             f"{where}: planned peak {tensors} (+ transport) vs measured {allocated['peak']} ({100 * error:.1f}% off, "
@@ -159,6 +160,7 @@ per rank (rank 0):
   model state                    3.83 KiB  after optimizer.step()
   module buffers                      0 B  not sharded
   shared-memory transport             0 B  none: collectives through the backend
+  runtime (not tensors)               0 B  not measured on this device
   worst moment: backward of '<root>'
     sharded gradients                96 B  reduced so far
     unsharded parameters         2.50 KiB  gathered units
@@ -166,7 +168,7 @@ per rank (rank 0):
     communication buffers           480 B  reduction in flight, all-gather sources
     optimizer step temporaries        0 B
     activations: not measured (pass input_shape= or example_inputs= to plan)
-  peak total                    12.58 KiB  parameters + optimizer state + buffers + transport + the above""",
+  peak total                    12.58 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
     )
 
 
@@ -198,6 +200,33 @@ def test_plan_allocates_no_parameter_memory_even_when_measuring_activations() ->
     peak = cpu_peak_above_start(lambda: plans.append(cs.plan(model, world_size=8, policy={Block}, input_shape=(2, 6))))
     assert plans[0].rank_bytes["activations_peak"] > 0
     assert peak < 4096 < param_bytes // 100  # a few small host tensors, nothing parameter-sized
+
+
+def test_runtime_memory_is_its_own_line_of_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The non-tensor memory of a rank (composable_shard/plan/runtime_memory.py,
+    [Note: the memory that is not tensors]) is counted once in the peak, as
+    measured for the device and transport, and shown as its own row."""
+    from composable_shard.comm import transport
+    from composable_shard.plan.runtime_memory import RUNTIME_BYTES
+
+    tensor_keys = ("params", "optimizer", "buffers", "transport", "grads_at_peak", "unsharded_params", "unsharded_grads",
+                   "comm", "optimizer_step", "activations")
+    for shared_memory in (False, True):
+        monkeypatch.setenv(transport.ENV_SWITCH, "1" if shared_memory else "0")
+        on = transport.PLATFORM_SUPPORTED and shared_memory
+        planned = cs.plan(TinyGPT(n_blocks=2), world_size=2, policy={Block}, device="cpu", input_shape=(2, 6))
+        rb = planned.rank_bytes
+        assert rb["runtime"] == RUNTIME_BYTES[("cpu", on)] > 50 * 2**20
+        assert rb["total"] == sum(rb[key] for key in tensor_keys) + rb["runtime"]
+        assert "runtime (not tensors)" in str(planned) and "measured constant" in str(planned)
+        timeline = planned.timeline()
+        assert timeline.peak_bytes == rb["total"]
+        assert timeline.bytes_at(timeline.peak_moment)["runtime (not tensors)"] == rb["runtime"]
+    # On CUDA the plan is compared with the caching allocator, which holds tensors only.
+    with torch.device("meta"):
+        model = TinyGPT(n_blocks=2)
+    on_cuda = cs.plan(model, world_size=2, policy={Block}, device="cuda")
+    assert on_cuda.rank_bytes["runtime"] == 0 and "not measured on this device" in str(on_cuda)
 
 
 def test_plan_units_follow_the_policy_in_module_preorder() -> None:
