@@ -156,3 +156,105 @@ def _explicit_unshard_step(model: nn.Module, inputs: torch.Tensor, targets: torc
 
 def test_grouped_units_in_prefetch_lists_unshard_and_reshard_match_one_process() -> None:
     run_distributed(_grouped_units_with_controls, 2)
+
+
+def _trainable_handles(model: nn.Module) -> int:
+    return sum(len(state.trainable_handles) for _, state in unit_states_under(model))
+
+
+def _hybrid_micro_batches(rank: int, world_size: int) -> None:
+    """Three micro-batches per step on HYBRID_SHARD (2 x 2): the first
+    without gradient sync (on every unit, or on blocks.0 only), the second
+    reduce-scattered without the replica all-reduce, the third with it;
+    with the world-size divide or a divide factor of 1.0 and a loss scaled
+    by the world size. Reductions counted per micro-batch."""
+    shard_group, replicate_group = hybrid_groups(world_size)
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5)
+    for divide_by_one, only in ((False, None), (True, "blocks.0")):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block, strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
+        fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
+        if divide_by_one:
+            for _, state in unit_states_under(model):
+                set_gradient_divide_factor(state.module, 1.0)
+        handles = _trainable_handles(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        label = f"divide by one {divide_by_one}, sync off on {only or 'all'}"
+        for step in range(2):
+            for micro in range(3):
+                inputs, targets = batch(step * 3 + micro)
+                lm_loss(reference(inputs), targets).backward()
+                if only is None:
+                    set_requires_gradient_sync(model, micro != 0)
+                else:
+                    set_requires_gradient_sync(model.get_submodule(only), micro != 0, recurse=False)
+                set_requires_all_reduce(model, micro == 2)
+                spy = CollectiveSpy()
+                with spy.watching():
+                    loss = lm_loss(model(inputs[local]), targets[local])
+                    (loss / world_size if divide_by_one else loss).backward()
+                counts = spy.counts()
+                unsynced = 0 if micro != 0 else (handles if only is None else 1)
+                assert counts["reduce_scatter"] == handles - unsynced, (label, step, micro, counts)
+                assert counts["all_reduce"] == (handles if micro == 2 else 0), (label, step, micro, counts)
+                assert_resharded(model)
+            compare_full(model, reference, parity, f"{label} step {step}", grads=True)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+            compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
+
+
+def test_hybrid_micro_batches_without_sync_then_without_all_reduce_match_one_process() -> None:
+    run_distributed(_hybrid_micro_batches, 4)
+
+
+def _two_micro_batches_group_unsynced_first(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each half of the local batch, the first with the [norm, head] group's
+    gradient sync off (its hook then reduces the sum of both)."""
+    half = inputs.shape[0] // 2
+    losses = []
+    for micro, rows in enumerate((slice(0, half), slice(half, None))):
+        set_requires_gradient_sync(model.head, micro == 1, recurse=False)
+        loss = lm_loss(model(inputs[rows]), targets[rows])
+        (loss / 2).backward()
+        losses.append(loss.detach())
+    return sum(losses) / 2
+
+
+def _comm_hook_on_a_group(rank: int, world_size: int) -> None:
+    """A default-equivalent hook registered through one member of the
+    [norm, head] group reduces the group's one flat gradient (called once
+    per synchronised backward, with its padded size)."""
+    calls: list[int] = []
+    padded: list[int] = []
+
+    def counting_hook(state: comm_hooks.DefaultState, grad: torch.Tensor, output: torch.Tensor) -> None:
+        calls.append(grad.numel())
+        comm_hooks.reduce_scatter_hook(state, grad, output)
+
+    def shard(model: nn.Module) -> None:
+        _shard_groups(model)
+        register_comm_hook(model.head, comm_hooks.DefaultState(), counting_hook)
+        group = get_state(model.norm)
+        assert group is get_state(model.head) and len(group.trainable_handles) == 1
+        padded.append(group.trainable_handles[0].layout.padded_unsharded_numel)
+
+    for step_fn in ("plain", "micro"):
+        calls.clear()
+        padded.clear()
+        parity = Parity(build=_untied_gpt, shard=shard, steps=2)
+        if step_fn == "micro":
+            parity.step_fn = _two_micro_batches_group_unsynced_first
+        run_parity(parity)
+        assert calls == [padded[0]] * parity.steps, (step_fn, calls, padded)
+
+
+def test_a_comm_hook_on_a_grouped_unit_reduces_its_flat_gradient_in_parity() -> None:
+    run_distributed(_comm_hook_on_a_group, 2)
