@@ -258,3 +258,93 @@ def _comm_hook_on_a_group(rank: int, world_size: int) -> None:
 
 def test_a_comm_hook_on_a_grouped_unit_reduces_its_flat_gradient_in_parity() -> None:
     run_distributed(_comm_hook_on_a_group, 2)
+
+
+WIDTH = 8
+EXPERTS = 4
+# Per step, per micro-batch, the expert of each row of the global batch
+# (rows 0-3 rank 0's, 4-7 rank 1's). Step 0: expert 2 runs only on rank 0
+# in micro-batch 0, expert 3 only on rank 1 in micro-batch 1; step 1:
+# expert 3 only on rank 0 in micro-batch 0, expert 2 only on rank 1 there.
+EXPERT_ROUTES = (
+    ((0, 2, 0, 2, 1, 1, 1, 1), (1, 1, 1, 1, 0, 3, 0, 3)),
+    ((3, 3, 3, 3, 2, 0, 2, 0), (0, 0, 0, 0, 1, 1, 1, 1)),
+)
+
+
+class _Experts(nn.Module):
+    """Top-1 routing given from outside: an expert no row reaches does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.embed(x))
+        out = x
+        for index, expert in enumerate(self.experts):
+            rows = routes == index
+            if rows.any():
+                update = torch.zeros_like(out)
+                update[rows] = expert(x[rows])
+                out = out + update
+        return self.head(out)
+
+
+def _expert_loss(model: nn.Module, step: int, micro: int, rows: slice) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10 * step + micro)
+    inputs = torch.randn(8, WIDTH, generator=generator)
+    targets = torch.randn(8, WIDTH, generator=generator)
+    routes = torch.tensor(EXPERT_ROUTES[step][micro])
+    return ((model(inputs[rows], routes[rows]) - targets[rows]) ** 2).mean()
+
+
+def _skipped_experts_next_to_unsynced_units(rank: int, world_size: int) -> None:
+    """Two micro-batches per step, the first with gradient sync off on the
+    experts (units some ranks skip, each rank keeping what it ran) or on
+    the units around them; the second reduces everything."""
+    local = slice(rank * 4, rank * 4 + 4)
+    parity = Parity(build=_Experts, shard=lambda m: None)
+    for unsynced in ("experts", "embed and head"):
+        torch.manual_seed(0)
+        model = _Experts()
+        reference = copy.deepcopy(model)
+        for expert in model.experts:
+            fully_shard(expert)
+        fully_shard(model.embed)
+        fully_shard(model.head)
+        fully_shard(model)
+        set_may_be_skipped(model.experts)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        targets = [model.experts] if unsynced == "experts" else [model.embed, model.head]
+        for step in range(len(EXPERT_ROUTES)):
+            for micro in range(2):
+                _expert_loss(reference, step, micro, slice(None)).backward()
+                for target in targets:
+                    set_requires_gradient_sync(target, micro == 1)
+                spy = CollectiveSpy()
+                with spy.watching():
+                    _expert_loss(model, step, micro, local).backward()
+                assert_resharded(model)
+                # One reduction per synchronised unit that ran on any rank
+                # (or accumulated without sync before): embed and head, and
+                # the experts the global batch reached.
+                reached = set(EXPERT_ROUTES[step][micro])
+                if unsynced == "experts":
+                    expected = 2 if micro == 0 else 2 + len(reached | set(EXPERT_ROUTES[step][0]))
+                else:
+                    expected = len(reached) + (0 if micro == 0 else 2)
+                assert spy.counts()["reduce_scatter"] == expected, (unsynced, step, micro, spy.counts())
+            compare_full(model, reference, parity, f"sync off on {unsynced}, step {step}", grads=True)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+            compare_full(model, reference, parity, f"sync off on {unsynced}, step {step} after optimizer step", grads=False)
+
+
+def test_skipped_experts_next_to_units_without_gradient_sync_match_one_process() -> None:
+    run_distributed(_skipped_experts_next_to_unsynced_units, 2)
