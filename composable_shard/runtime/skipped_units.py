@@ -201,7 +201,11 @@ def reduce_or_defer(unit: UnitState, handle: FlatParamHandle) -> bool:
     trainable handle of the unit is done."""
     if unit.skip_grad_sync or not stays_gathered(unit):
         return unit.reduce_grad(handle)
-    if not handle.has_frozen_params:
+    # set_reshard_after_backward(False) keeps it, as reduce_grad does: the
+    # anchor's pre-backward gathered every anchored unit on every rank, so
+    # each rank keeps all of them, run here or not, and the next forward
+    # gathers none of them on any rank (tests/training/test_controls_compose.py).
+    if not handle.has_frozen_params and unit.reshard_after_backward:
         unit.reshard_handle(handle)
     unit.reduced_handles.add(handle)
     return len(unit.reduced_handles) == len(unit.trainable_handles)

@@ -28,6 +28,7 @@ from composable_shard import (
     set_modules_to_forward_prefetch,
     set_requires_all_reduce,
     set_requires_gradient_sync,
+    set_reshard_after_backward,
     set_reshard_after_forward,
     unshard,
 )
@@ -304,10 +305,12 @@ def _expert_loss(model: nn.Module, step: int, micro: int, rows: slice) -> torch.
 def _skipped_experts_next_to_unsynced_units(rank: int, world_size: int) -> None:
     """Two micro-batches per step, the first with gradient sync off on the
     experts (units some ranks skip, each rank keeping what it ran) or on
-    the units around them; the second reduces everything."""
+    the units around them, these also with every unit's parameters kept
+    gathered (``set_reshard_after_backward(False)``: the experts, reduced,
+    stay gathered on every rank); the second reduces everything."""
     local = slice(rank * 4, rank * 4 + 4)
     parity = Parity(build=_Experts, shard=lambda m: None)
-    for unsynced in ("experts", "embed and head"):
+    for unsynced in ("experts", "embed and head", "embed and head, kept gathered"):
         torch.manual_seed(0)
         model = _Experts()
         reference = copy.deepcopy(model)
@@ -325,10 +328,20 @@ def _skipped_experts_next_to_unsynced_units(rank: int, world_size: int) -> None:
                 _expert_loss(reference, step, micro, slice(None)).backward()
                 for target in targets:
                     set_requires_gradient_sync(target, micro == 1)
+                if unsynced.endswith("kept gathered"):
+                    set_reshard_after_backward(model, micro == 1)
                 spy = CollectiveSpy()
                 with spy.watching():
-                    _expert_loss(model, step, micro, local).backward()
-                assert_resharded(model)
+                    loss = _expert_loss(model, step, micro, local)
+                    forward_gathers = spy.counts()["all_gather_into"]
+                    loss.backward()
+                if unsynced.endswith("kept gathered") and micro == 1:
+                    # Every rank kept every unit, experts it skipped too:
+                    # the forward gathers nothing (not some experts on some
+                    # ranks, which paired different units' all-gathers).
+                    assert forward_gathers == 0, (step, spy.counts())
+                if micro == 1 or not unsynced.endswith("kept gathered"):
+                    assert_resharded(model)
                 # One reduction per synchronised unit that ran on any rank
                 # (or accumulated without sync before): embed and head, and
                 # the experts the global batch reached.
