@@ -167,8 +167,9 @@ def _hybrid_micro_batches(rank: int, world_size: int) -> None:
     """Three micro-batches per step on HYBRID_SHARD (2 x 2): the first
     without gradient sync (on every unit, or on blocks.0 only), the second
     reduce-scattered without the replica all-reduce, the third with it;
-    with the world-size divide or a divide factor of 1.0 and a loss scaled
-    by the world size. Reductions counted per micro-batch."""
+    with the world-size divide, or a divide factor of 1.0, a loss scaled by
+    the world size and the parameters kept gathered between micro-batches.
+    Reductions counted per micro-batch."""
     shard_group, replicate_group = hybrid_groups(world_size)
     local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
     parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5)
@@ -195,6 +196,8 @@ def _hybrid_micro_batches(rank: int, world_size: int) -> None:
                 else:
                     set_requires_gradient_sync(model.get_submodule(only), micro != 0, recurse=False)
                 set_requires_all_reduce(model, micro == 2)
+                if divide_by_one:  # and the parameters kept gathered between micro-batches
+                    set_reshard_after_backward(model, micro == 2)
                 spy = CollectiveSpy()
                 with spy.watching():
                     loss = lm_loss(model(inputs[local]), targets[local])
@@ -203,7 +206,8 @@ def _hybrid_micro_batches(rank: int, world_size: int) -> None:
                 unsynced = 0 if micro != 0 else (handles if only is None else 1)
                 assert counts["reduce_scatter"] == handles - unsynced, (label, step, micro, counts)
                 assert counts["all_reduce"] == (handles if micro == 2 else 0), (label, step, micro, counts)
-                assert_resharded(model)
+                if micro == 2 or not divide_by_one:
+                    assert_resharded(model)
             compare_full(model, reference, parity, f"{label} step {step}", grads=True)
             optimizer.step()
             reference_optimizer.step()
