@@ -27,7 +27,9 @@ worst the root, which runs on every rank by definition):
   or not; a marked unit stays gathered until the anchor's forward ends
   (it may run twice), and is then resharded on every rank;
 - a marked unit is never a prefetch target (it leaves the forward order);
-- its post-backward keeps the unsharded gradient instead of reducing it;
+- its post-backward keeps the unsharded gradient instead of reducing it
+  (and reshards, unless ``set_reshard_after_backward(False)``: then every
+  rank keeps every anchored unit, all gathered by the anchor's pre-backward);
 - the end of backward agrees over each group on which marked flat
   parameters hold a gradient (one all-reduce of flags per step), and every
   rank reduces every one that any rank holds, with zeros where this rank
