@@ -27,7 +27,9 @@ worst the root, which runs on every rank by definition):
   or not; a marked unit stays gathered until the anchor's forward ends
   (it may run twice), and is then resharded on every rank;
 - a marked unit is never a prefetch target (it leaves the forward order);
-- its post-backward keeps the unsharded gradient instead of reducing it;
+- its post-backward keeps the unsharded gradient instead of reducing it
+  (and reshards, unless ``set_reshard_after_backward(False)``: then every
+  rank keeps every anchored unit, all gathered by the anchor's pre-backward);
 - the end of backward agrees over each group on which marked flat
   parameters hold a gradient (one all-reduce of flags per step), and every
   rank reduces every one that any rank holds, with zeros where this rank
@@ -201,7 +203,11 @@ def reduce_or_defer(unit: UnitState, handle: FlatParamHandle) -> bool:
     trainable handle of the unit is done."""
     if unit.skip_grad_sync or not stays_gathered(unit):
         return unit.reduce_grad(handle)
-    if not handle.has_frozen_params:
+    # set_reshard_after_backward(False) keeps it, as reduce_grad does: the
+    # anchor's pre-backward gathered every anchored unit on every rank, so
+    # each rank keeps all of them, run here or not, and the next forward
+    # gathers none of them on any rank (tests/training/test_controls_compose.py).
+    if not handle.has_frozen_params and unit.reshard_after_backward:
         unit.reshard_handle(handle)
     unit.reduced_handles.add(handle)
     return len(unit.reduced_handles) == len(unit.trainable_handles)

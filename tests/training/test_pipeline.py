@@ -10,9 +10,11 @@ model and into a fresh pipeline layout.
 The schedule drives our units as plain modules: one backward per
 micro-batch (1F1B runs several forwards before their backwards), each
 reducing its gradient into the sharded ``.grad`` (which sums over
-micro-batches), then ``scale_grads`` divides by the micro-batch count. A
-stage that runs every backward but the last under ``no_sync`` reduces once
-per unit per step (counted)."""
+micro-batches), then ``scale_grads`` divides by the micro-batch count. The
+README's recipe, a stage that sets the per-unit controls the schedule sets
+on FSDP2's modules (gradient sync, reshard after backward, last backward:
+off for every backward but the last), reduces once per unit per step and
+gathers less (both counted)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,15 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composable_shard import fully_shard, get_model_state_dict, no_sync, set_model_state_dict, unshard_params
+from composable_shard import (
+    fully_shard,
+    get_model_state_dict,
+    set_is_last_backward,
+    set_model_state_dict,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    unshard_params,
+)
 from torch.distributed.pipelining import PipelineStage
 
 from tests.support.comm_spies import CommSpy
@@ -101,16 +111,18 @@ def _shard_stage(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(module, process_group=group)
 
 
-class _ReduceOnLastBackwardStage(PipelineStage):
-    """A stage whose units reduce once per step: every micro-batch's
-    backward but the last accumulates locally (``no_sync``), as the
-    schedule does for DDP and FSDP2 modules."""
+class _ControlledStage(PipelineStage):
+    """The README's recipe: torch's schedules set these controls only on
+    FSDP2's ``FSDPModule`` (ours are the user's classes), so the stage sets
+    them before each micro-batch's backward: every backward but the last
+    accumulates locally and keeps the parameters gathered; the last
+    reduces the sum once and reshards."""
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):  # type: ignore[no-untyped-def]
-        if last_backward:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with no_sync(self.submod):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        set_requires_gradient_sync(self.submod, last_backward)
+        set_reshard_after_backward(self.submod, last_backward)
+        set_is_last_backward(self.submod, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.ProcessGroup):
@@ -122,11 +134,11 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     # gradients back.)
     example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)
     example_out = torch.zeros(micro, SEQ, DIM if stage == 0 else VOCAB, requires_grad=True)
-    stage_class = _ReduceOnLastBackwardStage if kind.endswith("no_sync") else PipelineStage
+    stage_class = _ControlledStage if kind.endswith("controls") else PipelineStage
     pipeline_stage = stage_class(
         module, stage, STAGES, torch.device("cpu"), input_args=example_in, output_args=example_out, group=pipe_group
     )
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "1f1b no_sync": Schedule1F1B}[kind]
+    schedule_class = ScheduleGPipe if kind.startswith("gpipe") else Schedule1F1B
     return schedule_class(pipeline_stage, MICROBATCHES, loss_fn=_loss)
 
 
@@ -155,7 +167,8 @@ def _compare(module: nn.Module, expected: nn.Module, when: str, *, grads: bool) 
 def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
     stage, dp_index, stage_group, pipe_group = _layout()
     local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)
-    for kind in ("gpipe", "1f1b", "1f1b no_sync"):
+    all_gathers: dict[tuple[str, int], int] = {}
+    for kind in ("gpipe", "1f1b", "gpipe controls", "1f1b controls"):
         torch.manual_seed(0)
         reference = _PipeGPT()
         module = copy.deepcopy(reference.stages[stage])
@@ -180,10 +193,19 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
             # One reduction per flat parameter (stage 0: 2 blocks and the
             # root's embeddings; stage 1: a block and [norm, head]; its root
             # owns nothing) per micro-batch's backward, or per step with
-            # no_sync before the last backward.
+            # the controls off before the last backward.
             units = 3 if stage == 0 else 2
-            reductions = units if kind.endswith("no_sync") else units * MICROBATCHES
+            reductions = units if kind.endswith("controls") else units * MICROBATCHES
             assert spy.calls.count("reduce_scatter") == reductions, (kind, step, spy.calls)
+            all_gathers[kind, step] = spy.calls.count("all_gather_into")
+            if kind.endswith("controls"):
+                # Parameters kept gathered after every backward but the
+                # last: each unit's backwards after the first gather
+                # nothing (seen: stage 0 GPipe 22 -> 13, 1F1B 18 -> 9;
+                # stage 1 GPipe 15 -> 9, 1F1B 13 -> 7 and 12 -> 6).
+                plain = all_gathers[kind.split()[0], step]
+                saved = plain - all_gathers[kind, step]
+                assert saved == units * (MICROBATCHES - 1), (kind, step, plain, all_gathers[kind, step])
             if stage == 1:
                 mean_loss = torch.stack(losses).mean()
                 dist.all_reduce(mean_loss, group=stage_group)
