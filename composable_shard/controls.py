@@ -14,7 +14,7 @@ Public names: ``set_requires_gradient_sync``, ``set_is_last_backward``,
 ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``,
 ``unshard``, ``reshard``, ``UnshardHandle``, ``set_units_gradient_sync``.
 
-Where our flat layout makes a control differ from FSDP2's (README,
+Where our flat layout makes a control differ from FSDP2's (docs/parallelism.md,
 "Per-unit runtime controls"): a unit's flat parameters are gathered and
 freed together, so every control acts on a whole unit; ``unshard`` gathers
 into the unit's buffer but the module keeps showing the shards until its

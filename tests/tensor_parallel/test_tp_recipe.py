@@ -1,4 +1,4 @@
-"""The README's tensor-parallel recipe (examples/tensor_parallel_gpt.py): a GPT
+"""The tensor-parallel recipe of docs/parallelism.md (examples/tensor_parallel_gpt.py): a GPT
 whose blocks are parallelised with ColwiseParallel/RowwiseParallel on "tp"
 and sharded per block on "dp" of a 2 x 2 mesh trains step by step like one
 process on the global batch."""

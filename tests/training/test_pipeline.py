@@ -11,7 +11,7 @@ The schedule drives our units as plain modules: one backward per
 micro-batch (1F1B runs several forwards before their backwards), each
 reducing its gradient into the sharded ``.grad`` (which sums over
 micro-batches), then ``scale_grads`` divides by the micro-batch count. The
-README's recipe, a stage that sets the per-unit controls the schedule sets
+docs/parallelism.md's recipe, a stage that sets the per-unit controls the schedule sets
 on FSDP2's modules (gradient sync, reshard after backward, last backward:
 off for every backward but the last), reduces once per unit per step and
 gathers less (both counted)."""
@@ -112,7 +112,7 @@ def _shard_stage(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
 
 
 class _ControlledStage(PipelineStage):
-    """The README's recipe: torch's schedules set these controls only on
+    """docs/parallelism.md's recipe: torch's schedules set these controls only on
     FSDP2's ``FSDPModule`` (ours are the user's classes), so the stage sets
     them before each micro-batch's backward: every backward but the last
     accumulates locally and keeps the parameters gathered; the last
@@ -129,7 +129,7 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     micro = GLOBAL_BATCH // DP // MICROBATCHES
-    # Static shapes (the README's recipe): no metadata inference run.
+    # Static shapes (docs/parallelism.md's recipe): no metadata inference run.
     # (requires_grad on float tensors: the activations between stages carry
     # gradients back.)
     example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)

@@ -79,7 +79,7 @@ class MixtureOfExperts(nn.Module):
 
 
 class LearnedRouting(MixtureOfExperts):
-    """The README's recipe: a learned router picks each row's top-2 experts
+    """docs/parallelism.md's recipe: a learned router picks each row's top-2 experts
     and weighs them (``routes`` is ignored)."""
 
     def __init__(self) -> None:
@@ -216,7 +216,7 @@ def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
     _train_in_parity(
         rank, world_size, "FULL_SHARD, experts anchored at the MoE unit, forward prefetch", moe_unit=True, forward_prefetch=True
     )
-    _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (README)", moe_unit=True, moe=LearnedRouting)
+    _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (the recipe)", moe_unit=True, moe=LearnedRouting)
     _train_in_parity(rank, world_size, "FULL_SHARD, a micro-batch under no_sync", moe_unit=False, micro_batches=2)
     with _group_of_its_own("gloo") as group:  # tags checked beside each collective
         _train_in_parity(rank, world_size, "FULL_SHARD through gloo's messages", moe_unit=True, process_group=group)
