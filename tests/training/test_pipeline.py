@@ -111,7 +111,21 @@ def _shard_stage(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(module, process_group=group)
 
 
-class _ControlledStage(PipelineStage):
+class _Stage(PipelineStage):
+    """torch 2.9's schedules start by exchanging a dummy tensor with the
+    neighbour stages, sending an int64 scalar into a float32 buffer; gloo
+    refuses the size mismatch ("8 vs 4") and aborts the process (fixed in
+    torch 2.10, which sends float32). Sending float32 here is a no-op on
+    2.10+ (docs/parallelism.md, pipeline recipe)."""
+
+    def _get_init_p2p_neighbors_ops(self):  # type: ignore[no-untyped-def]
+        ops = super()._get_init_p2p_neighbors_ops()
+        for op in ops:
+            op.tensor = op.tensor.to(torch.float32)
+        return ops
+
+
+class _ControlledStage(_Stage):
     """docs/parallelism.md's recipe: torch's schedules set these controls only on
     FSDP2's ``FSDPModule`` (ours are the user's classes), so the stage sets
     them before each micro-batch's backward: every backward but the last
@@ -134,7 +148,7 @@ def _make_schedule(kind: str, module: nn.Module, stage: int, pipe_group: dist.Pr
     # gradients back.)
     example_in = torch.zeros(micro, SEQ, dtype=torch.long) if stage == 0 else torch.zeros(micro, SEQ, DIM, requires_grad=True)
     example_out = torch.zeros(micro, SEQ, DIM if stage == 0 else VOCAB, requires_grad=True)
-    stage_class = _ControlledStage if kind.endswith("controls") else PipelineStage
+    stage_class = _ControlledStage if kind.endswith("controls") else _Stage
     pipeline_stage = stage_class(
         module, stage, STAGES, torch.device("cpu"), input_args=example_in, output_args=example_out, group=pipe_group
     )
@@ -184,7 +198,7 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
             losses: list[torch.Tensor] = []
             with CommSpy() as spy:
                 if stage == 0:
-                    schedule.step(inputs[local])
+                    schedule.step(inputs[local].contiguous())  # torch 2.9 checks the strides against the static shapes
                 else:
                     schedule.step(target=targets[local], losses=losses)
             if kind.startswith("1f1b") and stage == 0:  # two forwards before the first backward
