@@ -31,7 +31,7 @@ from typing import Sequence
 import torch.nn as nn
 
 from .runtime import lazy_init, mark_local_accumulation
-from .state import TrainingState, UnitState, get_state, unit_states_under
+from .state import TrainingState, UnitState, get_state, units_of
 
 __all__ = [
     "set_requires_gradient_sync",
@@ -64,13 +64,7 @@ def _units(module: nn.Module, recurse: bool, what: str) -> list[UnitState]:
         raise TypeError(f"{what}({type(module).__name__}): recurse must be a bool, got {type(recurse).__name__}.")
     if not recurse:
         return [_unit_of(module, what)]
-    units = [state for _, state in unit_states_under(module)] if isinstance(module, nn.Module) else []
-    if not units:
-        raise ValueError(
-            f"{what}({type(module).__name__}): no module in this tree was given to fully_shard. Call "
-            "fully_shard(module) first."
-        )
-    return units
+    return units_of(module, recurse=True, what=what)
 
 
 def _check_bool(module: nn.Module, what: str, name: str, value: object) -> None:

@@ -24,26 +24,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .state import UnitState, get_state, unit_states_under
+from .state import units_of
 
 __all__ = ["set_requires_all_reduce", "set_gradient_divide_factor", "register_comm_hook", "set_all_reduce_hook"]
 
-
-def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{what}: expected a module given to fully_shard, got {type(module).__name__}.")
-    if recurse:
-        units = [state for _, state in unit_states_under(module)]
-    else:
-        state = get_state(module)
-        units = [state] if state is not None else []
-    if not units:
-        where = "in this tree was" if recurse else "itself was"
-        raise ValueError(
-            f"{what}({type(module).__name__}): no module {where} given to fully_shard. Call fully_shard(module) "
-            "first, and call this on a module fully_shard made a unit."
-        )
-    return units
 
 
 def set_requires_all_reduce(module: nn.Module, requires: bool, *, recurse: bool = True) -> None:
@@ -64,7 +48,7 @@ def set_requires_all_reduce(module: nn.Module, requires: bool, *, recurse: bool 
     """
     if not isinstance(requires, bool):
         raise TypeError(f"set_requires_all_reduce({type(module).__name__}): requires must be a bool, got {requires!r}.")
-    for unit in _units(module, recurse=recurse, what="set_requires_all_reduce"):
+    for unit in units_of(module, recurse=recurse, what="set_requires_all_reduce"):
         unit.reduction_overrides.requires_all_reduce = requires
 
 
@@ -87,7 +71,7 @@ def set_gradient_divide_factor(module: nn.Module, factor: float | None) -> None:
                 "(1.0 sums the gradients; None restores the world size)."
             )
         factor = float(factor)
-    for unit in _units(module, recurse=False, what="set_gradient_divide_factor"):
+    for unit in units_of(module, recurse=False, what="set_gradient_divide_factor"):
         unit.reduction_overrides.divide_factor = factor
 
 
@@ -113,7 +97,7 @@ def register_comm_hook(module: nn.Module, state: Any, hook: Callable[..., Any]) 
     name = type(module).__name__
     if not callable(hook):
         raise TypeError(f"register_comm_hook({name}): hook must be callable, got {type(hook).__name__}.")
-    units = _units(module, recurse=True, what="register_comm_hook")
+    units = units_of(module, recurse=True, what="register_comm_hook")
     for unit in units:
         if unit.config.strategy.is_hybrid:
             raise ValueError(
@@ -147,7 +131,7 @@ def set_all_reduce_hook(
     name = type(module).__name__
     if hook is not None and not callable(hook):
         raise TypeError(f"set_all_reduce_hook({name}): hook must be callable or None, got {type(hook).__name__}.")
-    units = _units(module, recurse=False, what="set_all_reduce_hook")
+    units = units_of(module, recurse=False, what="set_all_reduce_hook")
     for unit in units:
         if stream is not None and unit.config.strategy.is_hybrid:
             raise ValueError(

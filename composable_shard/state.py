@@ -8,7 +8,7 @@ handles and the scheduler), hooks and the step's lifecycle (runtime/).
 
 Public names: ``TrainingState``, ``BETWEEN_STEPS``, ``UnitConfig``,
 ``UnitState``, ``RootContext``, ``raise_internal``, ``get_state``,
-``register_state``, ``unit_states_under``.
+``register_state``, ``unit_states_under``, ``units_of``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "get_state",
     "register_state",
     "unit_states_under",
+    "units_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -425,3 +426,23 @@ def unit_states_under(module: nn.Module) -> Iterator[tuple[str, UnitState]]:
             names.setdefault(state, []).append(name)
     for state, member_names in names.items():
         yield "+".join(member_names), state
+
+
+def units_of(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
+    """``module``'s unit, or with ``recurse`` every unit in its tree; raises
+    naming ``what`` and the module when there is none (the public functions
+    that take a sharded module all check it this way)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: expected a module given to fully_shard, got {type(module).__name__}.")
+    if recurse:
+        units = [state for _, state in unit_states_under(module)]
+    else:
+        state = get_state(module)
+        units = [state] if state is not None else []
+    if not units:
+        where = "in this tree was" if recurse else "itself was"
+        raise ValueError(
+            f"{what}({type(module).__name__}): no module {where} given to fully_shard. Call fully_shard(module) "
+            "first, and call this on a module fully_shard made a unit."
+        )
+    return units

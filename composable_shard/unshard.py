@@ -24,7 +24,7 @@ from .handle import FlatParamHandle, set_grad_of_other_dtype
 from .controls import set_units_gradient_sync
 from .handle.dtensor_views import local_tensor, norm_group_of
 from .runtime import enter_between_steps
-from .state import UnitState, get_state, unit_states_under
+from .state import units_of
 
 __all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
 
@@ -39,19 +39,6 @@ def is_inside_unshard_params(handle: FlatParamHandle) -> bool:
     parameters now."""
     return handle in _ACTIVE_UNSHARDED
 
-
-def _units(module: nn.Module, *, recurse: bool, what: str) -> list[UnitState]:
-    if recurse:
-        units = [state for _, state in unit_states_under(module)]
-    else:
-        state = get_state(module)
-        units = [state] if state is not None else []
-    if not units:
-        raise ValueError(
-            f"{what}({type(module).__name__}): no module in this tree was given to fully_shard. Call "
-            "fully_shard(module) first."
-        )
-    return units
 
 
 @contextlib.contextmanager
@@ -92,7 +79,7 @@ def unshard_params(
             f"unshard_params({type(module).__name__}): rank0_only=True with writeback=True is not supported "
             "(other ranks would not see rank 0's edits). Pass writeback=False."
         )
-    units = _units(module, recurse=recurse, what="unshard_params")
+    units = units_of(module, recurse=recurse, what="unshard_params")
     enter_between_steps(units, "unshard_params")
     handles = [h for unit in units for h in unit.handles if h not in _ACTIVE_UNSHARDED]
     for unit in units:  # the user's changes since the last step first (values, dtype, requires_grad)
@@ -189,7 +176,7 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     with ``False`` for the context's duration, each unit's own setting
     restored at its exit (so nesting restores the outer setting).
     """
-    units = _units(module, recurse=True, what="no_sync")
+    units = units_of(module, recurse=True, what="no_sync")
     previous = [not unit.skip_grad_sync for unit in units]
     set_units_gradient_sync(units, False)
     try:
@@ -215,7 +202,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     first). Frozen parameters and empty local parts add nothing.
     Collective over every shard group in the tree.
     """
-    units = _units(module, recurse=True, what="clip_grad_norm_")
+    units = units_of(module, recurse=True, what="clip_grad_norm_")
     enter_between_steps(units, "clip_grad_norm_")
     norm_type = float(norm_type)
     sharded_params: set[int] = set()

@@ -51,7 +51,7 @@ import torch.nn as nn
 from .. import comm
 from ..comm import tags
 from ..handle import FlatParamHandle
-from ..state import RootContext, TrainingState, UnitState, get_state, unit_states_under
+from ..state import RootContext, TrainingState, UnitState, units_of
 from .lifecycle import enter_between_steps, in_backward
 
 __all__ = [
@@ -86,13 +86,7 @@ def set_may_be_skipped(module: nn.Module, may_be_skipped: bool = True, *, recurs
     gradient until the end of backward. Without it, a unit that ranks run
     differently raises on every rank at its first collective, naming it.
     Call between steps; the root of a tree cannot be marked."""
-    states = [state for _, state in unit_states_under(module)] if recurse else [get_state(module)]
-    states = [state for state in states if state is not None]
-    if not states:
-        raise ValueError(
-            f"set_may_be_skipped({type(module).__name__}): no module in this tree was given to fully_shard. "
-            "Call fully_shard on the units that some ranks skip (each expert, say) first."
-        )
+    states = units_of(module, recurse=recurse, what="set_may_be_skipped")
     for state in states:
         if state.root_context is not None:
             enter_between_steps([state], "set_may_be_skipped")
