@@ -135,19 +135,8 @@ def _global_norm(tensors: list[torch.Tensor], owners: dict[int, UnitState], norm
         unit = owners.get(id(tensor))
         key = (unit.groups.shard_group if unit is not None else None, norm_group_of(tensor))
         by_group.setdefault(key, []).append(local_tensor(tensor))
-    is_inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, group_tensors in by_group.items():
-        local = _contribution(group_tensors, norm_type, device)
-        for group in groups:
-            if group is None:
-                continue
-            if is_inf:
-                comm.all_reduce_max(local, group)
-            else:
-                comm.all_reduce(local, group, async_op=False)
-        total = torch.maximum(total, local) if is_inf else total + local
-    return total if is_inf else total ** (1.0 / norm_type)
+    parts = [(groups, _contribution(group_tensors, norm_type, device)) for groups, group_tensors in by_group.items()]
+    return comm.total_norm_of_parts(parts, norm_type, device)
 
 
 def _contribution(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -228,18 +228,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         if id(param) not in sharded_params and param.grad is not None and param.grad.numel() > 0:
             group_grads.setdefault((None, norm_group_of(param.grad)), []).append(local_tensor(param.grad))
     device = units[0].compute_device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, grads in group_grads.items():
-        local = _norm_contribution(grads, norm_type, device)
-        for group in groups:
-            if group is None:
-                continue
-            if math.isinf(norm_type):
-                comm.all_reduce_max(local, group)
-            else:
-                comm.all_reduce(local, group, async_op=False)
-        total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
-    total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    parts = [(groups, _norm_contribution(grads, norm_type, device)) for groups, grads in group_grads.items()]
+    total_norm = comm.total_norm_of_parts(parts, norm_type, device)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grads in group_grads.values():

@@ -30,13 +30,15 @@ its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
 ``finish_grad_reduction``, ``ReductionOverrides``, ``settings_with``,
-``check_overrides``; for state dicts and checkpoints,
+``check_overrides``; a gradient norm from per-group parts:
+``total_norm_of_parts``; for state dicts and checkpoints,
 ``broadcast_object`` and ``all_gather_object``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,3 +293,24 @@ def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | No
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group rank order, on every rank."""
     return process_group.all_gather_object(obj, group)
+
+
+def total_norm_of_parts(
+    parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """The total ``norm_type``-norm from local parts (each ``max |g|`` for
+    the inf-norm, else ``sum |g|^p``), each reduced over its groups (the
+    ranks holding other pieces of the same tensors; ``None``: none), in
+    order: every rank must pass its parts' groups in the same order."""
+    is_inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, local in parts:
+        for group in groups:
+            if group is None:
+                continue
+            if is_inf:
+                all_reduce_max(local, group)
+            else:
+                all_reduce(local, group, async_op=False)
+        total = torch.maximum(total, local) if is_inf else total + local
+    return total if is_inf else total ** (1.0 / norm_type)
