@@ -153,7 +153,7 @@ def fully_shard(
             materialize_unit(member, compute_device, param_init_fn, skip)
         if sync_module_states:  # parameters once, then each module's buffers
             for index, member in enumerate(unit_members):
-                sync_unit_states(member, unit_sources if index == 0 else [], skip)
+                sync_unit_states(member, unit_sources if index == 0 else [], skip, unit_groups)
         for member in unit_members:
             orig_buffer_dtypes.update(cast_unit_buffers(member, kwargs["mixed_precision"], skip))
         state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)

@@ -24,7 +24,8 @@ those objects, tied parameters stay tied, and optimizers built on the meta
 model keep pointing at the right tensors. The random numbers drawn therefore
 come in that order, which differs from building the model eagerly on one
 device; ``sync_module_states=True`` makes the result independent of each
-rank's random state. Meta buffers get uninitialised storage: the init
+rank's random state (each unit's data-parallel ranks take their first
+one's values). Meta buffers get uninitialised storage: the init
 function must fill them (``reset_parameters`` of the norms does). Pinned by
 tests/runtime/test_deferred_init.py.
 """
@@ -39,7 +40,9 @@ import torch.nn as nn
 
 from . import comm
 from .api import MixedPrecision
+from .comm.groups import ShardGroups
 from .handle import FlatParamSource
+from .handle.dtensor_views import local_tensor
 
 __all__ = ["check_materializable", "materialize_unit", "sync_unit_states", "cast_unit_buffers"]
 
@@ -178,16 +181,25 @@ def sync_unit_states(
     unit: nn.Module,
     sources: Sequence[FlatParamSource],
     skip: Callable[[nn.Module], bool],
+    groups: ShardGroups,
 ) -> None:
-    """Overwrite the unit's parameters and buffers with global rank 0's
-    (every rank of the default group)."""
+    """Overwrite the unit's parameters and buffers with those of its first
+    data-parallel rank (group rank 0 of the shard group, then of the
+    replicate group: every rank of ``groups`` ends with that one's values).
+
+    Only the unit's own groups: with tensor parallelism they join the ranks
+    that hold the same slice of each ``DTensor`` (whose local tensors are
+    broadcast), and ranks outside them (other pipeline stages, other
+    tensor-parallel slices) hold other tensors."""
+    tensors = [local_tensor(source.param).data for source in sources]
+    for _, module in _unit_modules(unit, skip):
+        tensors += [local_tensor(buffer) for buffer in module._buffers.values() if buffer is not None]
     with torch.no_grad():
-        for source in sources:
-            comm.broadcast(source.param.data, 0, None)
-        for _, module in _unit_modules(unit, skip):
-            for buffer in module._buffers.values():
-                if buffer is not None:
-                    comm.broadcast(buffer, 0, None)
+        for group in (groups.shard_group, groups.replicate_group):
+            if group is None:
+                continue
+            for tensor in tensors:
+                comm.broadcast(tensor, 0, group)
 
 
 def cast_unit_buffers(

@@ -159,6 +159,10 @@ class TPParity:
     compute_dtype: torch.dtype | None = None
     atol: float = 1e-5
     rtol: float = 1e-5
+    # Build the 2-D model on the meta device (fully_shard materialises it,
+    # [Note: deferred initialisation] in init.py); the reference starts from
+    # the values that gave it.
+    meta_init: bool = False
     # Filled by the run: the norms clip_grad_norm_ returned (sharded, reference).
     norms: list[tuple[float, float]] = field(default_factory=list)
 
@@ -170,7 +174,11 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
 
     mesh = mesh if mesh is not None else mesh_2x2()
     reference = build_stack(checkpointed=parity.checkpointed)
-    model = copy.deepcopy(reference)
+    if parity.meta_init:
+        with torch.device("meta"):
+            model = TPStack(checkpointed=parity.checkpointed)
+    else:
+        model = copy.deepcopy(reference)
     parallelize(model, mesh["tp"])
     # After parallelize_module, which makes new parameters (requires_grad=True).
     for name in parity.frozen:
@@ -179,6 +187,8 @@ def run_tp_parity(parity: TPParity, mesh: DeviceMesh | None = None) -> list[floa
     for block in model.blocks:
         fully_shard(block, **parity.shard_kwargs)
     fully_shard(model, **parity.shard_kwargs)
+    if parity.meta_init:
+        reference.load_state_dict(full_params(model))
     ref_opt = parity.make_optimizer([p for p in reference.parameters() if p.requires_grad])
     opt = parity.make_optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []

@@ -50,6 +50,10 @@ def _fp32_cases(rank: int, world_size: int) -> dict[str, list[float]]:
         "clip_grad_norm": TPParity(shard_kwargs=dp, clip=0.05),
         "clip_grad_norm_frozen": TPParity(shard_kwargs=dp, clip=0.05, frozen=("blocks.1.norm.weight",)),
         "torch_clip_grad_norm": TPParity(shard_kwargs=dp, clip=0.05, torch_clip=True),
+        # Built on the meta device: fully_shard materialises the DTensor
+        # parameters with reset_parameters (tests/tensor_parallel/test_tp_init.py
+        # checks the values); the reference starts from them.
+        "meta_init": TPParity(shard_kwargs=dp, meta_init=True),
         "adamw_fused": TPParity(
             shard_kwargs=dp, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
         ),
