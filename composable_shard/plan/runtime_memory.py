@@ -59,8 +59,10 @@ MMAP_THRESHOLD_MAX = 32 * _MIB
 TRIM_PER_THRESHOLD = 2
 # ProcessGroupGloo's worker threads per group (its default), one arena each.
 GLOO_THREADS = 2
-# Fitted on the 7.4M bench GPT through shared memory (docs/benchmarks.md).
-BASE_BYTES = 44 * _MIB
+# The rest, per rank and per unit: fitted on the bench GPT of width 256 at 2
+# and 16 blocks through shared memory (benchmarks/runtime_2026-11-25b/).
+REST_BYTES = int(26.5 * _MIB)
+REST_PER_UNIT_BYTES = int(1.66 * _MIB)
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ class RuntimeMemory:
     ``heap_tops`` counts."""
 
     code: int = 0
-    base: int = 0
+    rest: int = 0
     heap_tops: int = 0
     threshold: int = 0
     arenas: int = 0
 
     @property
     def total(self) -> int:
-        return self.code + self.base + self.heap_tops
+        return self.code + self.rest + self.heap_tops
 
 
 def _chunk_bytes(request: int) -> int:
@@ -100,13 +102,14 @@ def mmap_threshold(freed: Iterable[int]) -> int:
 
 
 def runtime_memory(
-    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = ()
+    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
 ) -> RuntimeMemory:
     """The model of [Note: the memory that is not tensors] for a rank on
     ``device_type``: ``freed`` the sizes (bytes) of the tensors a step
     allocates and frees (every one, or at least the largest of each kind),
     ``gloo_buffers`` the sizes of the flat copies gloo's worker threads
-    make (empty through shared memory or without collectives)."""
+    make (empty through shared memory or without collectives), ``units``
+    how many units the model has."""
     if device_type != "cpu":
         return RuntimeMemory()
     gloo = [n for n in gloo_buffers if n > 0]
@@ -114,12 +117,16 @@ def runtime_memory(
     kept_top = TRIM_PER_THRESHOLD * threshold
     heap_tops, arenas = kept_top, 1  # the main thread's arena
     served = [n for n in gloo if n < threshold]
-    if served:  # a buffer below the threshold comes from the worker's heap
-        heap_tops += GLOO_THREADS * min(kept_top, max(served))
+    if served:  # below the threshold a buffer comes from the worker's heap, which
+        # holds an all-gather's copy and a reduction's buffer at most at once
+        heap_tops += GLOO_THREADS * min(kept_top, 2 * max(served))
         arenas += GLOO_THREADS
-    return RuntimeMemory(CODE_BYTES, BASE_BYTES, heap_tops, threshold, arenas)
+    rest = REST_BYTES + REST_PER_UNIT_BYTES * units
+    return RuntimeMemory(CODE_BYTES, rest, heap_tops, threshold, arenas)
 
 
-def runtime_bytes(device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = ()) -> int:
+def runtime_bytes(
+    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
+) -> int:
     """``runtime_memory(...).total``: the line ``rank_bytes["runtime"]``."""
-    return runtime_memory(device_type, freed=freed, gloo_buffers=gloo_buffers).total
+    return runtime_memory(device_type, freed=freed, gloo_buffers=gloo_buffers, units=units).total

@@ -553,7 +553,7 @@ def _assemble(
     moved = _transport_bytes(flat_params) if shared_memory else 0
     largest_activation = [activations.largest] if activations is not None else []
     runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
-                             gloo_buffers=gloo_buffer_sizes(flat_params))
+                             gloo_buffers=gloo_buffer_sizes(flat_params), units=len(units))
     rank_bytes = {
         "params": params,
         "grads": grads,

@@ -163,4 +163,4 @@ def _runtime_note(plan: PlanFields) -> str:
         return "libraries' code, glibc's kept heap, Python objects"
     arenas = f"{parts.arenas} arenas" if parts.arenas > 1 else "1 arena"
     return (f"code {format_bytes(parts.code)} + glibc's heap tops {format_bytes(parts.heap_tops)} ({arenas}, mmap "
-            f"threshold {format_bytes(parts.threshold)}) + rest {format_bytes(parts.base)}")
+            f"threshold {format_bytes(parts.threshold)}) + rest {format_bytes(parts.rest)}")

@@ -19,6 +19,7 @@ from composable_shard.plan.runtime_memory import (
     GLOO_THREADS,
     MMAP_THRESHOLD_MAX,
     MMAP_THRESHOLD_START,
+    REST_PER_UNIT_BYTES,
     TRIM_PER_THRESHOLD,
     mmap_threshold,
 )
@@ -57,16 +58,18 @@ print(json.dumps(results))
 
 
 def test_mmap_threshold_is_the_largest_freed_chunk_up_to_32_mib_as_glibc_keeps_it() -> None:
+    assert mmap_threshold([]) == mmap_threshold([100 * 1024]) == MMAP_THRESHOLD_START  # below the start: no change
     # One process frees each scenario's sizes in turn: the threshold after
-    # a scenario is the model's for everything freed so far.
-    scenarios = [[], [100 * 1024], [3 * MIB], [2 * MIB, 40 * MIB], [9 * MIB + 123, 5 * MIB]]
+    # a scenario is the model's for everything freed so far. (The
+    # interpreter's start leaves a free heap top that may serve a probe
+    # near 128 KiB, so the probes start at 3 MiB.)
+    scenarios = [[3 * MIB], [2 * MIB, 40 * MIB], [9 * MIB + 123, 5 * MIB]]
     cases, freed_so_far = [], []
     for freed in scenarios:
         freed_so_far += freed
         cases.append((freed, mmap_threshold(freed_so_far)))
-    assert cases[0][1] == cases[1][1] == MMAP_THRESHOLD_START  # below the start, no change
-    assert cases[3][1] == cases[2][1] > 3 * MIB  # 2 MiB is below the threshold, 40 MiB above the cap
-    assert 9 * MIB < cases[4][1] <= MMAP_THRESHOLD_MAX
+    assert cases[1][1] == cases[0][1] > 3 * MIB  # 2 MiB is below the threshold, 40 MiB above the cap
+    assert 9 * MIB < cases[2][1] <= MMAP_THRESHOLD_MAX
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cases)], capture_output=True, text=True, check=True)
     for (freed, predicted), (above_mapped, below_in_heap) in zip(cases, json.loads(out.stdout)):
         assert above_mapped, f"after frees of {freed}: {predicted + 8192} bytes were not mmapped"
@@ -88,9 +91,9 @@ def test_runtime_line_follows_the_largest_freed_allocation_up_to_glibcs_cap(
 ) -> None:
     """The main arena keeps up to twice the threshold on its heap's top;
     the threshold follows the largest allocation of at most 32 MiB the step
-    frees (here a unit's gathered flat parameter), not the depth; through
-    gloo its worker threads' arenas keep their largest buffer (a unit's
-    flat copy) while the heap serves it."""
+    frees (here a unit's gathered flat parameter), not the depth (which
+    adds the per-unit rest only); through gloo its worker threads' arenas
+    keep their buffers (a unit's flat copies) while the heap serves them."""
     monkeypatch.setenv(transport.ENV_SWITCH, "1" if shared_memory else "0")
     gloo = not (shared_memory and transport.PLATFORM_SUPPORTED)
     lines = []
@@ -99,8 +102,11 @@ def test_runtime_line_follows_the_largest_freed_allocation_up_to_glibcs_cap(
         unit_bytes = planned.units[-1].padded_numel * 4  # the gathered flat parameter (padded)
         threshold = mmap_threshold([unit_bytes])
         assert planned.runtime.threshold == threshold
-        assert planned.runtime.heap_tops == TRIM_PER_THRESHOLD * threshold + (GLOO_THREADS * unit_bytes if gloo else 0)
-        assert planned.rank_bytes["runtime"] == planned.runtime.total == _plan(_mlp_stack(512, hidden, 6)).runtime.total
+        # Each gloo worker: an all-gather's copy and a reduction's buffer of a unit.
+        assert planned.runtime.heap_tops == TRIM_PER_THRESHOLD * threshold + (GLOO_THREADS * 2 * unit_bytes if gloo else 0)
+        deeper = _plan(_mlp_stack(512, hidden, 6)).runtime  # 4 more units: only the per-unit rest grows
+        assert (deeper.heap_tops, deeper.code) == (planned.runtime.heap_tops, planned.runtime.code)
+        assert deeper.total - planned.rank_bytes["runtime"] == 4 * REST_PER_UNIT_BYTES
         lines.append(planned.rank_bytes["runtime"])
     assert lines[1] - lines[0] >= TRIM_PER_THRESHOLD * 12 * MIB  # the unit grew by 12 MiB
     # A 48 MiB unit is mmapped whatever the threshold (above the cap): the
