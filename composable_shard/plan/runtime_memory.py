@@ -2,15 +2,15 @@
 the plan as its own line (``rank_bytes["runtime"]``): a model of what the
 C allocator (glibc) keeps, given the sizes of the step's allocations.
 
-Knows nothing of: models, units, the step's replay (``sharding_plan.py``
-gives it the allocation sizes; see ``allocation_sizes`` there).
+Knows nothing of: models, the step's replay (``sharding_plan.py`` gives
+it the sizes: ``freed_allocation_sizes`` and ``gloo_buffer_sizes`` in
+memory.py, and the number of units).
 
 [Note: the memory that is not tensors]
 ``scripts/bench.py`` measures a rank's peak as the growth of its resident
 set (VmHWM) over its level before the model is built. Beyond the plan's
-tensors it holds (benchmarks/runtime_2026-11-25/ splits it with
-``/proc/self/status`` and ``mallinfo2``; the grid and the fit are in
-benchmarks/runtime_2026-11-25b/ and docs/benchmarks.md):
+tensors it holds (benchmarks/runtime_2026-11-25/ split it with
+``/proc/self/status`` and ``mallinfo2``):
 
 - ``code``: pages of torch's libraries first touched by the steps
   (``RssFile`` growth), 18.5 MiB at every size and transport measured;
@@ -18,23 +18,29 @@ benchmarks/runtime_2026-11-25b/ and docs/benchmarks.md):
   below the mmap threshold comes from the heap of the allocating thread's
   arena; the threshold starts at 128 KiB and, each time an mmapped chunk
   of at most 32 MiB is freed, rises to that chunk's size, with the trim
-  threshold at twice it. A heap's free top is handed back only above the
-  trim threshold, so after the first step each arena that serves the
-  step's tensors keeps up to ``2 x threshold``, the threshold being the
-  largest allocation of at most 32 MiB the rank frees (``mmap_threshold``).
-  Arenas: the main thread's (the steps' tensors; CPU autograd runs there),
-  and through gloo each of ProcessGroupGloo's worker threads (2), which
-  allocate a collective's flat copies, bounded by their largest buffer the
-  heap serves;
-- ``base``: the rest — holes between live chunks that the step's order of
-  allocations leaves in the heap, Python objects, autograd's records. Not
-  derived: one number, fitted on the bench's 7.4M GPT through shared
-  memory and validated on every other point of the grid.
+  threshold at twice it; a heap's free top is handed back only above the
+  trim threshold. So the main thread's arena (the steps' tensors; CPU
+  autograd runs there) keeps up to ``2 x threshold``, the threshold being
+  the largest allocation of at most 32 MiB the rank frees
+  (``mmap_threshold``, checked against glibc itself). Through gloo each
+  of ProcessGroupGloo's 2 worker threads allocates a collective's flat
+  copies from its own arena while the heap serves them: up to two of a
+  unit's copies each (an all-gather's and a reduction's);
+- ``rest``: holes the step's order of allocations leaves between live
+  chunks, Python objects, autograd's records. Not derived: 26.5 MiB plus
+  1.66 MiB per unit, fitted on the bench GPT of width 256 at 2 and 16
+  blocks through shared memory; it does not follow the width (512, 768,
+  1,280 validate it).
 
-CUDA: the plan is compared with the caching allocator's bytes, which hold
-tensors only, so the line is 0 there (the CUDA context and host memory
-are outside what the plan predicts; never measured here, no GPU). Pinned
-by tests/plan/test_runtime_memory.py and tests/plan/test_plan.py
+Measured against the plan (benchmarks/runtime_2026-11-25b/, the table in
+docs/benchmarks.md): through shared memory every point of the grid (width
+256 to 1,280, 2 to 16 blocks, 326M) within 3.1%, the largest models
+within 1%; through gloo within 8% except with units of 12-27 MiB, where
+the workers' arenas keep several units' copies more (the plan up to 22%
+below). CUDA: the plan is compared with the caching allocator's bytes,
+which hold tensors only, so the line is 0 there (the CUDA context and host
+memory are outside what the plan predicts; never measured here, no GPU).
+Pinned by tests/plan/test_runtime_memory.py and tests/plan/test_plan.py
 (test_runtime_memory_is_its_own_line_of_the_total).
 """
 
