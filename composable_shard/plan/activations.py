@@ -36,12 +36,15 @@ __all__ = ["ActivationProfile", "measure_activations"]
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    """Peak activation bytes over the step and per window label, and the
-    bytes live when each window opened."""
+    """Peak activation bytes over the step and per window label, the bytes
+    live when each window opened, and the largest single storage."""
 
     peak: int
     by_window: dict[str, int]
     at_open: dict[str, int] = field(default_factory=dict)
+    # The largest single activation storage of the step (glibc's mmap
+    # threshold follows the largest freed allocation: plan/runtime_memory.py).
+    largest: int = 0
 
 
 class _Timeline(TorchDispatchMode):
@@ -76,7 +79,7 @@ class _Timeline(TorchDispatchMode):
         return out
 
     def profile(self, ignored: set[StorageWeakRef]) -> ActivationProfile:
-        current = peak = 0
+        current = peak = largest = 0
         by_window: dict[str, int] = {}
         at_open: dict[str, int] = {}
         for window, ref, delta in self.events:
@@ -85,8 +88,9 @@ class _Timeline(TorchDispatchMode):
             at_open.setdefault(window, current)
             current += delta
             peak = max(peak, current)
+            largest = max(largest, delta)
             by_window[window] = max(by_window.get(window, 0), current)
-        return ActivationProfile(peak, by_window, at_open)
+        return ActivationProfile(peak, by_window, at_open, largest)
 
 
 def measure_activations(

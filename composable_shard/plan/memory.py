@@ -9,7 +9,7 @@ gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
 Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
 ``optimizer_bytes``, ``optimizer_step_bytes``, ``in_backward_step_bytes``,
 ``step_moments``, ``step_peak``, ``worst_moment``, ``OPTIMIZERS``,
-``OPTIMIZER_STEP``. Activations are measured in ``activations.py``.
+``OPTIMIZER_STEP``, ``freed_allocation_sizes``, ``gloo_buffer_sizes``. Activations are measured in ``activations.py``.
 
 [Note: the step the plan replays]
 The plan assumes the usual loop (``zero_grad(set_to_none=True)``, forward,
@@ -75,6 +75,8 @@ __all__ = [
     "step_peak",
     "worst_moment",
     "OPTIMIZER_STEP",
+    "freed_allocation_sizes",
+    "gloo_buffer_sizes",
 ]
 
 # Optimizer kinds the plan knows, with the per-parameter state each keeps.
@@ -334,6 +336,42 @@ def in_backward_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str,
         return 0
     largest = max((fp.max_local_numel * _itemsize(fp.dtype) for fp in flat_params if fp.requires_grad), default=0)
     return largest if device_type == "cuda" else 2 * largest
+
+
+def freed_allocation_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
+    """Sizes (bytes) of the tensors a rank allocates and frees for
+    ``flat_params`` over building and a step, the largest of each kind per
+    flat parameter: the gathered buffer, the per-parameter gradient pieces
+    (and the originals ``fully_shard`` frees), the padded flat gradient in
+    the compute and reduction dtypes, the sharded gradient (freed by
+    ``zero_grad``), the optimizer's temporaries, the all-gather source.
+    What glibc's mmap threshold follows (plan/runtime_memory.py)."""
+    sizes = []
+    for fp in flat_params:
+        largest_param = max((numel for _, numel in fp.last_uses), default=0)
+        sizes += [fp.unsharded_bytes, fp.gather_source_bytes, largest_param * _itemsize(fp.dtype)]
+        if fp.requires_grad:
+            sizes += [
+                largest_param * _itemsize(fp.param_dtype),
+                fp.unsharded_grad_bytes,
+                fp.padded_numel * _itemsize(fp.reduce_dtype),
+                fp.grad_bytes,
+                fp.max_local_numel * _itemsize(fp.dtype),
+            ]
+    return sizes
+
+
+def gloo_buffer_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
+    """Sizes (bytes) of the flat copies gloo's worker threads allocate for
+    ``flat_params``' collectives on CPU without shared memory: an
+    all-gather's whole output and a reduction's padded gradient."""
+    sizes = []
+    for fp in flat_params:
+        if fp.all_gather_copy_bytes:
+            sizes.append(fp.all_gather_copy_bytes)
+            if fp.requires_grad:
+                sizes.append(fp.padded_numel * _itemsize(fp.reduce_dtype))
+    return sizes
 
 
 # The label of the usual loop's optimizer step in the replay.

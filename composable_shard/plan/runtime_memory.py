@@ -1,57 +1,138 @@
-"""Owns: the memory a rank holds beyond its tensors during training — a
-constant measured per device and transport, counted by the plan as its own
-line (``rank_bytes["runtime"]``).
+"""Owns: the memory a training rank holds beyond its tensors, counted by
+the plan as its own line (``rank_bytes["runtime"]``): a model of what the
+C allocator (glibc) keeps, given the sizes of the step's allocations.
 
-Knows nothing of: models, units, the step's replay (memory.py).
+Knows nothing of: models, the step's replay (``sharding_plan.py`` gives
+it the sizes: ``freed_allocation_sizes`` and ``gloo_buffer_sizes`` in
+memory.py, and the number of units).
 
 [Note: the memory that is not tensors]
 ``scripts/bench.py`` measures a rank's peak as the growth of its resident
-set (VmHWM) over its level before the model is built — after
-``init_process_group``, the imports and the data. The plan's tensors fall
-short of it; benchmarks/runtime_2026-11-25/measure_runtime.py splits the
-difference (``/proc/self/status`` and glibc's ``mallinfo2`` before
-building and after each step; 2 ranks, torch 2.13, glibc defaults; the
-table is in docs/benchmarks.md):
+set (VmHWM) over its level before the model is built. Beyond the plan's
+tensors it holds (benchmarks/runtime_2026-11-25/ split it with
+``/proc/self/status`` and ``mallinfo2``):
 
-- code and data pages of torch's libraries first touched by the steps
-  (``RssFile`` growth: kernels, autograd, the optimizer): 18.5 MiB at
-  every size and transport;
-- what glibc keeps after the step's transients are freed (chunks below
-  its mmap threshold stay in the heap: 75-114 MiB free after 3 steps at
-  7.4M, 333-390 MiB at 326M), part of which the peak's own transients
-  reuse — the largest part, and it grows with the transients' sizes;
-- the rest (Python objects, autograd's graph, hooks' records) is a few
-  MiB beside them; no thread starts after the baseline (gloo's and the
-  intra-op pool's start with the process group), so no new stack.
+- ``code``: pages of torch's libraries first touched by the steps
+  (``RssFile`` growth), 18.5 MiB at every size and transport measured;
+- ``heap_tops``: free memory glibc keeps on top of its heaps. A tensor
+  below the mmap threshold comes from the heap of the allocating thread's
+  arena; the threshold starts at 128 KiB and, each time an mmapped chunk
+  of at most 32 MiB is freed, rises to that chunk's size, with the trim
+  threshold at twice it; a heap's free top is handed back only above the
+  trim threshold. So the main thread's arena (the steps' tensors; CPU
+  autograd runs there) keeps up to ``2 x threshold``, the threshold being
+  the largest allocation of at most 32 MiB the rank frees
+  (``mmap_threshold``, checked against glibc itself). Through gloo each
+  of ProcessGroupGloo's 2 worker threads allocates a collective's flat
+  copies from its own arena while the heap serves them: up to two of a
+  unit's copies each (an all-gather's and a reduction's);
+- ``rest``: holes the step's order of allocations leaves between live
+  chunks, Python objects, autograd's records. Not derived: 26.5 MiB plus
+  1.66 MiB per unit, fitted on the bench GPT of width 256 at 2 and 16
+  blocks through shared memory; it does not follow the width (512, 768,
+  1,280 validate it).
 
-The parts cannot be told apart at the peak moment itself (the allocator
-serves the peak's transients from its kept chunks), so the plan counts
-one constant per device and transport, the measured peak less the plan's
-tensors at the bench's configuration for that transport: through gloo,
-83-98 MiB at 7.4M (8 x 256, the bench's gloo row); through shared
-memory, 120-127 MiB at 326M (16 x 1,280). It is an estimate where
-sizes differ: through shared memory at 7.4M the difference was 67-70
-MiB. On CUDA the plan is compared with the caching allocator's bytes,
-which hold tensors only: the constant there is 0 (the CUDA context and
-the host's memory are outside what the plan predicts; never measured
-here, no GPU). Pinned by tests/plan/test_plan.py
+Measured against the plan (benchmarks/runtime_2026-11-25b/, the table in
+docs/benchmarks.md): through shared memory every point of the grid (width
+256 to 1,280, 2 to 16 blocks, 326M) within 3.1%, the largest models
+within 1%; through gloo within 8% except with units of 12-27 MiB, where
+the workers' arenas keep several units' copies more (the plan up to 22%
+below). CUDA: the plan is compared with the caching allocator's bytes,
+which hold tensors only, so the line is 0 there (the CUDA context and host
+memory are outside what the plan predicts; never measured here, no GPU).
+Pinned by tests/plan/test_runtime_memory.py and tests/plan/test_plan.py
 (test_runtime_memory_is_its_own_line_of_the_total).
 """
 
 from __future__ import annotations
 
-__all__ = ["runtime_bytes", "RUNTIME_BYTES"]
+from dataclasses import dataclass
+from typing import Iterable
+
+__all__ = ["RuntimeMemory", "runtime_memory", "runtime_bytes", "mmap_threshold"]
 
 _MIB = 2**20
+_PAGE = 4096
 
-# (device type, through the shared-memory transport) -> bytes per rank.
-RUNTIME_BYTES: dict[tuple[str, bool], int] = {
-    ("cpu", False): 88 * _MIB,  # gloo: 83-98 MiB measured at 7.4M
-    ("cpu", True): 124 * _MIB,  # shared memory: 120-127 MiB measured at 326M
-}
+# Pages of torch's libraries first touched by a training step (RssFile growth
+# after 3 steps: 18.5 MiB at 7.4M and 326M, gloo and shared memory).
+CODE_BYTES = int(18.5 * _MIB)
+# glibc on 64-bit Linux: M_MMAP_THRESHOLD starts at 128 KiB and rises with
+# frees of mmapped chunks up to DEFAULT_MMAP_THRESHOLD_MAX; the trim
+# threshold follows at twice it (malloc.c, free of an mmapped chunk).
+MMAP_THRESHOLD_START = 128 * 1024
+MMAP_THRESHOLD_MAX = 32 * _MIB
+TRIM_PER_THRESHOLD = 2
+# ProcessGroupGloo's worker threads per group (its default), one arena each.
+GLOO_THREADS = 2
+# The rest, per rank and per unit: fitted on the bench GPT of width 256 at 2
+# and 16 blocks through shared memory (benchmarks/runtime_2026-11-25b/).
+REST_BYTES = int(26.5 * _MIB)
+REST_PER_UNIT_BYTES = int(1.66 * _MIB)
 
 
-def runtime_bytes(device_type: str, shared_memory: bool) -> int:
-    """The non-tensor memory of a training rank on ``device_type`` (see
-    [Note: the memory that is not tensors]); 0 where it was not measured."""
-    return RUNTIME_BYTES.get((device_type, shared_memory), 0)
+@dataclass(frozen=True)
+class RuntimeMemory:
+    """A rank's non-tensor memory at the step's peak, by part (bytes; see
+    [Note: the memory that is not tensors]). ``threshold``: glibc's mmap
+    threshold after the first step; ``arenas``: the arenas whose kept tops
+    ``heap_tops`` counts."""
+
+    code: int = 0
+    rest: int = 0
+    heap_tops: int = 0
+    threshold: int = 0
+    arenas: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.code + self.rest + self.heap_tops
+
+
+def _chunk_bytes(request: int) -> int:
+    """The size of the chunk glibc maps for a ``request``-byte allocation,
+    which a free sets the threshold to: PyTorch's CPU allocator asks for
+    64-byte alignment (``posix_memalign``), so glibc maps the request, the
+    alignment slack and the headers rounded up to pages (+120 bytes) and
+    the chunk starts 48 bytes in, at the aligned address."""
+    return -(-(request + 120) // _PAGE) * _PAGE - 48
+
+
+def mmap_threshold(freed: Iterable[int]) -> int:
+    """glibc's mmap threshold after allocations of the sizes ``freed``
+    (bytes) were made and freed once: the largest chunk of at most 32 MiB
+    among them (each was mmapped while the threshold was below it, and its
+    free raised the threshold to it), at least the starting 128 KiB."""
+    chunks = [_chunk_bytes(n) for n in freed if n > 0]
+    return max([MMAP_THRESHOLD_START, *(c for c in chunks if c <= MMAP_THRESHOLD_MAX)])
+
+
+def runtime_memory(
+    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
+) -> RuntimeMemory:
+    """The model of [Note: the memory that is not tensors] for a rank on
+    ``device_type``: ``freed`` the sizes (bytes) of the tensors a step
+    allocates and frees (every one, or at least the largest of each kind),
+    ``gloo_buffers`` the sizes of the flat copies gloo's worker threads
+    make (empty through shared memory or without collectives), ``units``
+    how many units the model has."""
+    if device_type != "cpu":
+        return RuntimeMemory()
+    gloo = [n for n in gloo_buffers if n > 0]
+    threshold = mmap_threshold([*freed, *gloo])
+    kept_top = TRIM_PER_THRESHOLD * threshold
+    heap_tops, arenas = kept_top, 1  # the main thread's arena
+    served = [n for n in gloo if n < threshold]
+    if served:  # below the threshold a buffer comes from the worker's heap, which
+        # holds an all-gather's copy and a reduction's buffer at most at once
+        heap_tops += GLOO_THREADS * min(kept_top, 2 * max(served))
+        arenas += GLOO_THREADS
+    rest = REST_BYTES + REST_PER_UNIT_BYTES * units
+    return RuntimeMemory(CODE_BYTES, rest, heap_tops, threshold, arenas)
+
+
+def runtime_bytes(
+    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
+) -> int:
+    """``runtime_memory(...).total``: the line ``rank_bytes["runtime"]``."""
+    return runtime_memory(device_type, freed=freed, gloo_buffers=gloo_buffers, units=units).total

@@ -39,6 +39,8 @@ from .memory import (
     FlatParamPlan,
     StepPeak,
     UnitPlan,
+    freed_allocation_sizes,
+    gloo_buffer_sizes,
     in_backward_step_bytes,
     optimizer_bytes,
     optimizer_step_bytes,
@@ -47,7 +49,7 @@ from .memory import (
 )
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
-from .runtime_memory import runtime_bytes
+from .runtime_memory import RuntimeMemory, runtime_memory
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
@@ -89,8 +91,9 @@ class ShardingPlan:
       ``/dev/shm`` for the whole run (0 where they go through the backend;
       see ``_transport_bytes``);
     - ``runtime``: what the rank holds beyond tensors (libraries' code,
-      the allocator's kept pages, Python objects), a constant measured per
-      device and transport (runtime_memory.py);
+      the pages glibc keeps, Python objects): a model of the allocator
+      given the step's allocation sizes, 0 on CUDA (runtime_memory.py;
+      its parts in ``runtime``);
     - ``total``: the peak — params + optimizer + buffers + transport +
       runtime + grads_at_peak + the moment's transients and activations;
     - ``cpu``: the part of ``total`` kept on the CPU by ``CPUOffload``.
@@ -99,6 +102,7 @@ class ShardingPlan:
     parameters' post-accumulate-grad hooks (no sharded gradient after a
     step). ``moments``: every moment of the replayed step in order (the
     peak is the worst); ``timeline()`` and ``plot(path)`` show them.
+    ``runtime``: the parts of ``rank_bytes["runtime"]``.
     """
 
     world_size: int
@@ -113,6 +117,7 @@ class ShardingPlan:
     source: str = "plan"
     optimizer_in_backward: bool = False
     moments: list[StepPeak] = field(default_factory=list, repr=False)
+    runtime: RuntimeMemory = field(default_factory=RuntimeMemory, repr=False)
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -546,7 +551,9 @@ def _assemble(
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
     cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
     moved = _transport_bytes(flat_params) if shared_memory else 0
-    runtime = runtime_bytes(device_type, shared_memory)
+    largest_activation = [activations.largest] if activations is not None else []
+    runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
+                             gloo_buffers=gloo_buffer_sizes(flat_params), units=len(units))
     rank_bytes = {
         "params": params,
         "grads": grads,
@@ -561,8 +568,8 @@ def _assemble(
         "activations_peak": activations.peak if activations is not None else 0,
         "buffers": buffers,
         "transport": moved,
-        "runtime": runtime,
-        "total": params + optim + buffers + moved + runtime + peak.transient,
+        "runtime": runtime.total,
+        "total": params + optim + buffers + moved + runtime.total + peak.transient,
         "cpu": cpu,
     }
     return ShardingPlan(
@@ -577,6 +584,7 @@ def _assemble(
         source=source,
         optimizer_in_backward=in_backward,
         moments=moments,
+        runtime=runtime,
     )
 
 

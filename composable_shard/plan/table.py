@@ -121,9 +121,7 @@ def format_plan(plan: PlanFields) -> str:
         (
             "runtime (not tensors)",
             rb.get("runtime", 0),
-            "measured constant: libraries' code, allocator's kept pages, Python objects"
-            if rb.get("runtime", 0)
-            else "not measured on this device",
+            _runtime_note(plan) if rb.get("runtime", 0) else "not measured on this device",
         ),
     ]
     peak_items = [
@@ -155,3 +153,14 @@ def format_plan(plan: PlanFields) -> str:
         lines.append("warnings:")
         lines += [f"  - {message}" for message in plan.warnings]
     return "\n".join(lines)
+
+
+def _runtime_note(plan: PlanFields) -> str:
+    """The parts of the runtime line ([Note: the memory that is not tensors]
+    in runtime_memory.py), where the plan has them."""
+    parts = getattr(plan, "runtime", None)
+    if parts is None or not parts.total:
+        return "libraries' code, glibc's kept heap, Python objects"
+    arenas = f"{parts.arenas} arenas" if parts.arenas > 1 else "1 arena"
+    return (f"code {format_bytes(parts.code)} + glibc's heap tops {format_bytes(parts.heap_tops)} ({arenas}, mmap "
+            f"threshold {format_bytes(parts.threshold)}) + rest {format_bytes(parts.rest)}")

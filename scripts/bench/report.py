@@ -95,10 +95,12 @@ def _plan_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str 
 
     planned = cs.plan(meta_gpt(args, args.n_layer), **plan_kwargs(args, activations=True))
     plan_mb = planned.rank_bytes["total"] / 2**20
+    runtime_mb = planned.rank_bytes["runtime"] / 2**20
     return (
-        f"plan: composable_shard's peak per rank {plan_mb:.1f} MB (live tensors at '{planned.peak_moment}'; "
-        f"measured peak / plan = {ours.peak_mb / plan_mb:.2f}: RSS also counts what the C allocator keeps "
-        "and memory that is not tensors)."
+        f"plan: composable_shard's peak per rank {plan_mb:.1f} MB: live tensors at '{planned.peak_moment}' "
+        f"{plan_mb - runtime_mb:.1f} MB + memory that is not tensors {runtime_mb:.1f} MB (libraries' code, glibc's "
+        f"kept heap: plan/runtime_memory.py); measured peak {ours.peak_mb:.1f} MB, plan "
+        f"{100 * (plan_mb - ours.peak_mb) / ours.peak_mb:+.1f}%."
     )
 
 

@@ -112,15 +112,20 @@ def test_offloaded_optimizer_in_backward_steps_every_unit_after_backward() -> No
 
 
 def test_largest_fitting_plans_the_optimizer_in_backward() -> None:
+    # Wide blocks: the gradients freed in backward must outweigh what one
+    # more unit adds, the runtime's per-unit rest (plan/runtime_memory.py) included.
+    def build(n: int) -> TinyGPT:
+        return _meta_gpt(n, dim=4096)
+
     def total(n: int, in_backward: bool) -> int:
         return cs.plan(
-            _meta_gpt(n), world_size=2, policy={Block}, device="cpu", optimizer_in_backward=in_backward
+            build(n), world_size=2, policy={Block}, device="cpu", optimizer_in_backward=in_backward
         ).rank_bytes["total"]
 
     budget = total(12, False)
-    usual = cs.largest_fitting(_meta_gpt, budget, world_size=2, policy={Block}, device="cpu", high=64)
+    usual = cs.largest_fitting(build, budget, world_size=2, policy={Block}, device="cpu", high=64)
     stepped = cs.largest_fitting(
-        _meta_gpt, budget, world_size=2, policy={Block}, device="cpu", high=64, optimizer_in_backward=True
+        build, budget, world_size=2, policy={Block}, device="cpu", high=64, optimizer_in_backward=True
     )
     assert usual.n == 12 and stepped.n > usual.n
     assert total(stepped.n, True) <= budget < total(stepped.n + 1, True)
