@@ -21,7 +21,9 @@ tests/checkpoint/test_hostile.py.
 
 from __future__ import annotations
 
+import math
 import os
+from operator import add, le
 from typing import Any
 
 import torch
@@ -51,10 +53,6 @@ def _fail(where: str, item: str, why: str) -> MalformedMetadataError:
     )
 
 
-def _is_shape(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(type(n) is int and n >= 0 for n in value)
-
-
 def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str], *, allow_links_outside: bool = False) -> dict[str, int]:
     """Check ``metadata`` (read from ``where``) as [Note: checked metadata]
     says; returns each data file's real path -> size."""
@@ -72,24 +70,35 @@ def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str],
     for key, path in (metadata.planner_data or {}).items():
         if key not in entries:
             continue  # not a mapping of a saved key (nothing reads it)
-        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+        if not isinstance(path, (tuple, list)) or not path:
             raise _fail(where, str(key), "has a malformed path in planner_data")
-    files = _check_storage(storage, where, directory, allow_links_outside)
+        for part in path:  # a loop, not all(<genexpr>): a few hundred paths per load
+            if not isinstance(part, (str, int)):
+                raise _fail(where, str(key), "has a malformed path in planner_data")
+    files, bounds = _check_storage(storage, where, directory, allow_links_outside)
     for fqn, md in entries.items():
         if not isinstance(fqn, str):
             raise _fail(where, repr(fqn), "has a key that is not a string")
-        if isinstance(md, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in storage:
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor(fqn, md, bounds, where)
+        elif isinstance(md, BytesStorageMetadata):
+            if (fqn, None) not in bounds:
                 raise _fail(where, fqn, "has no storage entry")
-        elif isinstance(md, TensorStorageMetadata):
-            _check_tensor(fqn, md, storage, where)
         else:
             raise _fail(where, fqn, f"is a {type(md).__name__}, not tensor or bytes metadata")
     return files
 
 
-def _check_storage(storage: dict[Any, Any], where: str, directory: str | os.PathLike[str], allow_links_outside: bool) -> dict[str, int]:
+def _check_storage(
+    storage: dict[Any, Any], where: str, directory: str | os.PathLike[str], allow_links_outside: bool
+) -> tuple[dict[str, int], dict[tuple[str, Any], int | None]]:
+    """Each storage entry checked; returns the data files' sizes (relative
+    path -> size) and each entry's byte bound by (fqn, offset) — its length,
+    None for a transformed item (bounded by its stored length only) — for
+    ``_check_tensor`` (a plain tuple key: no ``MetadataIndex`` built per
+    chunk, [Note: checked metadata])."""
     sizes: dict[str, int] = {}  # relative path -> size
+    bounds: dict[tuple[str, Any], int | None] = {}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _fail(where, repr(index)[:100], "has a malformed storage key")
@@ -100,44 +109,69 @@ def _check_storage(storage: dict[Any, Any], where: str, directory: str | os.Path
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors is not None and (not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)):
             raise _fail(where, index.fqn, "has malformed transform descriptors")
-        if name not in sizes:
+        size = sizes.get(name) if type(name) is str else None
+        if size is None:  # a file not seen yet (or not a name: resolve_inside says so)
             real = resolve_inside(directory, name, f"'{where}': the item '{index.fqn}'", allow_links_outside=allow_links_outside)
-            stream, sizes[name] = open_regular(real, f"'{where}': the item '{index.fqn}'")
+            stream, size = open_regular(real, f"'{where}': the item '{index.fqn}'")
             stream.close()
-        if offset + length > sizes[name]:
-            raise _fail(where, index.fqn, f"claims bytes {offset}..{offset + length} of '{name}', which has {sizes[name]}")
-    return sizes
+            sizes[name] = size
+        if offset + length > size:
+            raise _fail(where, index.fqn, f"claims bytes {offset}..{offset + length} of '{name}', which has {size}")
+        bounds[(index.fqn, index.offset)] = None if descriptors else length
+    return sizes, bounds
 
 
-def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any], where: str) -> None:
-    size = md.size
+def _is_shape(value: Any) -> bool:
+    if type(value) is torch.Size:  # its elements are ints by construction
+        return not value or min(value) >= 0
+    return isinstance(value, (tuple, list)) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _check_tensor(fqn: str, md: TensorStorageMetadata, bounds: dict[tuple[str, Any], int | None], where: str) -> None:
+    size, chunks = md.size, md.chunks
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
-    if not _is_shape(size) or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
+    if not _is_shape(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
         raise _fail(where, fqn, "has a malformed size, dtype or chunk list")
-    numel = 1
-    for n in size:
-        numel *= n
+    size = tuple(size)
+    if len(chunks) == 1:  # most tensors: one chunk, the whole tensor
+        chunk = chunks[0]
+        if (
+            type(chunk) is ChunkStorageMetadata
+            and type(chunk.sizes) is torch.Size  # ints by construction, as _is_shape asks
+            and type(chunk.offsets) is torch.Size
+            and chunk.sizes == size
+            and not any(chunk.offsets)
+        ):
+            offsets = tuple(chunk.offsets)
+            if len(offsets) == len(size):
+                _check_bound(fqn, offsets, math.prod(size), dtype, bounds, where)
+                return
+    rank, numel = len(size), math.prod(size)
     total = 0
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for chunk in md.chunks:
+    for chunk in chunks:
         if not isinstance(chunk, ChunkStorageMetadata) or not _is_shape(chunk.offsets) or not _is_shape(chunk.sizes):
             raise _fail(where, fqn, "has a malformed chunk")
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(o + s > n for o, s, n in zip(offsets, sizes, size)):
-            raise _fail(where, fqn, f"has a chunk at {offsets} of {sizes} outside its size {tuple(size)}")
-        volume = 1
-        for s in sizes:
-            volume *= s
-        info = storage.get(MetadataIndex(fqn, torch.Size(offsets)))
-        if info is None:
-            raise _fail(where, fqn, f"has no storage entry for its chunk at {offsets}")
-        if not getattr(info, "transform_descriptors", None) and volume * dtype.itemsize > info.length:
-            raise _fail(where, fqn, f"claims {volume} elements at {offsets} in an item of {info.length} bytes")
+        if len(offsets) != rank or len(sizes) != rank or not all(map(le, map(add, offsets, sizes), size)):
+            raise _fail(where, fqn, f"has a chunk at {offsets} of {sizes} outside its size {size}")
+        volume = math.prod(sizes)
+        _check_bound(fqn, offsets, volume, dtype, bounds, where)
         total += volume
         if volume:
             boxes.append((offsets, sizes))
     if total != numel or _overlap(boxes):
-        raise _fail(where, fqn, f"has chunks that do not cover its size {tuple(size)} exactly ({total} of {numel} elements, gaps or overlaps)")
+        raise _fail(where, fqn, f"has chunks that do not cover its size {size} exactly ({total} of {numel} elements, gaps or overlaps)")
+
+
+def _check_bound(fqn: str, offsets: tuple[int, ...], volume: int, dtype: torch.dtype, bounds: dict[tuple[str, Any], int | None], where: str) -> None:
+    """The chunk at ``offsets`` has a storage entry whose bytes can hold it."""
+    key = (fqn, offsets)
+    if key not in bounds:
+        raise _fail(where, fqn, f"has no storage entry for its chunk at {offsets}")
+    length = bounds[key]
+    if length is not None and volume * dtype.itemsize > length:
+        raise _fail(where, fqn, f"claims {volume} elements at {offsets} in an item of {length} bytes")
 
 
 def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
