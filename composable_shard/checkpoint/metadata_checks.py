@@ -17,6 +17,21 @@ file and the item for each of these, before any destination exists; it
 costs a few operations per chunk and one ``fstat`` per file. Items with
 transforms (compression) are bounded by their stored length only. Pinned by
 tests/checkpoint/test_hostile.py.
+
+[Note: a metadata verdict kept]
+``load_checkpoint`` reads ``.metadata`` twice (its own destinations, then
+``dcp.load``), and checking it costs ~1 ms per 500 storage entries. The
+verdict is a function of the metadata object, the directory and, per file
+it names, where the name resolves and whether that is a regular file of
+what size. ``check_metadata_once`` keeps the verdict keyed by the exact
+bytes and how they were unpickled (the same bytes and admitted globals give
+the same objects) and the directory's real path, with each file's resolved
+path, device, inode, size and mtime; a later call with the same key
+re-resolves and re-``stat``s every file (~20 us each) and skips the check
+only if all agree, so every input of the verdict is the same. A re-saved
+checkpoint has new bytes (DCP's ``save_id``) and is checked in full.
+Pinned by tests/checkpoint/test_hostile.py
+(``test_a_kept_metadata_verdict_is_dropped_when_a_file_changes``).
 """
 
 from __future__ import annotations
@@ -36,14 +51,62 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import CheckpointError
-from .safe_files import open_regular, resolve_inside
+from .safe_files import regular_file_stat, resolve_inside
 
-__all__ = ["check_metadata", "MalformedMetadataError"]
+__all__ = ["check_metadata", "check_metadata_once", "MalformedMetadataError"]
 
 
 class MalformedMetadataError(CheckpointError):
     """A checkpoint's ``.metadata`` is not what DCP writes, or names files
     and byte ranges that are not there."""
+
+
+# (relative name, real path, st_dev, st_ino, st_size, st_mtime_ns) of a data file.
+_FileFacts = tuple[str, str, int, int, int, int]
+# Verdicts of check_metadata_once: key -> the facts of every file it named.
+_VERDICTS: dict[tuple[Any, ...], tuple[_FileFacts, ...]] = {}
+_VERDICTS_MAX = 4
+
+
+def check_metadata_once(
+    metadata: Any, content: bytes, reading: Any, where: str, directory: str | os.PathLike[str], *, allow_links_outside: bool = False
+) -> None:
+    """``check_metadata``, not repeated for the same ``.metadata`` bytes
+    ``content`` unpickled the same way (``reading``, hashable: what decides
+    the objects the bytes become) in the same directory while every file it
+    names still resolves to the same regular file with the same (device,
+    inode, size, mtime) — see [Note: a metadata verdict kept]."""
+    try:
+        key: tuple[Any, ...] | None = (content, reading, os.path.realpath(directory), bool(allow_links_outside))
+        hash(key)
+    except TypeError:  # an unhashable admitted global: check every time
+        key = None
+    if key is not None:
+        known = _VERDICTS.get(key)
+        if known is not None and _unchanged(known, directory, allow_links_outside):
+            return
+    facts: list[_FileFacts] = []
+    check_metadata(metadata, where, directory, allow_links_outside=allow_links_outside, facts=facts)
+    if key is not None:
+        _VERDICTS.pop(key, None)
+        _VERDICTS[key] = tuple(facts)
+        while len(_VERDICTS) > _VERDICTS_MAX:
+            del _VERDICTS[next(iter(_VERDICTS))]
+
+
+def _unchanged(facts: tuple[_FileFacts, ...], directory: str | os.PathLike[str], allow_links_outside: bool) -> bool:
+    """Whether each file still resolves as it did, to a regular file with
+    the same identity and size (anything else: check again, which raises
+    the exact refusal if there is one)."""
+    for name, real, device, inode, size, mtime_ns in facts:
+        try:
+            resolved = resolve_inside(directory, name, "", allow_links_outside=allow_links_outside)
+            info = regular_file_stat(resolved, "")
+        except CheckpointError:
+            return False
+        if (os.fspath(resolved), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != (real, device, inode, size, mtime_ns):
+            return False
+    return True
 
 
 def _fail(where: str, item: str, why: str) -> MalformedMetadataError:
@@ -53,9 +116,12 @@ def _fail(where: str, item: str, why: str) -> MalformedMetadataError:
     )
 
 
-def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str], *, allow_links_outside: bool = False) -> dict[str, int]:
+def check_metadata(
+    metadata: Any, where: str, directory: str | os.PathLike[str], *, allow_links_outside: bool = False, facts: list[_FileFacts] | None = None
+) -> dict[str, int]:
     """Check ``metadata`` (read from ``where``) as [Note: checked metadata]
-    says; returns each data file's real path -> size."""
+    says; returns each data file's name -> size (and appends what the
+    verdict depended on about each file to ``facts``)."""
     if not isinstance(metadata, Metadata):
         raise MalformedMetadataError(f"'{where}' holds a {type(metadata).__name__}, not DCP metadata. Load a torch.distributed.checkpoint directory.")
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
@@ -75,7 +141,7 @@ def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str],
         for part in path:  # a loop, not all(<genexpr>): a few hundred paths per load
             if not isinstance(part, (str, int)):
                 raise _fail(where, str(key), "has a malformed path in planner_data")
-    files, bounds = _check_storage(storage, where, directory, allow_links_outside)
+    files, bounds = _check_storage(storage, where, directory, allow_links_outside, facts)
     for fqn, md in entries.items():
         if not isinstance(fqn, str):
             raise _fail(where, repr(fqn), "has a key that is not a string")
@@ -90,13 +156,14 @@ def check_metadata(metadata: Any, where: str, directory: str | os.PathLike[str],
 
 
 def _check_storage(
-    storage: dict[Any, Any], where: str, directory: str | os.PathLike[str], allow_links_outside: bool
+    storage: dict[Any, Any], where: str, directory: str | os.PathLike[str], allow_links_outside: bool, facts: list[_FileFacts] | None = None
 ) -> tuple[dict[str, int], dict[tuple[str, Any], int | None]]:
     """Each storage entry checked; returns the data files' sizes (relative
     path -> size) and each entry's byte bound by (fqn, offset) — its length,
     None for a transformed item (bounded by its stored length only) — for
     ``_check_tensor`` (a plain tuple key: no ``MetadataIndex`` built per
-    chunk, [Note: checked metadata])."""
+    chunk, [Note: checked metadata]); appends each file's facts to
+    ``facts``."""
     sizes: dict[str, int] = {}  # relative path -> size
     bounds: dict[tuple[str, Any], int | None] = {}
     for index, info in storage.items():
@@ -112,9 +179,10 @@ def _check_storage(
         size = sizes.get(name) if type(name) is str else None
         if size is None:  # a file not seen yet (or not a name: resolve_inside says so)
             real = resolve_inside(directory, name, f"'{where}': the item '{index.fqn}'", allow_links_outside=allow_links_outside)
-            stream, size = open_regular(real, f"'{where}': the item '{index.fqn}'")
-            stream.close()
-            sizes[name] = size
+            info = regular_file_stat(real, f"'{where}': the item '{index.fqn}'")
+            size = sizes[name] = info.st_size
+            if facts is not None:
+                facts.append((name, os.fspath(real), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
         if offset + length > size:
             raise _fail(where, index.fqn, f"claims bytes {offset}..{offset + length} of '{name}', which has {size}")
         bounds[(index.fqn, index.offset)] = None if descriptors else length

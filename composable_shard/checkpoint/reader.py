@@ -71,11 +71,19 @@ from torch.futures import Future
 
 
 from .errors import CheckpointError, UnsafeTensorItemError
-from .metadata_checks import check_metadata
+from .metadata_checks import check_metadata, check_metadata_once
 from .pickle_bounds import check_saved_pickles
 from .refusals import agree_on_refusal
 from .safe_files import open_regular, resolve_inside
-from .safe_pickle import HOW_TO_ADMIT, PickleTrust, admitted_globals, load_metadata, load_object, unsafe_globals_in
+from .safe_pickle import (
+    HOW_TO_ADMIT,
+    PickleTrust,
+    admitted_globals,
+    load_metadata,
+    load_object,
+    read_metadata_bytes,
+    unsafe_globals_in,
+)
 from .saved_tensor import ItemView, NotDescribed, SavedTensor, box_span, describe_item, layout_problem
 
 __all__ = ["DirectFileSystemReader"]
@@ -143,8 +151,13 @@ class DirectFileSystemReader(FileSystemReader):
         try:
             where = os.path.join(os.fspath(self.path), name)
             real = resolve_inside(self.path, name, f"DirectFileSystemReader({self.path})", allow_links_outside=self.allow_links_outside)
-            metadata = load_metadata(real, self.trust)
-            check_metadata(metadata, where, self.path, allow_links_outside=self.allow_links_outside)
+            content = read_metadata_bytes(real)
+            metadata = load_metadata(real, self.trust, content)
+            if self.trust.trusted:  # unrestricted unpickling: the objects are not a function of the bytes
+                check_metadata(metadata, where, self.path, allow_links_outside=self.allow_links_outside)
+            else:  # load_checkpoint reads it twice: see [Note: a metadata verdict kept]
+                reading = (self.trust, tuple(torch.serialization.get_safe_globals()))
+                check_metadata_once(metadata, content, reading, where, self.path, allow_links_outside=self.allow_links_outside)
         except CheckpointError as refused:
             refused.before_writing = True  # type: ignore[attr-defined]
             if rank is None:
