@@ -66,6 +66,7 @@ _FileFacts = tuple[str, str, int, int, int, int]
 # Verdicts of check_metadata_once: key -> the facts of every file it named.
 _VERDICTS: dict[tuple[Any, ...], tuple[_FileFacts, ...]] = {}
 _VERDICTS_MAX = 4
+_VERDICT_BYTES_MAX = 16 << 20  # a larger .metadata is checked every time (the key holds its bytes)
 
 
 def check_metadata_once(
@@ -76,11 +77,13 @@ def check_metadata_once(
     the objects the bytes become) in the same directory while every file it
     names still resolves to the same regular file with the same (device,
     inode, size, mtime) — see [Note: a metadata verdict kept]."""
-    try:
-        key: tuple[Any, ...] | None = (content, reading, os.path.realpath(directory), bool(allow_links_outside))
-        hash(key)
-    except TypeError:  # an unhashable admitted global: check every time
-        key = None
+    key: tuple[Any, ...] | None = None
+    if len(content) <= _VERDICT_BYTES_MAX:
+        try:
+            key = (content, reading, os.path.realpath(directory), bool(allow_links_outside))
+            hash(key)
+        except TypeError:  # an unhashable admitted global: check every time
+            key = None
     if key is not None:
         known = _VERDICTS.get(key)
         if known is not None and _unchanged(known, directory, allow_links_outside):

@@ -258,9 +258,9 @@ class DirectFileSystemReader(FileSystemReader):
         if not isinstance(md, TensorStorageMetadata):
             return (), None
         offset, chunks, hint = tuple(index.offset or ()), md.chunks, index.index
-        if type(hint) is int and 0 <= hint < len(chunks) and chunks[hint].offsets == offset:
+        if type(hint) is int and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offset:
             return tuple(chunks[hint].sizes), md.properties.dtype
-        found = [chunk for chunk in chunks if chunk.offsets == offset]
+        found = [chunk for chunk in chunks if tuple(chunk.offsets) == offset]
         return (tuple(found[-1].sizes) if found else ()), md.properties.dtype
 
     def _describe(
