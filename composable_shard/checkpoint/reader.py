@@ -71,11 +71,19 @@ from torch.futures import Future
 
 
 from .errors import CheckpointError, UnsafeTensorItemError
-from .metadata_checks import check_metadata
+from .metadata_checks import check_metadata, check_metadata_once
 from .pickle_bounds import check_saved_pickles
 from .refusals import agree_on_refusal
 from .safe_files import open_regular, resolve_inside
-from .safe_pickle import HOW_TO_ADMIT, PickleTrust, admitted_globals, load_metadata, load_object, unsafe_globals_in
+from .safe_pickle import (
+    HOW_TO_ADMIT,
+    PickleTrust,
+    admitted_globals,
+    load_metadata,
+    load_object,
+    read_metadata_bytes,
+    unsafe_globals_in,
+)
 from .saved_tensor import ItemView, NotDescribed, SavedTensor, box_span, describe_item, layout_problem
 
 __all__ = ["DirectFileSystemReader"]
@@ -130,8 +138,7 @@ class DirectFileSystemReader(FileSystemReader):
         self.trust = PickleTrust.of(trusted, safe_globals)
         self.allow_links_outside = bool(allow_links_outside)
         self.agree_before_writing = bool(agree_before_writing)
-        self._metadata_of: dict[str, Any] = {}
-        self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        self._entries: dict[str, Any] = {}  # the metadata's state_dict_metadata, once set up
         self.counts: dict[str, int] = {"direct": 0, "temporary": 0, "stock": 0}
         self._refused: CheckpointError | None = None  # the last refusal of ``.metadata``
 
@@ -144,8 +151,13 @@ class DirectFileSystemReader(FileSystemReader):
         try:
             where = os.path.join(os.fspath(self.path), name)
             real = resolve_inside(self.path, name, f"DirectFileSystemReader({self.path})", allow_links_outside=self.allow_links_outside)
-            metadata = load_metadata(real, self.trust)
-            check_metadata(metadata, where, self.path, allow_links_outside=self.allow_links_outside)
+            content = read_metadata_bytes(real)
+            metadata = load_metadata(real, self.trust, content)
+            if self.trust.trusted:  # unrestricted unpickling: the objects are not a function of the bytes
+                check_metadata(metadata, where, self.path, allow_links_outside=self.allow_links_outside)
+            else:  # load_checkpoint reads it twice: see [Note: a metadata verdict kept]
+                reading = (self.trust, tuple(torch.serialization.get_safe_globals()))
+                check_metadata_once(metadata, content, reading, where, self.path, allow_links_outside=self.allow_links_outside)
         except CheckpointError as refused:
             refused.before_writing = True  # type: ignore[attr-defined]
             if rank is None:
@@ -164,10 +176,7 @@ class DirectFileSystemReader(FileSystemReader):
         if isinstance(metadata, _RefusedMetadata) and metadata.refusal is not None:
             raise metadata.refusal
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._metadata_of = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-        self._chunk_sizes = {
-            (fqn, tuple(chunk.offsets)): tuple(chunk.sizes) for fqn, md in self._metadata_of.items() for chunk in md.chunks
-        }
+        self._entries = metadata.state_dict_metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # See [Note: everything checked before the first write].
@@ -223,7 +232,7 @@ class DirectFileSystemReader(FileSystemReader):
                         value = load_object(data, self.trust, file=path, item=item.dest_index.fqn)
                         staged.objects.append((item, value))
                         continue
-                    saved = self._describe(stream, path, item, parsed)
+                    saved = self._describe(stream, path, item, info, parsed)
                     target = planner.resolve_tensor(item).detach()
                     if tuple(target.size()) != tuple(item.lengths):
                         raise self._malformed(path, item, f"its destination has size {tuple(target.size())}, not {tuple(item.lengths)}")
@@ -239,14 +248,24 @@ class DirectFileSystemReader(FileSystemReader):
             raise
         return staged
 
-    def _expected(self, item: ReadItem) -> tuple[tuple[int, ...], torch.dtype]:
-        """The stored chunk's size and dtype, as the metadata says."""
-        md = self._metadata_of.get(item.storage_index.fqn) if self._metadata_of else None
-        dtype = md.properties.dtype if md is not None else None
-        return tuple(self._chunk_sizes.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())), ())), dtype
+    def _expected(self, item: ReadItem) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """The stored chunk's size and dtype, as the metadata says (``()``
+        and None where it names no such chunk). Looked up per item read, not
+        tabled for the whole checkpoint (a rank reads about half of it):
+        DCP's read items carry the chunk's index in ``md.chunks``."""
+        index = item.storage_index
+        md = self._entries.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return (), None
+        offset, chunks, hint = tuple(index.offset or ()), md.chunks, index.index
+        if type(hint) is int and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offset:
+            return tuple(chunks[hint].sizes), md.properties.dtype
+        found = [chunk for chunk in chunks if tuple(chunk.offsets) == offset]
+        return (tuple(found[-1].sizes) if found else ()), md.properties.dtype
 
-    def _describe(self, stream: BinaryIO, path: str, item: ReadItem, parsed: dict[tuple[int, int], SavedTensor | None]) -> SavedTensor | None:
-        info = self.storage_data[item.storage_index]
+    def _describe(
+        self, stream: BinaryIO, path: str, item: ReadItem, info: Any, parsed: dict[tuple[int, int], SavedTensor | None]
+    ) -> SavedTensor | None:
         where = (info.offset, info.length)
         if where in parsed:
             return parsed[where]
@@ -271,7 +290,7 @@ class DirectFileSystemReader(FileSystemReader):
 
     def _check_stored(self, path: str, item: ReadItem, size: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...], storage_offset: int, storage_numel: int) -> None:
         sizes, expected_dtype = self._expected(item)
-        if self._metadata_of and (tuple(size) != sizes or dtype != expected_dtype):
+        if self._entries and (tuple(size) != sizes or dtype != expected_dtype):
             raise self._malformed(path, item, f"it stores {dtype} of size {tuple(size)}; the metadata says {expected_dtype} of size {sizes}")
         problem = layout_problem(tuple(size), tuple(stride), storage_offset, storage_numel)
         if problem is not None:
@@ -440,11 +459,14 @@ def _pread_exactly(stream: BinaryIO, offset: int, length: int, path: str) -> byt
 
 
 def _read_exactly(stream: BinaryIO, offset: int, target: memoryview, path: str) -> None:
-    """Fill ``target`` with the file's bytes from ``offset`` on."""
-    stream.seek(offset)
+    """Fill ``target`` with the file's bytes from ``offset`` on (``preadv``:
+    one system call per item, not a seek and a read)."""
     done, total = 0, len(target)
+    positioned = hasattr(os, "preadv")
+    if not positioned:
+        stream.seek(offset)
     while done < total:
-        count = stream.readinto(target[done:])
+        count = os.preadv(stream.fileno(), [target[done:]], offset + done) if positioned else stream.readinto(target[done:])
         if not count:
             raise OSError(
                 f"composable_shard DirectFileSystemReader: '{path}' ends at byte {offset + done}, before the "

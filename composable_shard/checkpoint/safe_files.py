@@ -28,7 +28,7 @@ from typing import BinaryIO
 
 from .errors import CheckpointError
 
-__all__ = ["resolve_inside", "open_regular", "check_name", "read_bounded"]
+__all__ = ["resolve_inside", "open_regular", "regular_file_stat", "check_name", "read_bounded"]
 
 
 def check_name(name: object, where: str) -> str:
@@ -83,6 +83,26 @@ def open_regular(path: str | os.PathLike[str], where: str) -> tuple[BinaryIO, in
         os.close(descriptor)
         raise
     return stream, info.st_size  # type: ignore[return-value]
+
+
+def regular_file_stat(path: str | os.PathLike[str], where: str) -> os.stat_result:
+    """``lstat`` of a resolved ``path`` (``resolve_inside``), which must be a
+    regular file (a link swapped in since it was resolved is refused too);
+    a ``CheckpointError`` naming ``where`` otherwise. Opens nothing, so never
+    blocks; for checks that need only the size (metadata_checks.py) — a read
+    still goes through ``open_regular``."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{where}: cannot open '{path}' ({exc.strerror or exc}). The checkpoint is incomplete or damaged; load another one."
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(
+            f"{where}: '{path}' is not a regular file (a FIFO, device or directory); refused without reading it. "
+            "The checkpoint is damaged or hostile; load another one."
+        )
+    return info
 
 
 def read_bounded(path: str | os.PathLike[str], where: str, limit: int) -> bytes:

@@ -43,6 +43,7 @@ __all__ = [
     "METADATA_GLOBALS",
     "HOW_TO_ADMIT",
     "load_metadata",
+    "read_metadata_bytes",
     "load_object",
     "admitted_globals",
     "unsafe_globals_in",
@@ -170,13 +171,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(path: str | Path, trust: PickleTrust) -> Metadata:
-    """The ``Metadata`` pickled in ``path`` (a DCP ``.metadata`` file), read
-    as data (see [Note: checkpoints are data]). Raises
+def read_metadata_bytes(path: str | Path) -> bytes:
+    """The bytes of a ``.metadata`` file (a regular file, size-bounded)."""
+    return read_bounded(path, f"'{path}' (the checkpoint's metadata)", _METADATA_MAX_BYTES)
+
+
+def load_metadata(path: str | Path, trust: PickleTrust, data: bytes | None = None) -> Metadata:
+    """The ``Metadata`` pickled in ``path`` (a DCP ``.metadata`` file; its
+    bytes ``data`` where the caller read them with ``read_metadata_bytes``),
+    read as data (see [Note: checkpoints are data]). Raises
     ``UnsafeCheckpointError`` for a global it does not admit and
     ``CheckpointError`` for a file that is not DCP metadata."""
     path = Path(path)
-    data = read_bounded(path, f"'{path}' (the checkpoint's metadata)", _METADATA_MAX_BYTES)
+    if data is None:
+        data = read_metadata_bytes(path)
     if trust.trusted:
         metadata = pickle.loads(data)  # noqa: S301 - the user trusts this checkpoint
     else:

@@ -25,8 +25,10 @@ tests/checkpoint/test_reader.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
+import os
 import pickle
 import sys
 from typing import Any, BinaryIO
@@ -114,8 +116,16 @@ class ItemView(io.RawIOBase):
 
 
 def _pread(stream: BinaryIO, offset: int, length: int) -> bytes:
-    stream.seek(offset)
-    return stream.read(length)
+    """Up to ``length`` bytes at ``offset``: one ``pread`` on a file (a
+    seek and a read cost two system calls per read, ~1,400 per rank per
+    load of the benchmark's GPT; docs/design/checkpoint.md), else seek and
+    read."""
+    try:
+        descriptor = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: an in-memory stream
+        stream.seek(offset)
+        return stream.read(length)
+    return os.pread(descriptor, length, offset)
 
 
 class _MetaStorages:
@@ -190,11 +200,14 @@ def _describe_pickle(data_pickle: bytes) -> tuple[torch.dtype, str, int, int, tu
     return tensor.dtype, storages.keys[0], storage_numel, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride())
 
 
+@functools.lru_cache(maxsize=4096)
 def layout_problem(size: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, storage_numel: int) -> str | None:
     """What is wrong with a saved tensor's view of its storage (None if
     nothing): a negative offset or stride, an extent past the storage, or a
     stride of 0 along a dimension longer than 1 (an expanded tensor: DCP's
-    writer clones those, so a stored one only inflates a few bytes)."""
+    writer clones those, so a stored one only inflates a few bytes).
+    Memoized: a pure function of its arguments, asked once per item read,
+    and a checkpoint's items repeat a few layouts."""
     if storage_offset < 0 or any(st < 0 for st in stride) or len(stride) != len(size):
         return f"a negative storage offset or stride ({storage_offset}, {stride})"
     if any(st == 0 and n > 1 for st, n in zip(stride, size)):

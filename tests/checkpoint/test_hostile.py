@@ -421,3 +421,76 @@ def test_a_refused_global_is_never_imported(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert "refused" in result.stdout and "torch.onnx" in result.stdout, result.stdout + result.stderr
     assert result.stdout.strip().endswith("not imported"), result.stdout
+
+
+# ------------------------------------------- a kept verdict on .metadata
+def test_a_kept_metadata_verdict_is_dropped_when_a_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_checkpoint`` reads ``.metadata`` twice; the second read keeps
+    the first check's verdict ([Note: a metadata verdict kept] in
+    metadata_checks.py) — only while every file it names is the same: with
+    the ``.metadata`` bytes unchanged, a truncated item file, a FIFO or a
+    link leading out in its place is refused again, and a re-saved file
+    (another inode) is checked again."""
+    from composable_shard.checkpoint import metadata_checks
+
+    checks: list[str] = []
+    original = metadata_checks.check_metadata
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # a spy: the real check runs
+        checks.append(str(args[1]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(metadata_checks, "check_metadata", counted)
+    monkeypatch.setattr(metadata_checks, "_VERDICTS", {})
+    values = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.arange(8, dtype=torch.float64)}
+    base = tmp_path / "base"
+    dcp.save(values, checkpoint_id=base, no_dist=True)
+    (item,) = [path.name for path in base.glob("*.distcp")]
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(base / item, outside)
+
+    def read(directory: Path) -> Any:
+        return DirectFileSystemReader(directory).read_metadata()
+
+    read(base)
+    read(base)
+    assert len(checks) == 1, "the same bytes and files: the verdict is kept"
+    loaded = {key: torch.zeros_like(value) for key, value in values.items()}
+    dcp.load(loaded, storage_reader=DirectFileSystemReader(base), no_dist=True)
+    assert_same_tensors(loaded, values, "load after a kept verdict")
+
+    def truncated(d: Path) -> None:
+        with open(d / item, "r+b") as stream:
+            stream.truncate(os.path.getsize(d / item) // 2)
+
+    def fifo(d: Path) -> None:
+        (d / item).unlink()
+        os.mkfifo(d / item)
+
+    def link_out(d: Path) -> None:
+        (d / item).unlink()
+        os.symlink(outside, d / item)
+
+    def rewritten(d: Path) -> None:  # the same bytes in a new file (another inode): checked again, loads
+        data = (d / item).read_bytes()
+        (d / item).unlink()
+        (d / item).write_bytes(data)
+
+    for name, change, expected in [
+        ("truncated item", truncated, "claims bytes"),
+        ("FIFO item", fifo, "not a regular file"),
+        ("link leading out", link_out, "outside the checkpoint directory"),
+        ("rewritten item", rewritten, None),
+    ]:
+        directory = tmp_path / name.replace(" ", "_")
+        shutil.copytree(base, directory, symlinks=True)
+        read(directory)  # checked and kept
+        count = len(checks)
+        change(directory)
+        assert (directory / ".metadata").read_bytes() == (base / ".metadata").read_bytes()
+        if expected is None:
+            read(directory)
+        else:
+            with pytest.raises(CheckpointError, match=expected):
+                read(directory)
+        assert len(checks) == count + 1, f"{name}: the kept verdict was used"
