@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from composable_shard import fully_shard, is_fully_sharded, unshard_params
+from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded, unshard_params
 from composable_shard.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
@@ -130,7 +131,13 @@ def _record_init(record: dict[str, torch.Tensor], names: dict[int, str]):
     return init
 
 
-def _sync_module_states_gives_rank0_values(rank: int, world_size: int) -> None:
+def _sync_module_states_gives_rank0_values(rank: int, world_size: int, hybrid: bool = False) -> None:
+    # HYBRID: rank 0's values reach the shard group, then the replicate group.
+    mesh_kwargs = (
+        dict(device_mesh=init_device_mesh("cpu", (2, world_size // 2)), strategy=ShardingStrategy.HYBRID_SHARD)
+        if hybrid
+        else {}
+    )
     for build_on_meta in (True, False):
         torch.manual_seed(100 + rank)  # every rank draws different values
         with torch.device("meta" if build_on_meta else "cpu"):
@@ -139,7 +146,13 @@ def _sync_module_states_gives_rank0_values(rank: int, world_size: int) -> None:
         record: dict[str, torch.Tensor] = {}
         if not build_on_meta:
             record = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        fully_shard(model, policy={_BlockWithBuffer}, sync_module_states=True, param_init_fn=_record_init(record, names))
+        fully_shard(
+            model,
+            policy={_BlockWithBuffer},
+            sync_module_states=True,
+            param_init_fn=_record_init(record, names),
+            **mesh_kwargs,  # type: ignore[arg-type]
+        )
         gathered: list[dict[str, torch.Tensor] | None] = [None] * world_size
         dist.all_gather_object(gathered, record)
         rank0 = gathered[0]
@@ -152,9 +165,9 @@ def _sync_module_states_gives_rank0_values(rank: int, world_size: int) -> None:
                 assert torch.equal(param, rank0[name]), f"{name} is not rank 0's (meta={build_on_meta})"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sync_module_states_starts_every_rank_from_rank0(world_size: int) -> None:
-    run_distributed(_sync_module_states_gives_rank0_values, world_size)
+@pytest.mark.parametrize("world_size, hybrid", [(2, False), (4, False), (4, True)])
+def test_sync_module_states_starts_every_rank_from_rank0(world_size: int, hybrid: bool) -> None:
+    run_distributed(_sync_module_states_gives_rank0_values, world_size, hybrid)
 
 
 class _NoReset(nn.Module):
