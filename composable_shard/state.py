@@ -118,6 +118,10 @@ class UnitState:
         self.root_context: RootContext | None = None
         # Hooks on the module (kept so they can be removed).
         self.module_hooks: list[RemovableHandle] = []
+        # Calls of a registered forward method in progress: the module's own
+        # forward inside one is part of it ([Note: forward methods] in
+        # runtime/hooks.py).
+        self.forward_method_depth = 0
         # Forward runs whose backward has not reached this unit's inputs yet
         # (frozen flat parameters reshard when it drops to 0).
         self.pending_backward_uses = 0

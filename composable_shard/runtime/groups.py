@@ -8,7 +8,7 @@ caller passes those steps in ``GroupSteps``: runtime/hooks.py's), streams,
 flattening details.
 
 Public names: ``GroupSteps``, ``register_group_forward_hooks``,
-``end_open_groups``.
+``end_open_groups``, ``group_method_hooks``.
 
 [Note: grouped units]
 A group has one state, shared by its modules (``get_state`` of each gives
@@ -45,7 +45,7 @@ from ..state import RootContext, TrainingState, UnitState
 from .forward_inputs import cast_inputs, hook_inputs_for_frozen_reshard
 from .lifecycle import in_backward
 
-__all__ = ["GroupSteps", "register_group_forward_hooks", "end_open_groups"]
+__all__ = ["GroupSteps", "register_group_forward_hooks", "end_open_groups", "group_method_hooks"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,8 @@ def _post_forward(state: UnitState, record: _GroupForward, steps: GroupSteps, mo
         return output
     record.running.discard(id(module))
     record.left_to_run.discard(id(module))
+    if state.forward_method_depth:  # [Note: forward methods] in runtime/hooks.py
+        return output
     if torch.is_grad_enabled():
         record.grad_enabled = True
         # Evaluated for every module (no short circuit): each one's outputs.
@@ -153,6 +155,24 @@ def _after_raised(state: UnitState, record: _GroupForward, steps: GroupSteps, mo
         record.running.clear()
         steps.after_raised(state, module, args, output)
     return None
+
+
+def group_method_hooks(state: UnitState) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The (pre-forward, post-forward, raised) steps with which a registered
+    forward method of one of the group's modules runs as that module's
+    forward in the group's ([Note: forward methods] in runtime/hooks.py)."""
+    record, steps = _FORWARDS[state]
+    return (
+        functools.partial(_pre_forward, state, record, steps),
+        functools.partial(_post_forward, state, record, steps),
+        functools.partial(_method_raised, state, record, steps),
+    )
+
+
+def _method_raised(state: UnitState, record: _GroupForward, steps: GroupSteps, module: nn.Module, args: tuple, output: Any) -> None:
+    record.open = False
+    record.running.clear()
+    steps.after_raised(state, module, args, output)
 
 
 def _end(state: UnitState, record: _GroupForward, steps: GroupSteps) -> None:

@@ -33,7 +33,7 @@ from ..api import BackwardPrefetch
 from ..handle import FlatParamHandle
 from ..nested_tensors import scan_output
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
-from .groups import GroupSteps, end_open_groups, register_group_forward_hooks
+from .groups import GroupSteps, end_open_groups, group_method_hooks, register_group_forward_hooks
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
 from .optimizer_checks import refuse_backward_after_step
@@ -73,6 +73,9 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
                 context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
             state.unshard(wait=True)
             return args, kwargs
+        if state.forward_method_depth and state.training_state is TrainingState.FORWARD:
+            args, kwargs = cast_inputs(state, args, kwargs)  # [Note: forward methods]
+            return hook_inputs_for_frozen_reshard(state, args, kwargs)
         if state.is_root:
             start_root_forward(context)
             check_input_devices(state, args, kwargs)
@@ -91,7 +94,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
 
 def _post_forward(state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
     with hook_label(state, "post_forward"):
-        if in_backward():  # [Note: activation-checkpoint re-runs]
+        if in_backward() or state.forward_method_depth:  # the method's own end hooks it
             return output
         grad_enabled = torch.is_grad_enabled()
         hooked = grad_enabled and _register_pre_backward_hooks(state, output)
@@ -135,7 +138,7 @@ def _after_forward_raised(state: UnitState, module: nn.Module, args: tuple, outp
     ``clip_grad_norm_`` and the optimizer work before the next forward.
     Pinned by tests/training/test_loop_recovery.py.
     """
-    if state.training_state is not TrainingState.FORWARD or in_backward():
+    if state.training_state is not TrainingState.FORWARD or in_backward() or state.forward_method_depth:
         return None
     with hook_label(state, "forward_raised"):
         if state.is_root:
@@ -150,12 +153,34 @@ def call_as_forward(state: UnitState, method: Callable[..., Any], module: nn.Mod
     """Run ``method`` (a unit's method other than ``forward``, registered
     with ``register_forward_method``) between the unit's forward hooks, as
     ``module(...)`` runs ``forward``; called from the unit's own forward it
-    is a plain call (the parameters are already unsharded)."""
-    if state.training_state is TrainingState.FORWARD:
+    is a plain call (the parameters are already unsharded).
+
+    [Note: forward methods]
+    The method may call the module itself (a language model's ``generate``
+    calls ``self(...)`` once a token): those forwards are part of the
+    method's, so while ``state.forward_method_depth`` counts a call in
+    progress the module's own hooks only cast inputs, and the forward ends
+    (reshard, or hold for backward, output hooked) once, when the method
+    returns; a group's forward likewise waits for it (runtime/groups.py).
+    A method that raises leaves the unit resharded and idle, as a forward
+    that raised does. Pinned by tests/runtime/test_forward_methods.py.
+    """
+    if state.is_group:
+        pre, post, raised = group_method_hooks(state)
+    elif state.training_state is TrainingState.FORWARD:
         return method(module, *args, **kwargs)
-    args, kwargs = _pre_forward(state, module, args, kwargs)
-    output = method(module, *args, **kwargs)
-    return _post_forward(state, module, args, output)
+    else:
+        pre, post, raised = (functools.partial(step, state) for step in (_pre_forward, _post_forward, _after_forward_raised))
+    args, kwargs = pre(module, args, kwargs)
+    state.forward_method_depth += 1
+    try:
+        output = method(module, *args, **kwargs)
+    except BaseException:
+        state.forward_method_depth -= 1
+        raised(module, args, None)
+        raise
+    state.forward_method_depth -= 1
+    return post(module, args, output)
 
 
 # ---------------------------------------------------------------- backward
