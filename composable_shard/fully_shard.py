@@ -141,21 +141,19 @@ def fully_shard(
         check_dtensor_params(name, sources[id(choice.module)], unit_groups)
     for member in members:
         check_materializable(member, param_init_fn, skip)
-    if len(members) > 1:
-        _refuse_group_buffer_casts(name, members, kwargs_per_unit[-1]["mixed_precision"], skip)
 
     # Validated: from here on the module is changed.
     for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         unit_sources = sources[id(choice.module)]
         unit_members = members if choice is choices[-1] else [choice.module]
-        orig_buffer_dtypes: dict[str, torch.dtype] = {}
         for member in unit_members:
             materialize_unit(member, compute_device, param_init_fn, skip)
         if sync_module_states:  # parameters once, then each module's buffers
             for index, member in enumerate(unit_members):
                 sync_unit_states(member, unit_sources if index == 0 else [], skip, unit_groups)
-        for member in unit_members:
-            orig_buffer_dtypes.update(cast_unit_buffers(member, kwargs["mixed_precision"], skip))
+        orig_buffer_dtypes = {
+            id(member): cast_unit_buffers(member, kwargs["mixed_precision"], skip) for member in unit_members
+        }
         state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)
         state.orig_buffer_dtypes = orig_buffer_dtypes
     return module
@@ -192,24 +190,6 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     if method_name in module.__dict__:
         return
     module.__dict__[method_name] = types.MethodType(functools.partial(call_as_forward, state, method), module)
-
-
-def _refuse_group_buffer_casts(
-    name: str, members: list[nn.Module], mixed_precision: MixedPrecision | None, skip: Callable[[nn.Module], bool]
-) -> None:
-    """A group records cast buffers' original dtypes by names relative to
-    one module, which several modules cannot share: refuse a cast that
-    would need it (state dicts would give the wrong dtype back)."""
-    if mixed_precision is None or mixed_precision.buffer_dtype is None:
-        return
-    for member in members:
-        for sub in member.modules():
-            if any(b is not None and b.is_floating_point() for b in sub._buffers.values()) and not skip(sub):
-                raise ValueError(
-                    f"fully_shard({name}): mixed_precision.buffer_dtype would cast floating-point buffers of "
-                    f"{type(sub).__name__} inside a group; groups do not support buffer casts yet. Leave "
-                    "buffer_dtype None for the group, or shard the module with buffers on its own."
-                )
 
 
 def _compute_device(

@@ -141,15 +141,21 @@ class UnitState:
         self.forward_prefetch_units: list[UnitState] | None = None
         self.backward_prefetch_units: list[UnitState] | None = None
         # Original dtype of each buffer cast to the mixed-precision
-        # buffer_dtype, by name relative to the unit's module (full state
-        # dicts give buffers back in these dtypes).
-        self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
+        # buffer_dtype, per module of the unit (by id; a group has several)
+        # and by name relative to it: full state dicts give buffers back in
+        # these dtypes. Read with buffer_dtypes_of.
+        self.orig_buffer_dtypes: dict[int, dict[str, torch.dtype]] = {}
         # The user's overrides of the gradient reduction (divide factor,
         # replica all-reduce, hooks: composable_shard/reduce_controls.py),
         # shared with the unit's handles.
         self.reduction_overrides = ReductionOverrides()
         for handle in handles:
             handle.reduction_overrides = self.reduction_overrides
+
+    def buffer_dtypes_of(self, module: nn.Module) -> dict[str, torch.dtype]:
+        """The original dtypes of ``module``'s buffers that mixed precision
+        cast, by name relative to ``module`` (one of this unit's modules)."""
+        return self.orig_buffer_dtypes.get(id(module), {})
 
     @property
     def is_group(self) -> bool:

@@ -111,10 +111,11 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
             entries.key_order.append(prefix + "_extra_state")
             entries.extra_states[prefix + "_extra_state"] = submodule
     for unit in units:
-        for prefix in prefixes_of.get(id(unit.module), []):
-            for name, dtype in unit.orig_buffer_dtypes.items():
-                if prefix + name in entries.buffers:
-                    entries.buffer_dtypes[prefix + name] = dtype
+        for member in unit.members:
+            for prefix in prefixes_of.get(id(member), []):
+                for name, dtype in unit.buffer_dtypes_of(member).items():
+                    if prefix + name in entries.buffers:
+                        entries.buffer_dtypes[prefix + name] = dtype
         for handle in unit.handles:
             for info, param, spec in zip(handle.layout.params, handle.orig_params, handle.tp_specs):
                 keys = keys_of.get(id(param))

@@ -82,7 +82,7 @@ def _post_state_dict(
     state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
 ) -> None:
     logger.debug("composable_shard::state_dict_post_hook (%s)", state.fqn)
-    for name, dtype in state.orig_buffer_dtypes.items():
+    for name, dtype in state.buffer_dtypes_of(module).items():
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value.dtype != dtype:
             state_dict[prefix + name] = value.to(dtype)  # the original dtype, as unsharded

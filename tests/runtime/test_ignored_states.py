@@ -109,7 +109,7 @@ def _buffers_never_sharded_and_cast(rank: int, world_size: int) -> None:
             assert buffer.dtype == (buffer_dtype if cast else values.dtype), (name, buffer.dtype)
             torch.testing.assert_close(buffer.to(values.dtype), values, atol=1e-2, rtol=1e-2)
         expected_orig = {"bn.running_mean": torch.float32, "bn.running_var": torch.float32, "scale": torch.float32}
-        assert get_state(model).orig_buffer_dtypes == (expected_orig if buffer_dtype else {})  # type: ignore[union-attr]
+        assert get_state(model).buffer_dtypes_of(model) == (expected_orig if buffer_dtype else {})  # type: ignore[union-attr]
         # Training keeps them whole, in their dtype, on every rank alike.
         model(torch.randn(4, 3, 16)).sum().backward()
         for name, buffer in model.named_buffers():

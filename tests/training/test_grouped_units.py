@@ -326,13 +326,23 @@ def _bad_groups_are_refused(rank: int, world_size: int) -> None:
     fully_shard([tied.norm, tied.head])
     with pytest.raises(ValueError, match="split between two units"):
         fully_shard(tied)
-    # Buffers cast by mixed precision inside a group: refused, nothing changed.
+    # Buffers cast by mixed precision inside a group, the same name in two of
+    # its modules: state dicts give each back in its own original dtype
+    # (refused before: the dtypes were kept by name relative to one module).
     torch.manual_seed(0)
     buffered = _untied_gpt()
-    buffered.norm.register_buffer("scale", torch.ones(4))
-    with pytest.raises(ValueError, match="buffer_dtype"):
-        fully_shard([buffered.norm, buffered.head], mixed_precision=cs.MixedPrecision(buffer_dtype=torch.float16))
-    assert not is_fully_sharded(buffered.norm) and buffered.norm.scale.dtype == torch.float32
+    buffered.norm.register_buffer("scale", torch.full((4,), 1.5))
+    buffered.head.register_buffer("scale", torch.full((4,), 2.5, dtype=torch.float64))
+    fully_shard([buffered.norm, buffered.head], mixed_precision=cs.MixedPrecision(buffer_dtype=torch.float16))
+    fully_shard(buffered)
+    assert buffered.norm.scale.dtype == buffered.head.scale.dtype == torch.float16
+    for state_dict in (buffered.state_dict(), cs.get_model_state_dict(buffered)):
+        assert state_dict["norm.scale"].dtype == torch.float32, state_dict["norm.scale"]
+        assert state_dict["head.scale"].dtype == torch.float64, state_dict["head.scale"]
+        assert torch.equal(state_dict["head.scale"], torch.full((4,), 2.5, dtype=torch.float64))
+    inputs, targets = batch(0, 2)
+    lm_loss(buffered(inputs), targets).backward()
+    assert_resharded(buffered)
 
 
 def test_bad_groups_raise_at_once_and_leave_the_model_usable() -> None:

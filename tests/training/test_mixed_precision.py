@@ -234,8 +234,8 @@ def _buffers_in_buffer_dtype(rank: int, world_size: int) -> None:
     assert model.bn.running_mean.dtype == BF16 and model.bn.running_var.dtype == BF16
     assert model.bn.num_batches_tracked.dtype == torch.int64  # only floating-point buffers are cast
     assert model.block.offset.dtype == torch.float64  # its unit has no buffer_dtype
-    assert get_state(model).orig_buffer_dtypes == {"bn.running_mean": FP32, "bn.running_var": FP32, "scale": FP32}  # type: ignore[union-attr]
-    assert get_state(model.block).orig_buffer_dtypes == {}  # type: ignore[union-attr]
+    assert get_state(model).buffer_dtypes_of(model) == {"bn.running_mean": FP32, "bn.running_var": FP32, "scale": FP32}  # type: ignore[union-attr]
+    assert get_state(model.block).buffer_dtypes_of(model.block) == {}  # type: ignore[union-attr]
     output = model(torch.randn(4, 3, 16))
     assert output.dtype == BF16 and model.bn.running_mean.dtype == BF16
     output.float().sum().backward()
