@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import composable_shard as cs
@@ -57,14 +58,18 @@ def _norm_checkpoint_gpt(use_reentrant: bool) -> nn.Module:
     return model
 
 
-def _torchtitan_groups(strategy: ShardingStrategy):
-    """Blocks, then ``[norm, head]`` as one unit, then the root."""
+def _torchtitan_groups(strategy: ShardingStrategy, mesh_shape: tuple[int, int] | None = None):
+    """Blocks, then ``[norm, head]`` as one unit, then the root; with
+    ``mesh_shape`` on a (replicate, shard) mesh made in the worker."""
 
     def shard(model: nn.Module) -> None:
+        kwargs = dict(strategy=strategy)
+        if mesh_shape is not None:
+            kwargs["device_mesh"] = init_device_mesh("cpu", mesh_shape)
         for block in model.blocks:
-            fully_shard(block, strategy=strategy)
-        fully_shard([model.norm, model.head], strategy=strategy)
-        fully_shard(model, strategy=strategy)
+            fully_shard(block, **kwargs)
+        fully_shard([model.norm, model.head], **kwargs)
+        fully_shard(model, **kwargs)
 
     return shard
 
@@ -111,6 +116,7 @@ def _groups_match_reference(rank: int, world_size: int) -> None:
     cases = {
         "[norm, head] FULL_SHARD": (_untied_gpt, _torchtitan_groups(ShardingStrategy.FULL_SHARD)),
         "[norm, head] SHARD_GRAD_OP": (_untied_gpt, _torchtitan_groups(ShardingStrategy.SHARD_GRAD_OP)),
+        "[norm, head] NO_SHARD": (_untied_gpt, _torchtitan_groups(ShardingStrategy.NO_SHARD)),
         "tied [tok_emb, norm, head] FULL_SHARD": (TinyGPT, _tied_group(ShardingStrategy.FULL_SHARD)),
         "tied [tok_emb, norm, head] SHARD_GRAD_OP": (TinyGPT, _tied_group(ShardingStrategy.SHARD_GRAD_OP)),
         "checkpointed norm in [norm, head]": (
@@ -134,6 +140,18 @@ def _groups_match_reference(rank: int, world_size: int) -> None:
 
 def test_grouped_units_train_in_parity_with_the_single_process_model() -> None:
     run_distributed(_groups_match_reference, 2)
+
+
+def _hybrid_groups_match_reference(rank: int, world_size: int) -> None:
+    for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
+        try:
+            run_parity(Parity(build=_untied_gpt, shard=_torchtitan_groups(strategy, (2, 2)), steps=2))
+        except AssertionError as error:
+            raise AssertionError(f"{strategy.name}: {error}") from error
+
+
+def test_grouped_units_under_hybrid_sharding_train_in_parity() -> None:
+    run_distributed(_hybrid_groups_match_reference, 4)
 
 
 def _one_all_gather_per_group_per_forward(rank: int, world_size: int) -> None:
