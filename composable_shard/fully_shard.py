@@ -136,9 +136,11 @@ def fully_shard(
     sources = assign_param_owners(given, choices, ignored_modules, ignored_params)
     compute_device = _compute_device(name, members, sources, device_id)
     groups = [_resolve_groups(name, kwargs) for kwargs in kwargs_per_unit]
-    for choice, unit_groups in zip(choices, groups):
+    for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         _check_groups_reach_device(name, unit_groups, compute_device)
-        check_dtensor_params(name, sources[id(choice.module)], unit_groups)
+        precision = kwargs["mixed_precision"]
+        keep_low = precision is not None and precision.keep_low_precision_grads
+        check_dtensor_params(name, sources[id(choice.module)], unit_groups, keep_low)
     for member in members:
         check_materializable(member, param_init_fn, skip)
 

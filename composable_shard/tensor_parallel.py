@@ -46,8 +46,21 @@ def data_parallel_mesh(mesh: Any) -> Any:
     return mesh
 
 
-def check_dtensor_params(name: str, sources: Sequence[FlatParamSource], groups: ShardGroups) -> None:
+def check_dtensor_params(
+    name: str, sources: Sequence[FlatParamSource], groups: ShardGroups, keep_low_precision_grads: bool = False
+) -> None:
     """Refuse, before ``fully_shard`` changes anything, ``DTensor``
-    parameters a flat parameter cannot hold (see ``tensor_parallel_spec``)."""
-    for source in sources:
+    parameters a flat parameter cannot hold (see ``tensor_parallel_spec``),
+    and ``keep_low_precision_grads`` with them (the handle's own check,
+    handle/storage.py, would come after earlier units were built)."""
+    specs = [
         tensor_parallel_spec(source.param, f"{source.owners[0].fqn}", (groups.shard_group, groups.replicate_group))
+        for source in sources
+    ]
+    if keep_low_precision_grads and any(specs):
+        first = next(source for source, spec in zip(sources, specs) if spec is not None)
+        raise ValueError(
+            f"fully_shard({name}): parameter '{first.owners[0].fqn}' is a DTensor (tensor parallelism); "
+            "keep_low_precision_grads=True would give it a plain low-precision .grad, which optimizers "
+            "cannot combine with DTensor parameters. Use keep_low_precision_grads=False."
+        )

@@ -123,6 +123,16 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     with pytest.raises(ValueError, match=r"parameter '(blocks.1.)?norm.weight' is a DTensor"):
         fully_shard(model, policy={TPBlock})
     assert not any(is_fully_sharded(m) for m in model.modules())
+    # keep_low_precision_grads with DTensor parameters: refused before any
+    # unit is built (a policy whose first unit, the plain block 0, would
+    # otherwise be sharded already), naming the parameter.
+    model = build_stack()
+    parallelize_module(model.blocks[1], mesh["tp"], block_plan())
+    keep_low = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    with pytest.raises(ValueError, match=r"parameter '(blocks.1.)?norm.weight' is a DTensor .*keep_low_precision_grads"):
+        fully_shard(model, policy={TPBlock}, device_mesh=mesh["dp"], mixed_precision=keep_low)
+    assert not any(is_fully_sharded(m) for m in model.modules())
+    fully_shard(model, policy={TPBlock}, device_mesh=mesh["dp"])  # usable: without it, sharding works
     # A 3-D mesh with a "tp" dimension gives its other two (hybrid) dims.
     from composable_shard.tensor_parallel import data_parallel_mesh
 
