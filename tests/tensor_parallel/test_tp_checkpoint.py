@@ -2,7 +2,8 @@
 dicts hold the global tensors' boxes, so a DCP checkpoint saved at (dp=2,
 tp=2) loads at (dp=4, tp=1), (dp=1, tp=2) and into a single process,
 optimizer state included, and interchanges both ways with FSDP2 + the same
-TP plan (which also trains to the same parameters)."""
+TP plan (which also trains to the same parameters) and with HYBRID_SHARD over
+a (replicate, shard, tp) mesh."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from composable_shard import fully_shard
+from composable_shard import ShardingStrategy, fully_shard
 from composable_shard.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,12 +38,19 @@ from tests.support.tensor_parallel import (
 FULL = StateDictOptions(full_state_dict=True)
 
 
-def _ours(dp: int, tp: int):
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+def _ours(dp: int, tp: int, replicate: int = 0):
+    """(dp, tp) with FULL_SHARD; with ``replicate``, HYBRID_SHARD over a
+    (replicate, shard = dp, tp) mesh."""
+    if replicate:
+        mesh = init_device_mesh("cpu", (replicate, dp, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        kwargs = dict(device_mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
+    else:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        kwargs = dict(device_mesh=mesh["dp"])
     model = parallelize(build_stack(), mesh["tp"])
     for block in model.blocks:
-        fully_shard(block, device_mesh=mesh["dp"])
-    fully_shard(model, device_mesh=mesh["dp"])
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model, mesh
 
 
@@ -93,10 +101,14 @@ def _load(model, optimizer, path: str, fsdp2: bool) -> None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-def _save_at_2x2(rank: int, world_size: int, path: str, fsdp2: bool) -> dict[str, torch.Tensor]:
-    """Train one step at (2, 2), save; return the global parameters and
-    exp_avg after a second step (what every layout must reproduce)."""
-    model, mesh = (_fsdp2 if fsdp2 else _ours)(2, 2)
+def _save_at_2x2(rank: int, world_size: int, path: str, fsdp2: bool, replicate: int = 0) -> dict[str, torch.Tensor]:
+    """Train one step at (2, 2) — or at (replicate, 1, 2) hybrid — save;
+    return the global parameters after it and after a second step (what
+    every layout must reproduce)."""
+    if fsdp2:
+        model, mesh = _fsdp2(2, 2)
+    else:
+        model, mesh = _ours(2 // max(replicate, 1), 2, replicate)
     optimizer = _adamw(model)
     _train_step(model, optimizer, mesh, 0)
     dcp.save(_state_dicts(model, optimizer, fsdp2), checkpoint_id=path)
@@ -106,8 +118,10 @@ def _save_at_2x2(rank: int, world_size: int, path: str, fsdp2: bool) -> dict[str
     return {**{f"saved.{k}": v for k, v in saved.items()}, **{f"after.{k}": v for k, v in after.items()}}
 
 
-def _load_and_step(rank: int, world_size: int, path: str, dp: int, tp: int, fsdp2: bool) -> dict[str, torch.Tensor]:
-    model, mesh = (_fsdp2 if fsdp2 else _ours)(dp, tp)
+def _load_and_step(
+    rank: int, world_size: int, path: str, dp: int, tp: int, fsdp2: bool, replicate: int = 0
+) -> dict[str, torch.Tensor]:
+    model, mesh = _fsdp2(dp, tp) if fsdp2 else _ours(dp, tp, replicate)
     optimizer = _adamw(model)
     _load(model, optimizer, path, fsdp2)
     loaded = _full_fsdp2_params(model) if fsdp2 else full_params(model)
@@ -158,3 +172,16 @@ def test_checkpoints_interchange_with_fsdp2_both_ways(tmp_path: Path) -> None:
     # FSDP2 loads ours and continues as we would; we load FSDP2's likewise.
     _assert_same(run_distributed(_load_and_step, 4, ours_path, 2, 2, True, timeout=300)[0], want_ours, "fsdp2<-ours")
     _assert_same(run_distributed(_load_and_step, 4, theirs_path, 2, 2, False, timeout=300)[0], want_theirs, "ours<-fsdp2")
+
+
+def test_hybrid_sharded_tensor_parallel_checkpoints_reshard_both_ways(tmp_path: Path) -> None:
+    """FSDP2's test_hsdp_tp_state_dict_save_load: HYBRID_SHARD over a
+    (replicate, shard, tp) mesh saves and loads, optimizer state included,
+    from and to the plain (dp, tp) layout."""
+    plain, hybrid = str(tmp_path / "plain"), str(tmp_path / "hybrid")
+    want_plain = run_distributed(_save_at_2x2, 4, plain, False, timeout=300)[0]
+    for replicate, shard in ((2, 1), (1, 2)):
+        got = run_distributed(_load_and_step, 4, plain, shard, 2, False, replicate, timeout=300)[0]
+        _assert_same(got, want_plain, f"hybrid ({replicate}, {shard}, 2) <- (2, 2)")
+    want_hybrid = run_distributed(_save_at_2x2, 4, hybrid, False, 2, timeout=300)[0]
+    _assert_same(run_distributed(_load_and_step, 4, hybrid, 2, 2, False, timeout=300)[0], want_hybrid, "(2, 2) <- hybrid")
