@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from composable_shard import ShardingStrategy, fully_shard, no_sync, set_may_be_skipped
 from composable_shard.comm.transport import ENV_SWITCH
@@ -120,8 +121,12 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, routes:
     return ((model(inputs, routes) - targets) ** 2).mean()
 
 
-def _shard(model: MoEModel, *, moe_unit: bool, mark: bool, **kwargs: object) -> None:
+def _shard(model: MoEModel, *, moe_unit: bool, mark: bool, checkpointed: bool = False, **kwargs: object) -> None:
     for expert in model.moe.experts:
+        if checkpointed:
+            from torch.distributed._composable import checkpoint as composable_checkpoint
+
+            composable_checkpoint(expert)
         fully_shard(expert, **kwargs)
     if moe_unit:  # units before and after the anchor: prefetch targets
         fully_shard(model.embed, **kwargs)
@@ -159,12 +164,16 @@ def _train_in_parity(
     moe_unit: bool,
     moe: type[MixtureOfExperts] = MixtureOfExperts,
     micro_batches: int = 1,
+    checkpointed: bool = False,
     **kwargs: object,
 ) -> None:
     torch.manual_seed(0)
     model = MoEModel(moe)
     reference = copy.deepcopy(model)
-    _shard(model, moe_unit=moe_unit, mark=True, **kwargs)
+    _shard(model, moe_unit=moe_unit, mark=True, checkpointed=checkpointed, **kwargs)
+    expert_runs: list[nn.Module] = []
+    for expert in model.moe.experts:
+        expert.register_forward_pre_hook(lambda module, args: expert_runs.append(module))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     parity = Parity(build=MoEModel, shard=lambda m: None, atol=2e-6, rtol=1e-5)
@@ -183,7 +192,9 @@ def _train_in_parity(
             second = first + 2
             inputs, targets, routes = inputs[second], targets[second], routes[second]
         _loss(reference, inputs, targets, routes).backward()
+        expert_runs.clear()
         loss = _loss(model, inputs[local], targets[local], routes[local])
+        forward_runs = len(expert_runs)
         if kwargs.get("strategy") is not ShardingStrategy.NO_SHARD:
             # Gathered by their anchor, resharded when its forward ends.
             for expert in model.moe.experts:
@@ -191,6 +202,8 @@ def _train_in_parity(
                 held = sum(handle.unsharded_storage_bytes() for handle in state.handles)
                 assert held == 0, f"{label} step {step}: {state.fqn} holds {held} unsharded bytes after forward"
         loss.backward()
+        # Checkpointed experts run again in backward (only where they ran).
+        assert len(expert_runs) == (2 if checkpointed else 1) * forward_runs, (label, step, forward_runs)
         assert_resharded(model)
         for _, state in unit_states_under(model):
             for handle in state.handles:
@@ -218,6 +231,13 @@ def _skipped_experts_in_parity(rank: int, world_size: int) -> None:
     )
     _train_in_parity(rank, world_size, "FULL_SHARD, learned top-2 router (the recipe)", moe_unit=True, moe=LearnedRouting)
     _train_in_parity(rank, world_size, "FULL_SHARD, a micro-batch under no_sync", moe_unit=False, micro_batches=2)
+    _train_in_parity(rank, world_size, "FULL_SHARD, checkpointed experts", moe_unit=True, checkpointed=True)
+    for shape in ((2, 1), (1, 2)):  # (replicate, shard): the replicas' all-reduce, then the shard group's
+        mesh = init_device_mesh("cpu", shape)
+        _train_in_parity(
+            rank, world_size, f"HYBRID_SHARD on a {shape} mesh", moe_unit=True,
+            strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh,
+        )
     with _group_of_its_own("gloo") as group:  # tags checked beside each collective
         _train_in_parity(rank, world_size, "FULL_SHARD through gloo's messages", moe_unit=True, process_group=group)
 
