@@ -1,7 +1,8 @@
 """Parity of fully_shard on Hugging Face models built from tiny configs (no
 download): a Llama, a GPT-2 whose head is tied to its embedding (and its full
 state dict loading strictly into a fresh GPT2LMHeadModel), a peft LoRA Llama
-training only its adapters, and HF's own gradient checkpointing."""
+training only its adapters, HF's own gradient checkpointing, and HF's
+``generate`` on the sharded model through ``register_forward_method``."""
 
 from __future__ import annotations
 
@@ -181,3 +182,33 @@ def _hf_gradient_checkpointing_matches_reference(rank: int, world_size: int) -> 
 @pytest.mark.parametrize("world_size", [2])
 def test_hf_gradient_checkpointing_matches_reference(world_size: int) -> None:
     run_distributed(_hf_gradient_checkpointing_matches_reference, world_size)
+
+
+def _generate_matches_reference(rank: int, world_size: int) -> list[list[int]]:
+    """HF's ``generate`` (greedy, KV cache), registered with
+    ``register_forward_method`` on the sharded root: it calls the model once
+    per new token ([Note: forward methods] in runtime/hooks.py)."""
+    from composable_shard import register_forward_method
+
+    for build in (tiny_llama, tiny_gpt2):
+        torch.manual_seed(0)
+        reference = build().eval()
+        model = build().eval()
+        model.load_state_dict(reference.state_dict())
+        _shard_layers_and_root(model)
+        register_forward_method(model, "generate")
+        prompt = batch(rank, 2)[0][:, :5]
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(prompt, **kwargs)
+        want = reference.generate(prompt, **kwargs)
+        assert got.shape == (2, 11) and torch.equal(got, want), (build.__name__, got, want)
+        # A training step follows as usual: every parameter gets its gradient.
+        model.train()
+        hf_step(model, *batch(rank, 2))
+        assert all(param.grad is not None for param in model.parameters()), build.__name__
+    return got.tolist()
+
+
+def test_hf_generate_on_the_sharded_model_matches_the_unsharded_one() -> None:
+    tokens = run_distributed(_generate_matches_reference, 2, timeout=240)
+    assert tokens[0] != tokens[1]  # each rank generated from its own prompt
