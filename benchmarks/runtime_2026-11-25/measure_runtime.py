@@ -83,6 +83,13 @@ def main() -> None:
     out_dir = Path(out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
     spawn(worker, args, str(out_dir))
+    write_record(out, out_dir, args, argv)
+
+
+def write_record(out, out_dir, args, argv) -> None:
+    """The ranks' files in ``out_dir`` with the current tree's plan, as JSON
+    in ``out`` and one printed line per rank (rebuild_record.py of
+    runtime_2026-11-25b calls it too)."""
     import composable_shard as cs
 
     planned = cs.plan(meta_gpt(args, args.n_layer), **plan_kwargs(args, activations=True))

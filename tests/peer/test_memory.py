@@ -70,8 +70,7 @@ def _steady_step_peak(shard: Callable[[nn.Module], nn.Module], rank: int) -> int
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank))
 
             def step() -> None:
-                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-                loss.backward()
+                lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
