@@ -311,6 +311,10 @@ class RootContext:
         self.forward_order: list[UnitState] = []
         # The previous iteration's forward order (forward prefetch uses it).
         self.previous_forward_order: list[UnitState] = []
+        # Counts root forwards: pre-backward hooks carry their forward's
+        # (runtime/optimizer_checks.py, [Note: optimizer step between
+        # forward and backward]).
+        self.forward_serial = 0
         # Whether the end-of-backward callback is queued for this backward.
         self.post_backward_callback_queued = False
         # Whether any unit keeps its shards on CPU (offload): the host then
@@ -332,6 +336,7 @@ class RootContext:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
+        self.forward_serial += 1
 
     def record_forward(self, unit: UnitState) -> None:
         if unit not in self.forward_order:

@@ -56,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
-from .optimizer_checks import refuse_unless_elementwise, remember_step_while_held
+from .optimizer_checks import refuse_unless_elementwise, remember_step_after_pending_forward, remember_step_while_held
 from .unit_controls import (
     drop_gathered_written_back,
     end_backward_leaving_reductions,
@@ -298,6 +298,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
             if held and tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:
                 remember_step_while_held(context, optimizer)  # [Note: optimizer step between forward and backward]
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
+        elif not held and not context.post_backward_callback_queued and _updates_tree(optimizer, context):
+            remember_step_after_pending_forward(context, optimizer)
 
 
 def _updates_tree(optimizer: torch.optim.Optimizer, context: RootContext) -> bool:

@@ -42,8 +42,29 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         parity = Parity(build=TinyGPT, shard=shard_manually(strategy))
         optimizer, reference_optimizer = adamw(model), adamw(reference)
 
-        def train(step: int, *, misuse: bool) -> None:
+        def train(step: int, *, misuse: bool, two_forwards: bool = False) -> None:
             inputs, targets = batch(step)
+            if two_forwards:  # forward A, forward B, A's backward, step, B's backward
+                other_inputs, other_targets = batch(step + 100)
+                loss_a = lm_loss(model(_local(inputs)), _local(targets))
+                loss_b = lm_loss(model(_local(other_inputs)), _local(other_targets))
+                reference_a = lm_loss(reference(inputs), targets)
+                reference_b = lm_loss(reference(other_inputs), other_targets)
+                loss_a.backward()
+                reference_a.backward()
+                optimizer.step()
+                reference_optimizer.step()
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    reference_b.backward()
+                # Before the fix: A's backward had left the tree idle, the
+                # step went unremembered, and B's backward ran silently.
+                with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
+                    loss_b.backward()
+                assert_resharded(model)
+                compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
+                optimizer.zero_grad()
+                reference_optimizer.zero_grad()
+                return
             if misuse:  # the previous step's gradients are still there
                 loss = lm_loss(model(_local(inputs)), _local(targets))
                 reference_loss = lm_loss(reference(inputs), targets)
@@ -73,7 +94,19 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         lm_loss(reference(inputs), targets).backward()
         train(1, misuse=True)
         train(2, misuse=False)
-        train(3, misuse=False)
+        train(3, misuse=False, two_forwards=True)
+        train(6, misuse=False)
+        # Two forwards, both backwards, then the step: nothing refused.
+        for model_, inputs_, targets_ in ((model, _local(batch(7)[0]), _local(batch(7)[1])), (reference, *batch(7))):
+            first = lm_loss(model_(inputs_), targets_)
+            second = lm_loss(model_(inputs_.flip(0)), targets_.flip(0))
+            first.backward()
+            second.backward()
+        compare_full(model, reference, parity, f"{strategy.name} two backwards", grads=True)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
         # A forward without backward, then a step: allowed (evaluation
         # under grad mode), and the next step is exact.
         model(_local(batch(4)[0]))
