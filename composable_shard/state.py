@@ -311,10 +311,13 @@ class RootContext:
         self.forward_order: list[UnitState] = []
         # The previous iteration's forward order (forward prefetch uses it).
         self.previous_forward_order: list[UnitState] = []
-        # Counts root forwards: pre-backward hooks carry their forward's
-        # (runtime/optimizer_checks.py, [Note: optimizer step between
-        # forward and backward]).
+        # Root forwards counted; the latest whose outputs were hooked for
+        # backward, and the latest whose backward started (pre-backward
+        # hooks carry their forward's number): [Note: optimizer step
+        # between forward and backward] in runtime/optimizer_checks.py.
         self.forward_serial = 0
+        self.hooked_forward = 0
+        self.backward_started_forward = 0
         # Whether the end-of-backward callback is queued for this backward.
         self.post_backward_callback_queued = False
         # Whether any unit keeps its shards on CPU (offload): the host then

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["RuntimeMemory", "runtime_memory", "runtime_bytes", "mmap_threshold"]
+__all__ = ["RuntimeMemory", "runtime_memory", "mmap_threshold"]
 
 _MIB = 2**20
 _PAGE = 4096
@@ -129,10 +129,3 @@ def runtime_memory(
         arenas += GLOO_THREADS
     rest = REST_BYTES + REST_PER_UNIT_BYTES * units
     return RuntimeMemory(CODE_BYTES, rest, heap_tops, threshold, arenas)
-
-
-def runtime_bytes(
-    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
-) -> int:
-    """``runtime_memory(...).total``: the line ``rank_bytes["runtime"]``."""
-    return runtime_memory(device_type, freed=freed, gloo_buffers=gloo_buffers, units=units).total

@@ -50,6 +50,7 @@ from .memory import (
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
 from .runtime_memory import RuntimeMemory, runtime_memory
+from .transport_memory import transport_bytes
 from ..policy import Policy
 from ..state import UnitState, get_state, unit_states_under
 from ..units import choose_units, flat_param_dtypes, group_sources, offloads_params, assign_param_owners, split_ignored, unit_kwargs
@@ -89,7 +90,7 @@ class ShardingPlan:
       ``activations_peak`` their own peak over the step (0 without an input);
     - ``transport``: the shared memory this rank's collectives keep in
       ``/dev/shm`` for the whole run (0 where they go through the backend;
-      see ``_transport_bytes``);
+      see ``transport_memory.py``);
     - ``runtime``: what the rank holds beyond tensors (libraries' code,
       the pages glibc keeps, Python objects): a model of the allocator
       given the step's allocation sizes, 0 on CUDA (runtime_memory.py;
@@ -550,7 +551,7 @@ def _assemble(
     offloaded = [fp for fp in flat_params if fp.offload]
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
     cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
-    moved = _transport_bytes(flat_params) if shared_memory else 0
+    moved = transport_bytes(flat_params) if shared_memory else 0
     largest_activation = [activations.largest] if activations is not None else []
     runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
                              gloo_buffers=gloo_buffer_sizes(flat_params), units=len(units))
@@ -586,22 +587,3 @@ def _assemble(
         moments=moments,
         runtime=runtime,
     )
-
-
-def _transport_bytes(flat_params: Sequence[FlatParamPlan]) -> int:
-    """Shared memory one rank's collectives hold for the whole run (CPU, a
-    gloo group on one host): its slots, each reserving the largest
-    collective of any flat parameter up to the slot's fixed size, plus a
-    header page (``shared_memory.bytes_per_rank``). The largest collective is
-    what ``FlatParamHandle`` announces: the shard in the widest of its
-    dtypes, times the peers a reduce-scatter writes for. Counted once, for
-    this rank: RSS also shows the pages of the peers' slots this rank read
-    (``scripts/bench.py`` counts each page for its owner only)."""
-    largest = 0
-    for fp in flat_params:
-        if not fp.is_sharded or not fp.shard_numel:
-            continue
-        world = fp.padded_numel // fp.shard_numel
-        itemsize = max(torch.empty((), dtype=d, device="meta").element_size() for d in (fp.dtype, fp.param_dtype, fp.reduce_dtype))
-        largest = max(largest, fp.shard_numel * itemsize * max(1, world - 1))
-    return transport.shared_bytes_per_rank(largest) if largest else 0

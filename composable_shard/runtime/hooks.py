@@ -36,7 +36,7 @@ from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .groups import GroupSteps, end_open_groups, group_method_hooks, register_group_forward_hooks
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
-from .optimizer_checks import note_backward_of, note_forward_hooked, refuse_backward_after_step
+from .optimizer_checks import refuse_backward_after_step
 from .lifecycle import (
     end_forward_without_backward,
     enter_between_steps,
@@ -203,7 +203,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
     for tensor in scan.tensors:
         tensor.register_hook(hook)
     if scan.tensors:
-        note_forward_hooked(state.context)
+        state.context.hooked_forward = state.context.forward_serial
     if not scan.tensors and state.trainable_handles:
         hidden = f" (could not look into: {sorted(set(scan.opaque))})" if scan.opaque else ""
         warnings.warn(
@@ -221,7 +221,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
 
 def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> None:
     refuse_backward_after_step(state.context, reset_after_error)  # [Note: optimizer step between forward and backward]
-    note_backward_of(state.context, forward_serial)
+    state.context.backward_started_forward = max(state.context.backward_started_forward, forward_serial)
     if state.training_state is TrainingState.PRE_BACKWARD:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):

@@ -8,8 +8,7 @@ flattening.
 
 Public names: ``register_elementwise_optimizer``, ``ELEMENTWISE_OPTIMIZERS``,
 ``refuse_unless_elementwise``, ``remember_step_while_held``,
-``refuse_backward_after_step``, ``note_forward_hooked``, ``note_backward_of``,
-``remember_step_after_pending_forward``.
+``refuse_backward_after_step``, ``remember_step_after_pending_forward``.
 
 [Note: optimizers over shards]
 Each rank steps only its 1-D slice of every sharded parameter, so an
@@ -44,7 +43,7 @@ the next root forward makes a new list, which ends the matter.
 A backward of an earlier forward can return the tree to idle while the
 latest forward's backward is still to come (forward A, forward B, A's
 backward, step, B's backward): each pre-backward hook carries its forward's
-number, so the step knows whether the latest forward's backward started, and
+number (``RootContext.forward_serial``), so the step knows whether the latest forward's backward started, and
 remembers it if not. Pinned by tests/training/test_optimizer_checks.py.
 """
 
@@ -63,8 +62,6 @@ __all__ = [
     "refuse_unless_elementwise",
     "remember_step_while_held",
     "refuse_backward_after_step",
-    "note_forward_hooked",
-    "note_backward_of",
     "remember_step_after_pending_forward",
 ]
 
@@ -179,27 +176,10 @@ def refuse_backward_after_step(context: RootContext, reset: Callable[[RootContex
     )
 
 
-# The latest forward whose outputs got pre-backward hooks, and the latest
-# forward whose backward started, by ``forward_serial`` (plain numbers: a
-# value holding the tree would keep its weak key alive).
-_HOOKED: weakref.WeakKeyDictionary[RootContext, int] = weakref.WeakKeyDictionary()
-_BACKWARD_STARTED: weakref.WeakKeyDictionary[RootContext, int] = weakref.WeakKeyDictionary()
-
-
-def note_forward_hooked(context: RootContext) -> None:
-    """A unit of the current forward hooked its outputs for backward."""
-    _HOOKED[context] = context.forward_serial
-
-
-def note_backward_of(context: RootContext, forward_serial: int) -> None:
-    """A pre-backward of the forward numbered ``forward_serial`` runs."""
-    _BACKWARD_STARTED[context] = max(forward_serial, _BACKWARD_STARTED.get(context, 0))
-
-
 def remember_step_after_pending_forward(context: RootContext, optimizer: torch.optim.Optimizer) -> None:
     """A step with the tree idle: remember it if the latest forward was
     hooked for a backward that has not started ([Note: optimizer step
     between forward and backward])."""
     latest = context.forward_serial
-    if _HOOKED.get(context) == latest and _BACKWARD_STARTED.get(context, 0) < latest:
+    if context.hooked_forward == latest and context.backward_started_forward < latest:
         remember_step_while_held(context, optimizer)
