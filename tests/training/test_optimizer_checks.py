@@ -42,6 +42,18 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         parity = Parity(build=TinyGPT, shard=shard_manually(strategy))
         optimizer, reference_optimizer = adamw(model), adamw(reference)
 
+        def step_then_refused_backward(step: int, loss: torch.Tensor, reference_loss: torch.Tensor) -> None:
+            optimizer.step()
+            reference_optimizer.step()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                reference_loss.backward()
+            with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
+                loss.backward()
+            assert_resharded(model)
+            compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+
         def train(step: int, *, misuse: bool, two_forwards: bool = False) -> None:
             inputs, targets = batch(step)
             if two_forwards:  # forward A, forward B, A's backward, step, B's backward
@@ -52,32 +64,13 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
                 reference_b = lm_loss(reference(other_inputs), other_targets)
                 loss_a.backward()
                 reference_a.backward()
-                optimizer.step()
-                reference_optimizer.step()
-                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                    reference_b.backward()
                 # Before the fix: A's backward had left the tree idle, the
                 # step went unremembered, and B's backward ran silently.
-                with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
-                    loss_b.backward()
-                assert_resharded(model)
-                compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
-                optimizer.zero_grad()
-                reference_optimizer.zero_grad()
+                step_then_refused_backward(step, loss_b, reference_b)
                 return
             if misuse:  # the previous step's gradients are still there
                 loss = lm_loss(model(_local(inputs)), _local(targets))
-                reference_loss = lm_loss(reference(inputs), targets)
-                optimizer.step()
-                reference_optimizer.step()
-                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                    reference_loss.backward()
-                with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
-                    loss.backward()
-                assert_resharded(model)
-                compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
-                optimizer.zero_grad()
-                reference_optimizer.zero_grad()
+                step_then_refused_backward(step, loss, lm_loss(reference(inputs), targets))
                 return
             lm_loss(model(_local(inputs)), _local(targets)).backward()
             lm_loss(reference(inputs), targets).backward()
