@@ -125,6 +125,19 @@ def compare_full(model: nn.Module, reference: nn.Module, parity: Parity, when: s
             parity.compared.append(name)
 
 
+def step_and_compare(
+    model: nn.Module, reference: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], parity: Parity, when: str
+) -> None:
+    """Compare parameters and gradients (``when``), step and zero every
+    optimizer, then compare parameters again ("``when`` after optimizer step")."""
+    compare_full(model, reference, parity, when, grads=True)
+    for optimizer in optimizers:
+        optimizer.step()
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    compare_full(model, reference, parity, f"{when} after optimizer step", grads=False)
+
+
 def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard, replicate) groups for hybrid sharding tests: 2x2 at 4 ranks,
     1 x world_size otherwise. Every rank creates every group."""

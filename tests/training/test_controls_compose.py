@@ -38,7 +38,7 @@ from composable_shard.state import get_state, unit_states_under
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, run_parity
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, run_parity, step_and_compare
 
 BLOCKS = 5
 
@@ -208,12 +208,7 @@ def _hybrid_micro_batches(rank: int, world_size: int) -> None:
                 assert counts["all_reduce"] == (handles if micro == 2 else 0), (label, step, micro, counts)
                 if micro == 2 or not divide_by_one:
                     assert_resharded(model)
-            compare_full(model, reference, parity, f"{label} step {step}", grads=True)
-            optimizer.step()
-            reference_optimizer.step()
-            optimizer.zero_grad()
-            reference_optimizer.zero_grad()
-            compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
+            step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"{label} step {step}")
 
 
 def test_hybrid_micro_batches_without_sync_then_without_all_reduce_match_one_process() -> None:

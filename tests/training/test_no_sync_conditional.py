@@ -19,7 +19,7 @@ from composable_shard.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, shard_manually
+from tests.support.parity import Parity, assert_resharded, hybrid_groups, shard_manually, step_and_compare
 
 MICRO_BATCHES = 3
 
@@ -87,12 +87,7 @@ def _train_with_schedule(
         for _, state in unit_states_under(model):
             for handle in state.handles:
                 assert not handle.has_unsharded_grad(), f"{label} step {step}: {state.fqn} kept a local gradient"
-        compare_full(model, reference, parity, f"{label} step {step}", grads=True)
-        optimizer.step()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
+        step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"{label} step {step}")
     return model
 
 

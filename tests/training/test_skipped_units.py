@@ -26,7 +26,7 @@ from composable_shard.comm.transport import ENV_SWITCH
 from composable_shard.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
-from tests.support.parity import Parity, assert_resharded, compare_full
+from tests.support.parity import Parity, assert_resharded, step_and_compare
 
 WIDTH = 8
 EXPERTS = 4
@@ -208,12 +208,7 @@ def _train_in_parity(
         for _, state in unit_states_under(model):
             for handle in state.handles:
                 assert not handle.has_unsharded_grad(), f"{label} step {step}: {state.fqn} kept its unsharded gradient"
-        compare_full(model, reference, parity, f"{label} step {step}", grads=True)
-        optimizer.step()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        compare_full(model, reference, parity, f"{label} step {step} after optimizer step", grads=False)
+        step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"{label} step {step}")
     # An evaluation forward (no backward follows) routes as training does.
     inputs, targets, routes = _batch(0)
     with torch.no_grad():
