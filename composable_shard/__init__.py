@@ -5,14 +5,22 @@ attaches the hooks that gather them for forward and backward and reduce their
 gradients. See API.md for the contract.
 """
 
+import sys as _sys
+
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
-from .plan import Capacity, ShardingPlan, describe, largest_fitting, plan
-from .unshard import clip_grad_norm_, no_sync, unshard_params
-from .reduce_controls import register_comm_hook, set_all_reduce_hook, set_gradient_divide_factor, set_requires_all_reduce
+from . import planning
+from .planning import Capacity, MemoryRecorder, ShardingPlan, describe, largest_fitting, plan
+from .controls.unshard_params import clip_grad_norm_, no_sync, unshard_params
+from .controls.reduction import (
+    register_comm_hook,
+    set_all_reduce_hook,
+    set_gradient_divide_factor,
+    set_requires_all_reduce,
+)
 from . import comm_hooks
-from .controls import (
+from .controls.per_unit import (
     UnshardHandle,
     reshard,
     set_is_last_backward,
@@ -23,14 +31,12 @@ from .controls import (
     set_reshard_after_forward,
     unshard,
 )
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .state_dict import (
-    CheckpointError,
     StateDictError,
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    load_checkpoint,
-    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -38,7 +44,11 @@ from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
 from .runtime.skipped_units import set_may_be_skipped
-from . import autograd_inputs as _autograd_inputs, param_hooks as _param_hooks, torch_grad_norm as _torch_grad_norm
+from .interop import (
+    autograd_grad as _autograd_inputs,
+    param_hooks as _param_hooks,
+    clip_grad as _torch_grad_norm,
+)
 
 # module.state_dict() / load_state_dict() on every unit: the state-dict wing
 # joins fully_shard here, so the core never imports it.
@@ -53,6 +63,11 @@ _torch_grad_norm.install()
 # original parameters]).
 _register_unit_extension(_autograd_inputs.track_unit_params)
 _autograd_inputs.install()
+
+# ``composable_shard.plan`` is the function (API.md); its subpackage is
+# ``composable_shard.planning``. Code written as ``from composable_shard.plan
+# import ShardingPlan`` still finds the subpackage under its old name.
+_sys.modules.setdefault(f"{__name__}.plan", planning)
 
 __all__ = [
     "fully_shard",
@@ -90,6 +105,7 @@ __all__ = [
     "ShardingPlan",
     "largest_fitting",
     "Capacity",
+    "MemoryRecorder",
     "StateDictOptions",
     "StateDictError",
     "get_model_state_dict",

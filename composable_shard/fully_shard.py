@@ -1,7 +1,7 @@
 """Owns: the entry point ``fully_shard`` — argument checks, process groups,
 the compute device, building the flat-parameter handles, and attaching state
 and hooks. Which modules are units, who owns each parameter and how they
-group into flat parameters come from ``units.py`` (shared with ``plan``).
+group into flat parameters come from ``units/rules.py`` (shared with ``plan``).
 
 Knows nothing of: runtime details (it calls ``runtime.register_hooks``),
 state dicts and every other wing: a wing that attaches per-unit hooks
@@ -32,12 +32,12 @@ from torch.utils.hooks import RemovableHandle
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
 from .handle import FlatParamHandle, FlatParamSource
-from .init import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
+from .units.materialize import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
-from .tensor_parallel import check_dtensor_params, data_parallel_mesh
-from .state import UnitConfig, UnitState, get_state, register_state
-from .units import (
+from .units.tensor_parallel import check_dtensor_params, data_parallel_mesh
+from .runtime.state import UnitConfig, UnitState, get_state, register_state
+from .units.rules import (
     check_group_members,
     choose_units,
     flat_param_dtypes,
@@ -128,7 +128,7 @@ def fully_shard(
         device_mesh=device_mesh,
     )
 
-    # [Note: one copy of the unit rules] (units.py): plan() calls the same.
+    # [Note: one copy of the unit rules] (units/rules.py): plan() calls the same.
     skip = unit_skipper(ignored_modules)
     given = members if len(members) > 1 else members[0]
     choices = choose_units(given, policy, ignored_modules)

@@ -25,7 +25,7 @@ Modes, each in a fresh set of processes (so RSS belongs to one mode):
   them (in place, into the model's shards), ``set_*_state_dict``;
 - ``composable_shard_direct``: the same save; the load passes
   ``dcp.load`` our storage reader, ``DirectFileSystemReader``
-  (composable_shard/checkpoint/reader.py), which reads each tensor straight
+  (composable_shard/checkpoint/untrusted/reader.py), which reads each tensor straight
   into its destination instead of ``torch.load`` + ``copy_`` per item;
 - ``composable_shard_safe``: ``composable_shard.save_checkpoint`` /
   ``load_checkpoint``: the same plus a checksum of every file (xxh3_64 with

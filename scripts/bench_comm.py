@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
 from composable_shard.comm import shared_memory, transport
-from composable_shard.flat_layout import ParamOwner
+from composable_shard.handle.layout import ParamOwner
 from composable_shard.handle import FlatParamHandle, FlatParamSource
 
 

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard import fully_shard, set_may_be_skipped
-from composable_shard.scheduler import Scheduler
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.scheduler import Scheduler
+from composable_shard.runtime.state import unit_states_under
 
 EXPERTS = 4
 

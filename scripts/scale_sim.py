@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
 
 import composable_shard as cs  # noqa: E402
-from composable_shard.plan.table import format_bytes  # noqa: E402
+from composable_shard.planning.table import format_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ shards and state dicts)::
 
 from .errors import CheckpointError, UnsafeCheckpointError
 from .manifest import MANIFEST_NAME, verify_checkpoint
-from .reader import DirectFileSystemReader
+from .untrusted.reader import DirectFileSystemReader
 from .save_load import load_checkpoint, save_checkpoint
 from .convert import dcp_to_safetensors, dcp_to_torch_save, safetensors_to_dcp, torch_save_to_dcp
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .errors import CheckpointError
-from .safe_files import open_regular
+from .untrusted.safe_files import open_regular
 
 __all__ = ["ChecksummingFileSystem", "file_record", "digest_file", "can_compute"]
 

@@ -43,9 +43,9 @@ from .checksums import file_record
 from .destinations import MODEL, OPTIM, saved_paths
 from .manifest import manifest_hints, verify_checkpoint, write_manifest
 from .planners import DestinationLoadPlanner
-from .reader import DirectFileSystemReader
+from .untrusted.reader import DirectFileSystemReader
 from .refusals import refusal_before_writing
-from .safe_pickle import PickleTrust, refusal_in
+from .untrusted.safe_pickle import PickleTrust, refusal_in
 from .switch import clear_staging, switch_into_place
 
 __all__ = [

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import comm
 from .checksums import can_compute, digest_file
 from .errors import CheckpointError, SwitchedButNotDurable
-from .safe_files import check_name, open_regular, read_bounded, resolve_inside
+from .untrusted.safe_files import check_name, open_regular, read_bounded, resolve_inside
 from .switch import fsync_dir
 
 __all__ = [

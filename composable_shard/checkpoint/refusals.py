@@ -17,7 +17,7 @@ __all__ = ["agree_on_refusal", "refusal_before_writing"]
 
 
 def _kinds() -> dict[str, type[CheckpointError]]:
-    from .metadata_checks import MalformedMetadataError
+    from .untrusted.metadata_checks import MalformedMetadataError
 
     return {kind.__name__: kind for kind in (CheckpointError, UnsafeCheckpointError, UnsafeTensorItemError, MalformedMetadataError)}
 

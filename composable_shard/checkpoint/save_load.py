@@ -54,9 +54,9 @@ from .destinations import EXTRA, MODEL, OPTIM, model_destination, optim_destinat
 from .errors import CheckpointError, UnsafeCheckpointError
 from .manifest import agree, current_rank, manifest_hints, rank0_step, verify_checkpoint, write_manifest
 from .planners import DestinationLoadPlanner, TiedOnceFileSystemWriter, TiedOnceSavePlanner
-from .reader import DirectFileSystemReader
+from .untrusted.reader import DirectFileSystemReader
 from .refusals import refusal_before_writing
-from .safe_pickle import PickleTrust, refusal_in
+from .untrusted.safe_pickle import PickleTrust, refusal_in
 from .switch import clear_staging, switch_into_place
 
 __all__ = ["save_checkpoint", "load_checkpoint"]

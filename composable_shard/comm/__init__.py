@@ -198,7 +198,7 @@ def reduce_grad(
     The pending collective keeps ``unsharded_grad`` alive: on CUDA the cast
     reads it on the lane's stream, and compute (which allocated it) may
     reuse its memory only after waiting on the fence ([Note: buffer
-    lifetimes across lanes] in scheduler.py)."""
+    lifetimes across lanes] in runtime/scheduler.py)."""
     if settings.comm_hook is not None:
         return _reduce_with_comm_hook(unsharded_grad, settings)
     computed_grad = unsharded_grad

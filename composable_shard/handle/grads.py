@@ -42,7 +42,7 @@ host would first write a pageable temporary, whose upload blocks the host.
 Downloads (``download_grad``) go the other way, on the reduction lane after
 the reduction (the runtime asks the scheduler to finish offloaded
 reductions there, so the copies never hold up backward kernels on compute;
-see "The host is a third party" in [Note: lane fences], scheduler.py): the
+see "The host is a third party" in [Note: lane fences], runtime/scheduler.py): the
 gradient is cast on the device, then copied with ``non_blocking=True`` into
 pinned host memory (a new block from the pinned caching allocator, which
 reuses a block only after the copies recorded on it finished). To
@@ -69,7 +69,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..flat_layout import FlatParamLayout
+from .layout import FlatParamLayout
 from .dtensor_views import as_grad_of, local_tensor
 
 __all__ = [

@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import comm
 from ..comm import GradReduceSettings, PendingCollective, ShardGroups
-from ..flat_layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
+from .layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
 from . import dtensor_views, grads, writeback
 from .dtensor_views import TensorParallelSpec
 
@@ -325,7 +325,7 @@ class FlatParamHandle:
         """Show the shard again and free the unsharded buffer's storage; with
         ``free_storage=False`` the storage stays allocated until
         ``free_unsharded_storage`` (the scheduler decides when its block may
-        be reused: [Note: what a lane waits for] in scheduler.py).
+        be reused: [Note: what a lane waits for] in runtime/scheduler.py).
 
         The parameters' ``.data`` already is the shard's views (forward
         showed the owners other tensors, not other data); only

@@ -53,7 +53,7 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from ..flat_layout import FlatParamLayout, ParamInfo
+from .layout import FlatParamLayout, ParamInfo
 from .dtensor_views import local_tensor
 
 __all__ = ["UserEdit", "ShardedParams", "find_user_edits", "common_cast_dtype", "check_requires_grad_change"]

@@ -28,7 +28,7 @@ Layout (each module depends only on those above it)::
                        several modules (``fully_shard([a, b])``)
 
 A unit's own mechanics (unshard, reshard, reduce its flat parameters) are
-``UnitState``'s methods (state.py); streams and events are the scheduler's.
+``UnitState``'s methods (runtime/state.py); streams and events are the scheduler's.
 
 Public names: ``register_hooks``, ``call_as_forward``, ``lazy_init``,
 ``in_backward``, ``enter_between_steps``, ``TreePhase``, ``tree_phase``,

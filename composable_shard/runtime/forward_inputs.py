@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..nested_tensors import map_tensors
-from ..state import UnitState
+from .nested_tensors import map_tensors
+from .state import UnitState
 from .labels import hook_label
 
 __all__ = ["check_input_devices", "cast_inputs", "hook_inputs_for_frozen_reshard"]

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..state import RootContext, TrainingState, UnitState
+from .state import RootContext, TrainingState, UnitState
 from .forward_inputs import cast_inputs, hook_inputs_for_frozen_reshard
 from .lifecycle import in_backward
 

@@ -2,7 +2,7 @@
 pre-forward starts the step), pre-backward on the outputs, post-backward
 once a flat parameter's gradient is accumulated, the end-of-backward
 callback, the reset of a forward that raised — and their registration.
-Each hook is a few lines: a transition and calls into the unit (state.py),
+Each hook is a few lines: a transition and calls into the unit (runtime/state.py),
 the lifecycle and the prefetch policy.
 
 Knows nothing of: streams, devices, flattening details.
@@ -31,8 +31,8 @@ from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
 from ..handle import FlatParamHandle
-from ..nested_tensors import scan_output
-from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
+from .nested_tensors import scan_output
+from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .groups import GroupSteps, end_open_groups, group_method_hooks, register_group_forward_hooks
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
@@ -232,7 +232,7 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         else:  # [Note: backwards that accumulate nothing of ours]
             hold_after_partial_backward(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
-        # [Note: trimming the host heap in backward] (host_memory.py)
+        # [Note: trimming the host heap in backward] (runtime/host_memory.py)
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
             context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
         state.unshard(wait=True)
@@ -258,7 +258,7 @@ def _queue_finalize_once(context: RootContext) -> None:
         context.post_backward_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
         # A backward starts: shards may have changed since the forward
-        # ([Note: what a lane waits for] in scheduler.py).
+        # ([Note: what a lane waits for] in runtime/scheduler.py).
         context.scheduler.mark_shards_written()
 
 

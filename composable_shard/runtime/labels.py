@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..state import UnitState
+from .state import UnitState
 from .memory_samples import after_hook
 
 __all__ = ["hook_label"]

@@ -54,7 +54,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from ..state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
+from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
 from .optimizer_checks import refuse_unless_elementwise, remember_step_after_pending_forward, remember_step_while_held
 from .unit_controls import (
@@ -215,7 +215,7 @@ def _end_held_state(context: RootContext) -> None:
 def synchronize_host_copies(context: RootContext) -> None:
     """With CPU offload, the host's one wait per step: gradient downloads
     are complete and no upload still reads the shards. Called after the
-    scheduler's ``wait_for_all`` ([Note: lane fences] in scheduler.py)."""
+    scheduler's ``wait_for_all`` ([Note: lane fences] in runtime/scheduler.py)."""
     if context.offloads_params:
         context.scheduler.synchronize_host()
 

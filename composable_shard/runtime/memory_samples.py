@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..state import UnitState
+from .state import UnitState
 
 __all__ = ["set_sampler", "after_hook", "runtime_tensor_bytes"]
 

@@ -54,7 +54,7 @@ from typing import Callable, Iterable, TypeVar
 
 import torch
 
-from ..state import RootContext
+from .state import RootContext
 
 __all__ = [
     "register_elementwise_optimizer",

@@ -33,7 +33,7 @@ import torch
 from torch.autograd import Variable
 
 from ..handle import FlatParamHandle
-from ..state import RootContext, TrainingState, UnitState
+from .state import RootContext, TrainingState, UnitState
 from .labels import hook_label
 
 __all__ = ["backward_accumulates", "hold_after_partial_backward"]

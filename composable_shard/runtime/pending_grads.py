@@ -30,7 +30,7 @@ import torch
 
 from .. import comm
 from ..handle import FlatParamHandle
-from ..state import RootContext, UnitState
+from .state import RootContext, UnitState
 
 __all__ = ["mark_local_accumulation", "reduce_left_behind"]
 

@@ -11,7 +11,7 @@ Public names: ``prefetch_in_forward``, ``prefetch_in_backward``,
 from __future__ import annotations
 
 from ..api import BackwardPrefetch
-from ..state import UnitState
+from .state import UnitState
 
 __all__ = ["prefetch_in_forward", "prefetch_in_backward", "backward_prefetch_point", "backward_starts_with"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from ..scheduler import Scheduler
-from ..state import RootContext, UnitState, unit_states_under
+from .scheduler import Scheduler
+from .state import RootContext, UnitState, unit_states_under
 from .lifecycle import track_root
 from .skipped_units import tag_collectives
 

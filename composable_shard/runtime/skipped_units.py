@@ -51,7 +51,7 @@ import torch.nn as nn
 from .. import comm
 from ..comm import tags
 from ..handle import FlatParamHandle
-from ..state import RootContext, TrainingState, UnitState, units_of
+from .state import RootContext, TrainingState, UnitState, units_of
 from .lifecycle import enter_between_steps, in_backward
 
 __all__ = [

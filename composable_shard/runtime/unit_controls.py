@@ -6,7 +6,7 @@ flight, and dropping gathered buffers a unit kept between steps once they
 may go stale.
 
 Knows nothing of: the hooks and the lifecycle (they call it), argument
-checks (controls.py), streams (the scheduler), flattening details.
+checks (controls/per_unit.py), streams (the scheduler), flattening details.
 
 Public names: ``check_unit_controls``, ``keeps_after_forward``,
 ``keep_gathered_between_steps``, ``end_backward_leaving_reductions``,
@@ -46,7 +46,7 @@ from __future__ import annotations
 import weakref
 
 from ..handle.writeback import find_user_edits
-from ..state import RootContext, TrainingState, UnitState
+from .state import RootContext, TrainingState, UnitState
 from .prefetch import backward_starts_with
 
 __all__ = [

@@ -1,7 +1,9 @@
 """Owns: the state-dict subpackage's public face — the four functions of
-``torch.distributed.checkpoint.state_dict``'s shape for a sharded tree, and
-(re-exported from ``composable_shard.checkpoint``) the checkpoint-directory
-functions API.md lists beside them.
+``torch.distributed.checkpoint.state_dict``'s shape for a sharded tree.
+The checkpoint-directory functions that API.md lists beside them live in
+``composable_shard.checkpoint`` (a layer above this one) and are re-exported
+at the top level; this face still resolves them by name, lazily, for code
+written as ``from composable_shard.state_dict import save_checkpoint``.
 
 Knows nothing of: anything its modules do not (it only re-exports them).
 
@@ -29,7 +31,20 @@ from .range_tensor import RangeShardedTensor
 from .checks import StateDictError
 from .model import get_model_state_dict, set_model_state_dict
 from .optim import get_optimizer_state_dict, set_optimizer_state_dict
-from ..checkpoint import CheckpointError, DirectFileSystemReader, UnsafeCheckpointError, load_checkpoint, save_checkpoint
+import importlib
+
+# Names of the checkpoint wing that this face used to re-export. Resolved on
+# first use (PEP 562), so importing state dicts never imports the wing that
+# builds on them.
+_CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "CheckpointError", "UnsafeCheckpointError",
+                     "DirectFileSystemReader")
+
+
+def __getattr__(name: str) -> object:
+    if name in _CHECKPOINT_NAMES:
+        return getattr(importlib.import_module("composable_shard.checkpoint"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "get_model_state_dict",
@@ -39,9 +54,4 @@ __all__ = [
     "StateDictOptions",
     "StateDictError",
     "RangeShardedTensor",
-    "save_checkpoint",
-    "load_checkpoint",
-    "CheckpointError",
-    "UnsafeCheckpointError",
-    "DirectFileSystemReader",
 ]

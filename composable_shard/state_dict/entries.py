@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..flat_layout import ParamInfo
+from ..handle.layout import ParamInfo
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import full_dtensor
 from ..runtime import enter_between_steps
-from ..state import UnitState, unit_states_under
-from ..unshard import is_inside_unshard_params
+from ..runtime.state import UnitState, unit_states_under
+from ..controls.unshard_params import is_inside_unshard_params
 from .shards import LocalBox, RangeSharding, range_sharding
 
 __all__ = [
@@ -129,7 +129,7 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
 
 def is_shown_unsharded(handle: FlatParamHandle) -> bool:
     """Whether the parameters show full tensors now (forward views, or inside
-    ``unshard_params``, whose registry of shown handles lives in unshard.py)."""
+    ``unshard_params``, whose registry of shown handles lives in controls/unshard_params.py)."""
     return handle.shows_unsharded_views or is_inside_unshard_params(handle)
 
 

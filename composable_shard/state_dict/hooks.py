@@ -31,11 +31,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
-from ..flat_layout import ParamInfo
+from ..handle.layout import ParamInfo
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import TensorParallelSpec, as_grad_of, full_dtensor, local_tensor
 from ..runtime import enter_between_steps
-from ..state import UnitState
+from ..runtime.state import UnitState
 from .entries import is_shown_unsharded
 from .shards import LocalBox, global_shape, local_part, param_view
 

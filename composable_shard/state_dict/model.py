@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import comm
-from ..state import UnitState
+from ..runtime.state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, full_tensor_of_local, model_entries, prepare_units, sharding_of
 from .shards import global_shape, local_part, param_view, range_source_error, read_range, sharded_tensor_of_range

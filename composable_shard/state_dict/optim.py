@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import as_grad_of, local_tensor
-from ..state import UnitState
+from ..runtime.state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, full_tensor_of_local, model_entries, prepare_units, sharding_of
 from .shards import (

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..flat_layout import FlatParamLayout, ParamInfo
+from ..handle.layout import FlatParamLayout, ParamInfo
 from .range_tensor import Box, RangeShardedTensor
 
 __all__ = [

@@ -23,7 +23,7 @@ def recorder_for(args: argparse.Namespace, mode: str, rank: int, device: torch.d
     """A recorder on rank 0 of composable_shard when plotting, else None."""
     if getattr(args, "plot", None) is None or mode != MODE or rank != 0:
         return None
-    from composable_shard.plan import MemoryRecorder
+    from composable_shard.planning import MemoryRecorder
 
     return MemoryRecorder(device)
 
@@ -48,7 +48,7 @@ def draw(args: argparse.Namespace, n_layer: int, samples: list[list], path: str)
     """The plan of composable_shard at ``n_layer`` blocks, with ``samples``
     over it, to ``path``."""
     import composable_shard as cs
-    from composable_shard.plan.measured import MemoryRecord, MemorySample
+    from composable_shard.planning.measured import MemoryRecord, MemorySample
     from gpt import GPT, Block, GPTConfig
 
     config = GPTConfig(block_size=args.block_size, n_layer=n_layer, n_head=args.n_head, n_embd=args.n_embd)

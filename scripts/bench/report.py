@@ -99,7 +99,7 @@ def _plan_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str 
     return (
         f"plan: composable_shard's peak per rank {plan_mb:.1f} MB: live tensors at '{planned.peak_moment}' "
         f"{plan_mb - runtime_mb:.1f} MB + memory that is not tensors {runtime_mb:.1f} MB (libraries' code, glibc's "
-        f"kept heap: plan/runtime_memory.py); measured peak {ours.peak_mb:.1f} MB, plan "
+        f"kept heap: planning/runtime_memory.py); measured peak {ours.peak_mb:.1f} MB, plan "
         f"{100 * (plan_mb - ours.peak_mb) / ours.peak_mb:+.1f}%."
     )
 

@@ -5,7 +5,7 @@ files could) gives either a load of exactly what the files hold (the
 stock ``FileSystemReader`` reads the same values) or a ``CheckpointError``
 with the model and optimizer unchanged — never another exception, a hang
 (the harness's timeout) or a changed model. See
-composable_shard/checkpoint/reader.py [Note: everything checked before the
+composable_shard/checkpoint/untrusted/reader.py [Note: everything checked before the
 first write]."""
 
 from __future__ import annotations

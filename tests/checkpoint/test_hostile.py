@@ -1,4 +1,4 @@
-"""Loading is safe against any bytes (composable_shard/checkpoint/safe_files.py,
+"""Loading is safe against any bytes (composable_shard/checkpoint/untrusted/safe_files.py,
 metadata_checks.py, pickle_bounds.py, reader.py [Note: everything checked
 before the first write]): each hostile directory below is built from a small
 valid checkpoint and refused with a ``CheckpointError`` naming the file and
@@ -431,7 +431,7 @@ def test_a_kept_metadata_verdict_is_dropped_when_a_file_changes(tmp_path: Path, 
     the ``.metadata`` bytes unchanged, a truncated item file, a FIFO or a
     link leading out in its place is refused again, and a re-saved file
     (another inode) is checked again."""
-    from composable_shard.checkpoint import metadata_checks
+    from composable_shard.checkpoint.untrusted import metadata_checks
 
     checks: list[str] = []
     original = metadata_checks.check_metadata

@@ -1,4 +1,4 @@
-"""Pickles of a known shape (composable_shard/checkpoint/pickle_bounds.py,
+"""Pickles of a known shape (composable_shard/checkpoint/untrusted/pickle_bounds.py,
 [Note: pickles of a known shape]): a pickle that differs from one already
 walked and passed only inside string, bytes or binary-number payloads is
 admitted without a walk — a re-saved DCP ``.metadata`` (a new ``save_id``)
@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composable_shard.checkpoint import CheckpointError
-from composable_shard.checkpoint import pickle_bounds
-from composable_shard.checkpoint.pickle_bounds import check_pickle
+from composable_shard.checkpoint.untrusted import pickle_bounds
+from composable_shard.checkpoint.untrusted.pickle_bounds import check_pickle
 
 PROTO, MEMOIZE, STOP = b"\x80\x04", b"\x94", b"."
 

@@ -1,4 +1,4 @@
-"""Checkpoints are data (composable_shard/checkpoint/safe_pickle.py, [Note:
+"""Checkpoints are data (composable_shard/checkpoint/untrusted/safe_pickle.py, [Note:
 checkpoints are data]): a checkpoint whose pickles carry a code payload — in
 ``.metadata`` (with and without our manifest), in ``extra_state``, in a
 module's extra state, in a bytes item of a plain ``dcp.save``, in the

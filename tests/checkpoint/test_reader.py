@@ -350,7 +350,7 @@ def test_saved_tensor_description_is_what_torch_load_gives() -> None:
     on meta storages, no tensor bytes read) says what ``torch.load`` gives:
     dtype, size, stride, storage offset, and the storage's bytes start where
     it says, for views, transposes, empty and 0-dim tensors."""
-    from composable_shard.checkpoint.saved_tensor import ItemView, describe_item
+    from composable_shard.checkpoint.untrusted.saved_tensor import ItemView, describe_item
 
     base = torch.arange(60, dtype=torch.float64).view(6, 10)
     for tensor in (base, base[1:, 2:7], base.t(), torch.zeros(0, 3), torch.tensor(2.5, dtype=torch.bfloat16)):

@@ -26,7 +26,7 @@ from composable_shard import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import BufferedGPT

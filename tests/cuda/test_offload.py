@@ -39,7 +39,7 @@ from composable_shard import (
     set_optimizer_state_dict,
     unshard_params,
 )
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
 from tests.support.mixed_precision import cast_all

@@ -46,9 +46,9 @@ from composable_shard import (
     unshard_params,
 )
 from composable_shard.comm import PendingCollective
-from composable_shard.scheduler import CudaStreamLane, InFlight, Scheduler
+from composable_shard.runtime.scheduler import CudaStreamLane, InFlight, Scheduler
 from composable_shard.runtime import lazy_init
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.harness_pool import requires_cuda, requires_gpus, run_distributed
 from tests.support.mixed_precision import cast_all

@@ -14,7 +14,7 @@ import torch.nn as nn
 from expecttest import assert_expected_inline
 
 from composable_shard.comm import ShardGroups
-from composable_shard.flat_layout import ALIGNMENT_BYTES, ParamOwner, compute_layout
+from composable_shard.handle.layout import ALIGNMENT_BYTES, ParamOwner, compute_layout
 from composable_shard.handle import FlatParamHandle, FlatParamSource
 
 from tests.support.harness_pool import run_distributed, world_sizes

@@ -73,7 +73,7 @@ def _sources() -> dict[str, Path]:
 def test_imports_between_the_package_modules_have_no_cycle() -> None:
     sources = _sources()
     graph = {name: _imports(path, set(sources)) for name, path in sources.items()}
-    assert "composable_shard.plan.table" in graph["composable_shard.plan.sharding_plan"]  # the reader sees edges
+    assert "composable_shard.planning.table" in graph["composable_shard.planning.sharding_plan"]  # the reader sees edges
     assert _cycles(graph) == [], "modules that import each other (directly or around a loop)"
 
 
@@ -97,25 +97,8 @@ def test_no_module_only_re_exports_another() -> None:
 # it (state dicts, checkpoints, plans, the utilities over a sharded tree)
 # and may import it; the core never imports a wing. By package prefix, so a
 # module split into a folder of the same name stays in its layer.
-CORE = (
-    "api",
-    "policy",
-    "flat_layout",
-    "flat_param",
-    "handle",
-    "nested_tensors",
-    "host_memory",
-    "comm",
-    "scheduler",
-    "runtime",
-    "state",
-    "units",
-    "init",
-    "fully_shard",
-    "tensor_parallel",
-)
-WINGS = ("state_dict", "checkpoint", "plan", "unshard", "controls", "param_hooks", "torch_grad_norm", "autograd_inputs",
-         "reduce_controls", "comm_hooks")
+CORE = ("api", "policy", "handle", "comm", "runtime", "units", "fully_shard")
+WINGS = ("state_dict", "checkpoint", "planning", "controls", "interop", "comm_hooks", "optim")
 
 
 def _layer(module: str) -> str | None:
@@ -143,5 +126,41 @@ def test_the_core_imports_no_wing() -> None:
         for target in _imports(path, set(sources))
         if _layer(target) == "wing"
     )
-    assert "composable_shard.unshard" in sources and "composable_shard.state_dict.hooks" in sources  # layers seen
+    assert "composable_shard.controls.unshard_params" in sources and "composable_shard.state_dict.hooks" in sources  # layers seen
     assert upward == [], "core modules importing a wing (register through an extension point instead)"
+
+
+def _subpackage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_subpackages_import_each_other_one_way() -> None:
+    """The folders, not only the modules, are layered: collapse every module to
+    its top-level subpackage and the graph has no cycle (``state_dict`` never
+    imports ``checkpoint``, which builds on it)."""
+    sources = _sources()
+    graph: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        if not _subpackage(name):
+            continue  # the package's face imports everything
+        edges = graph.setdefault(_subpackage(name), set())
+        edges.update(_subpackage(t) for t in _imports(path, set(sources)) if _subpackage(t) != _subpackage(name))
+    assert "state_dict" in graph["checkpoint"]  # the reader sees the edge that must exist
+    assert _cycles(graph) == [], "subpackages that import each other (directly or around a loop)"
+
+
+def test_root_holds_a_handful_of_modules() -> None:
+    modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(modules) <= 6, f"modules at the package root (move them into the folder of their concern): {modules}"
+
+
+def test_every_subpackage_is_importable_as_itself() -> None:
+    import importlib
+
+    import composable_shard
+
+    for folder in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+        name = f"composable_shard.{folder.name}"
+        module = importlib.import_module(name)
+        assert module.__name__ == name and getattr(composable_shard, folder.name, module) is module, name

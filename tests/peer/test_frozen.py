@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed._composable import checkpoint
 
 from composable_shard import ShardingStrategy, fully_shard
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import composable_shard as cs
 from composable_shard.runtime import hooks as runtime_hooks
-from composable_shard.state import get_state
+from composable_shard.runtime.state import get_state
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, lm_loss

@@ -23,7 +23,7 @@ from composable_shard import (
     set_model_state_dict,
     unshard_params,
 )
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import MLP

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 
 from composable_shard import ShardingStrategy, comm, fully_shard, no_sync, register_forward_method
-from composable_shard.state import get_state
+from composable_shard.runtime.state import get_state
 
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded, unshard_params
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
 from tests.support.models import Block, TinyGPT, batch

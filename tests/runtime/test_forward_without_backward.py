@@ -28,7 +28,7 @@ from composable_shard import (
     no_sync,
     unshard_params,
 )
-from composable_shard.state import TrainingState, unit_states_under
+from composable_shard.runtime.state import TrainingState, unit_states_under
 from composable_shard.state_dict import (
     StateDictOptions,
     get_model_state_dict,

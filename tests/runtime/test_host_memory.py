@@ -1,5 +1,5 @@
 """Trimming the host heap in CPU backwards ([Note: trimming the host heap in
-backward] in host_memory.py): glibc's ``malloc_trim`` really gives free heap
+backward] in runtime/host_memory.py): glibc's ``malloc_trim`` really gives free heap
 pages back, the trimmer runs it once per ``trim_every_bytes`` gathered, a
 CPU training step trims at unit boundaries without changing any result, and
 the switch turns it off."""
@@ -14,8 +14,8 @@ import platform
 import torch.nn as nn
 
 import composable_shard as cs
-from composable_shard import host_memory
-from composable_shard.state import get_state
+from composable_shard.runtime import host_memory
+from composable_shard.runtime.state import get_state
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT

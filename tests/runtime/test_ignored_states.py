@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, clip_grad_norm_, fully_shard, is_fully_sharded, unshard_params
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch

@@ -14,7 +14,7 @@ import torch
 
 from composable_shard import clip_grad_norm_, fully_shard, get_model_state_dict, unshard_params
 from composable_shard.runtime import TreePhase, tree_phase
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from composable_shard import fully_shard
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from composable_shard import BackwardPrefetch, fully_shard
 from composable_shard.handle import FlatParamHandle
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss

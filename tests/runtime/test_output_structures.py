@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from composable_shard import fully_shard
-from composable_shard.nested_tensors import scan_output
+from composable_shard.runtime.nested_tensors import scan_output
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import VOCAB, Block

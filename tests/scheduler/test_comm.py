@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from composable_shard import comm
 from composable_shard.comm import PendingCollective, ShardGroups
-from composable_shard.scheduler import Scheduler
+from composable_shard.runtime.scheduler import Scheduler
 
 from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
 

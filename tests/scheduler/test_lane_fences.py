@@ -25,8 +25,8 @@ from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy,
 from composable_shard.comm import PendingCollective
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime import lazy_init
-from composable_shard.scheduler import CpuLane, InFlight, Lane, Scheduler
-from composable_shard.state import get_state, unit_states_under
+from composable_shard.runtime.scheduler import CpuLane, InFlight, Lane, Scheduler
+from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss

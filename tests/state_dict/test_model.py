@@ -21,7 +21,7 @@ from composable_shard import (
     set_model_state_dict,
     unshard_params,
 )
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 from composable_shard.state_dict import RangeShardedTensor
 from composable_shard.state_dict.shards import is_sharded_tensor, range_boxes
 

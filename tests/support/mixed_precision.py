@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import fully_shard, unshard_params
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from .comm_spies import CollectiveSpy
 from .models import Block, batch, lm_loss

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from composable_shard import clip_grad_norm_, no_sync
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from .models import lm_loss
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import ShardingStrategy, fully_shard, unshard_params
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from .models import batch, lm_loss
 

@@ -160,7 +160,7 @@ class TPParity:
     atol: float = 1e-5
     rtol: float = 1e-5
     # Build the 2-D model on the meta device (fully_shard materialises it,
-    # [Note: deferred initialisation] in init.py); the reference starts from
+    # [Note: deferred initialisation] in units/materialize.py); the reference starts from
     # the values that gave it.
     meta_init: bool = False
     # Filled by the run: the norms clip_grad_norm_ returned (sharded, reference).

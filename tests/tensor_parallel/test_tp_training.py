@@ -134,7 +134,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     assert not any(is_fully_sharded(m) for m in model.modules())
     fully_shard(model, policy={TPBlock}, device_mesh=mesh["dp"])  # usable: without it, sharding works
     # A 3-D mesh with a "tp" dimension gives its other two (hybrid) dims.
-    from composable_shard.tensor_parallel import data_parallel_mesh
+    from composable_shard.units.tensor_parallel import data_parallel_mesh
 
     cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     assert data_parallel_mesh(cube).mesh_dim_names == ("replicate", "shard")

@@ -9,7 +9,7 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-from composable_shard import describe, fully_shard, plan, unshard_params
+from composable_shard import describe, fully_shard, planning as plan, unshard_params
 
 from tests.support.harness_pool import run_distributed
 from tests.support.tensor_parallel import (
@@ -88,7 +88,7 @@ def _plan_counts_local_shards(rank: int, world_size: int) -> None:
     assert described.rank_bytes["params"] == planned.rank_bytes["params"]
 
     # The memory recorder reads DTensor gradients by their local tensors.
-    from composable_shard.plan import MemoryRecorder
+    from composable_shard.planning import MemoryRecorder
 
     fully_shard(model, device_mesh=mesh["dp"])
     x = global_batch(0)

@@ -118,7 +118,7 @@ def _frozen_parameters_match_reference(rank: int, world_size: int) -> None:
 
     opt = lambda model: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     run_parity(Parity(build=LoRAGPT, shard=_shard_blocks_and_root, step_fn=check_frozen_grads, make_optimizer=opt))
-    from composable_shard.state import get_state
+    from composable_shard.runtime.state import get_state
 
     torch.manual_seed(0)
     model = LoRAGPT()
@@ -129,7 +129,7 @@ def _frozen_parameters_match_reference(rank: int, world_size: int) -> None:
 
 def _frozen_parameters_are_freed_before_backward_ends(rank: int, world_size: int) -> None:
     from composable_shard.runtime import hooks as runtime_hooks
-    from composable_shard.state import get_state
+    from composable_shard.runtime.state import get_state
 
     torch.manual_seed(0)
     model = LoRAGPT(n_blocks=3)

@@ -19,7 +19,7 @@ from composable_shard import (
     ShardingStrategy,
     fully_shard,
 )
-from composable_shard.state import unit_states_under
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
 from tests.support.models import Block, TinyGPT, lm_loss

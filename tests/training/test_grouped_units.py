@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import composable_shard as cs
 from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded
-from composable_shard.state import get_state
+from composable_shard.runtime.state import get_state
 
 from tests.support.comm_spies import CommSpy
 from tests.support.harness_pool import run_distributed

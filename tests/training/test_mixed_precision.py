@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from composable_shard import CustomPolicy, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.runtime import in_backward
-from composable_shard.state import get_state
+from composable_shard.runtime.state import get_state
 
 from tests.support.harness_pool import run_distributed
 from tests.support.mixed_precision import (

@@ -88,7 +88,7 @@ def _policies_match_reference(rank: int, world_size: int) -> None:
             return isinstance(module, Block)
 
         fully_shard(model, policy=CustomPolicy(decide))
-        from composable_shard.state import get_state
+        from composable_shard.runtime.state import get_state
 
         norm_state = get_state(model.blocks[0].norm)
         assert norm_state is not None and norm_state.config.strategy is ShardingStrategy.NO_SHARD

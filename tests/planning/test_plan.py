@@ -1,0 +1,396 @@
+"""The sharding plan: its table, its warnings and errors, and its accuracy
+against what ``fully_shard`` and ``torch.optim`` allocate — exact bytes of
+shards, gradients and optimizer state, and the step's peak within 5% — at
+world sizes 1, 2, 4 (real gloo groups) and 8 to 1,024 (PyTorch's fake
+process group, in a process of its own)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+
+import composable_shard as cs
+from composable_shard import ShardingStrategy
+from composable_shard.planning.memory import FlatParamPlan, StepPeak, UnitPlan, step_peak
+
+from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
+from tests.support.models import Block, LoRABlock, LoRAGPT, TinyGPT
+from tests.support.plan_measure import CASES, _wide_gpt, cpu_peak_above_start, fake_pg_plan, measure_case
+
+ROOT = Path(__file__).resolve().parents[2]
+PEAK_TOLERANCE = 0.05
+
+
+def _check_record(record: dict) -> None:
+    """Exact model state, plan == describe, peak within 5%."""
+    where = f"{record['case']} rank {record['rank']}/{record['world_size']}"
+    allocated, planned, described = record["allocated"], record["planned"], record["described"]
+    for key in ("params", "grads", "optimizer", "buffers"):
+        assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != allocated {allocated[key]}"
+        assert described[key] == allocated[key], f"{where}: described {key} {described[key]} != allocated {allocated[key]}"
+    assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
+    if record["peak_comparable"]:
+        # The allocator sees tensors only; the transport's shared memory is
+        # checked against the transport itself (test_plan_counts_...), the
+        # runtime's constant in test_runtime_memory_is_its_own_line_of_the_total.
+        tensors = planned["total"] - planned["transport"] - planned["runtime"]
+        error = abs(tensors - allocated["peak"]) / allocated["peak"]
+        assert error <= PEAK_TOLERANCE, (
+            f"{where}: planned peak {tensors} (+ transport) vs measured {allocated['peak']} ({100 * error:.1f}% off, "
+            f"worst moment {record['peak_moment']})"
+        )
+
+
+# Real gloo groups on two shared cores are slow: a subset here, every case
+# under the fake process group below.
+GLOO_CASES = (
+    "full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute", "full_shard_in_backward", "bf16_in_backward"
+)
+
+
+def _measure_gloo_cases(rank: int, world_size: int) -> list[dict]:
+    return [measure_case(name, rank, world_size) for name in GLOO_CASES]
+
+
+@world_sizes
+def test_plan_equals_allocated_bytes_with_gloo(world_size: int) -> None:
+    results = run_distributed(_measure_gloo_cases, world_size, timeout=240)
+    for records in results:
+        for record in records:  # type: ignore[union-attr]
+            _check_record(record)
+
+
+def _fake_pg_records(world_sizes: list[int], *, device: str = "cpu") -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLAN_MEASURE_DEVICE": device}
+    completed = subprocess.run(
+        [sys.executable, "-m", "tests.support.plan_measure", *map(str, world_sizes)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+
+
+def test_plan_equals_allocated_bytes_with_fake_process_group_up_to_1024_ranks() -> None:
+    sizes = [8, 64, 256, 1024]
+    records = _fake_pg_records(sizes)
+    seen = sorted((r["world_size"], r["rank"], r["case"]) for r in records)
+    assert seen == sorted((w, rank, case) for w, rank, cases in fake_pg_plan(sizes) for case in cases)
+    assert {r["case"] for r in records} == set(CASES)
+    for record in records:
+        _check_record(record)
+
+
+@requires_cuda
+def test_plan_peak_matches_cuda_allocator_with_fake_process_group() -> None:
+    for record in _fake_pg_records([8, 64], device="cuda"):
+        _check_record(record)
+
+
+def _transport_is_planned(rank: int, world_size: int) -> None:
+    """The plan's transport bytes are what the group's shared memory holds
+    after training (a fresh group each: its slots reserve for this model
+    only), for a model whose collectives fit one slot and one whose units
+    stream through slots far smaller than them; both within the bound."""
+    import torch.distributed as dist
+
+    from composable_shard.comm import shared_memory, transport
+
+    saved = shared_memory.SLOT_BYTES
+    for slot_bytes in (saved, 65536):  # a block's shard: about 400 KiB
+        shared_memory.SLOT_BYTES = slot_bytes
+        try:
+            group = dist.new_group(list(range(world_size)))
+            torch.manual_seed(0)
+            model = TinyGPT(dim=128)
+            planned = cs.plan(model, world_size=world_size, rank=rank, policy={Block}, device="cpu")
+            cs.fully_shard(model, policy={Block}, process_group=group)
+            described = cs.describe(model)
+            shared = transport.shared_memory_of(group)  # decided here, before any collective, with these slots
+            loss = model(torch.randint(0, 32, (2, 6))).sum()
+            loss.backward()
+        finally:
+            shared_memory.SLOT_BYTES = saved
+        assert shared is not None
+        assert planned.rank_bytes["transport"] == described.rank_bytes["transport"] == shared.shared_bytes, slot_bytes
+        assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 40, slot_bytes)
+        if slot_bytes < saved:  # streamed: the whole slots, a quarter of one block's reduce-scatter
+            assert shared.shared_bytes == mmap.PAGESIZE + shared_memory.SLOTS * slot_bytes
+        assert "shared-memory transport" in str(planned)
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_plan_counts_the_shared_memory_transport_exactly(world_size: int) -> None:
+    run_distributed(_transport_is_planned, world_size)
+
+
+def test_plan_table_of_a_small_model() -> None:
+    with torch.device("meta"):
+        model = LoRAGPT(n_blocks=2)
+    planned = cs.plan(model, world_size=4, policy={LoRABlock})
+    assert_expected_inline(
+        str(planned),
+        """\
+ShardingPlan (plan): 3 units, 1,376 parameters, world size 4, FULL_SHARD, rank 0
+unit      type       params  flat param             padded  padding  shard
+--------  ---------  ------  ---------------------  ------  -------  -----
+<root>    LoRAGPT       640  float32 trainable (4)     640        0  640 B
+blocks.0  LoRABlock     368  float32 trainable (4)      96        0   96 B
+                             float32 frozen (2)        272        0  272 B
+blocks.1  LoRABlock     368  float32 trainable (4)      96        0   96 B
+                             float32 frozen (2)        272        0  272 B
+
+per rank (rank 0):
+  sharded parameters             1.34 KiB  trainable 832 B, frozen 544 B
+  sharded gradients                 832 B  trainable flat parameters only
+  optimizer state (adamw)        1.67 KiB  exp_avg 832 B, exp_avg_sq 832 B, step 48 B
+  model state                    3.83 KiB  after optimizer.step()
+  module buffers                      0 B  not sharded
+  shared-memory transport             0 B  none: collectives through the backend
+  runtime (not tensors)               0 B  not measured on this device
+  worst moment: backward of '<root>'
+    sharded gradients                96 B  reduced so far
+    unsharded parameters         2.50 KiB  gathered units
+    unsharded gradients          6.50 KiB  before reduce-scatter
+    communication buffers           480 B  reduction in flight, all-gather sources
+    optimizer step temporaries        0 B
+    activations: not measured (pass input_shape= or example_inputs= to plan)
+  peak total                    12.58 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
+    )
+
+
+def test_plan_on_meta_matches_plan_on_cpu_and_leaves_the_model_untouched() -> None:
+    torch.manual_seed(0)
+    cpu_model = TinyGPT()
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    before = [(p.device, p.shape) for p in meta_model.parameters()]
+    kwargs = dict(world_size=64, policy={Block}, device="cpu")
+    assert str(cs.plan(meta_model, **kwargs)) == str(cs.plan(cpu_model, **kwargs))
+    assert [(p.device, p.shape) for p in meta_model.parameters()] == before
+    assert not any(cs.is_fully_sharded(m) for m in meta_model.modules())
+
+
+def test_measuring_activations_leaves_meta_parameters_materialisable() -> None:
+    with torch.device("meta"):
+        model = TinyGPT()
+    assert cs.plan(model, world_size=8, policy={Block}, input_shape=(2, 6)).rank_bytes["activations_peak"] > 0
+    for param in model.parameters():  # what fully_shard's deferred init does; refused if a weakref remains
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="cpu")))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_plan_allocates_no_parameter_memory_even_when_measuring_activations() -> None:
+    model = _wide_gpt()  # on the CPU, so an allocation would show in the profile
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    plans: list[cs.ShardingPlan] = []
+    peak = cpu_peak_above_start(lambda: plans.append(cs.plan(model, world_size=8, policy={Block}, input_shape=(2, 6))))
+    assert plans[0].rank_bytes["activations_peak"] > 0
+    assert peak < 4096 < param_bytes // 100  # a few small host tensors, nothing parameter-sized
+
+
+def test_runtime_memory_is_its_own_line_of_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The non-tensor memory of a rank (composable_shard/planning/runtime_memory.py,
+    [Note: the memory that is not tensors]) is counted once in the peak, as
+    the model gives it for the device and transport, and shown as its own
+    row with its parts."""
+    from composable_shard.comm import transport
+
+    tensor_keys = ("params", "optimizer", "buffers", "transport", "grads_at_peak", "unsharded_params", "unsharded_grads",
+                   "comm", "optimizer_step", "activations")
+    for shared_memory in (False, True):
+        monkeypatch.setenv(transport.ENV_SWITCH, "1" if shared_memory else "0")
+        on = transport.PLATFORM_SUPPORTED and shared_memory
+        planned = cs.plan(TinyGPT(n_blocks=2), world_size=2, policy={Block}, device="cpu", input_shape=(2, 6))
+        rb = planned.rank_bytes
+        assert rb["runtime"] == planned.runtime.total > 50 * 2**20
+        assert planned.runtime.heap_tops > 0 and (planned.runtime.arenas > 1) == (not on)
+        assert rb["total"] == sum(rb[key] for key in tensor_keys) + rb["runtime"]
+        assert "runtime (not tensors)" in str(planned) and "glibc's heap tops" in str(planned)
+        timeline = planned.timeline()
+        assert timeline.peak_bytes == rb["total"]
+        assert timeline.bytes_at(timeline.peak_moment)["runtime (not tensors)"] == rb["runtime"]
+    # On CUDA the plan is compared with the caching allocator, which holds tensors only.
+    with torch.device("meta"):
+        model = TinyGPT(n_blocks=2)
+    on_cuda = cs.plan(model, world_size=2, policy={Block}, device="cuda")
+    assert on_cuda.rank_bytes["runtime"] == 0 and "not measured on this device" in str(on_cuda)
+
+
+def test_plan_units_follow_the_policy_in_module_preorder() -> None:
+    planned = cs.plan(TinyGPT(n_blocks=2), world_size=2, policy={Block})
+    assert [u.name for u in planned.units] == ["", "blocks.0", "blocks.1"]
+    root = planned.units[0]
+    assert root.numel == 32 * 16 + 6 * 16 + 2 * 16  # tied head counted once
+    for unit in planned.units:
+        assert unit.padded_numel % 2 == 0 and unit.shard_numel * 2 == unit.padded_numel
+    assert set(planned.rank_bytes) >= {"params", "grads", "optimizer", "total"}
+
+
+def test_plan_follows_ignored_states_and_per_unit_policy_overrides() -> None:
+    model = TinyGPT(n_blocks=2)
+    ignored = cs.plan(model, world_size=4, policy={Block}, ignored_states=[model.blocks[1]])
+    assert [u.name for u in ignored.units] == ["", "blocks.0"]
+    assert sum(u.numel for u in ignored.units) == sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in model.blocks[1].parameters()
+    )
+    policy = cs.CustomPolicy(
+        lambda m: {"strategy": ShardingStrategy.NO_SHARD} if m is model.blocks[0] else isinstance(m, Block)
+    )
+    mixed = cs.plan(model, world_size=4, policy=policy)
+    by_name = {u.name: u for u in mixed.units}
+    assert by_name["blocks.0"].strategy is ShardingStrategy.NO_SHARD
+    assert by_name["blocks.0"].shard_numel == by_name["blocks.0"].padded_numel
+    assert by_name["blocks.1"].shard_numel * 4 == by_name["blocks.1"].padded_numel
+    with pytest.raises(ValueError, match=r"overrides for Block name \['device_id'\], which cannot differ per unit"):
+        cs.plan(model, world_size=4, policy=cs.CustomPolicy(lambda m: {"device_id": 0} if isinstance(m, Block) else False))
+
+
+def test_plan_sizes_optimizer_state_per_kind() -> None:
+    model = TinyGPT(n_blocks=1)
+    adamw = cs.plan(model, world_size=1, optimizer="adamw")
+    sgd = cs.plan(model, world_size=1, optimizer="sgd")
+    plain = cs.plan(model, world_size=1, optimizer="sgd", momentum=0.0)
+    numel = sum(p.numel() for p in model.parameters())
+    n_params = len(list(model.parameters()))
+    assert adamw.optimizer_by_kind == {"exp_avg": 4 * numel, "exp_avg_sq": 4 * numel, "step": 4 * n_params}
+    assert sgd.rank_bytes["optimizer"] == 4 * numel
+    assert plain.rank_bytes["optimizer"] == 0
+
+
+def test_plan_warns_about_a_large_unit_padding_and_a_parameter_shared_across_units() -> None:
+    model = TinyGPT(n_blocks=3, dim=16, vocab=4096)  # the root's embedding dwarfs the blocks
+    model.blocks[2].fc_in.weight = model.blocks[0].fc_in.weight  # shared by two blocks
+    planned = cs.plan(model, world_size=1024, policy={Block})
+    text = "\n".join(planned.warnings)
+    assert "unit '<root>' has" in text and "the median unit" in text
+    assert "are padding" in text
+    assert "parameter 'blocks.0.fc_in.weight' is used by units ['blocks.0', 'blocks.2']" in text
+    assert planned.units[0].numel > 4096 * 16  # the shared weight is owned by the root
+    with pytest.warns(UserWarning) as emitted:
+        cs.plan(model, world_size=1024, policy={Block}, warn=True)
+    assert [str(w.message) for w in emitted] == planned.warnings
+
+
+def test_plan_measures_activations_under_fake_tensors() -> None:
+    model = TinyGPT(n_blocks=2)
+    small = cs.plan(model, world_size=2, policy={Block}, input_shape=(2, 6))
+    large = cs.plan(model, world_size=2, policy={Block}, input_shape=(8, 6))
+    assert 0 < small.rank_bytes["activations_peak"] < large.rank_bytes["activations_peak"]
+    assert cs.plan(model, world_size=2, policy={Block}).rank_bytes["activations_peak"] == 0
+    assert all(p.grad is None for p in model.parameters())  # fake tensors only
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, r"plan\(TinyGPT\): world_size must be a positive int, got 0"),
+        ({"world_size": 4, "rank": 4}, ValueError, r"rank must be in \[0, 4\), got 4"),
+        ({"world_size": 4, "optimizer": "lamb"}, ValueError, r"optimizer 'lamb' is unknown; pick one of"),
+        ({"world_size": 4, "prefetch": True}, TypeError, r"unknown keyword arguments \['prefetch'\]"),
+        ({"world_size": 4, "policy": "Block"}, TypeError, r"policy must be a Policy or a set of module classes"),
+        (
+            {"world_size": 6, "strategy": ShardingStrategy.HYBRID_SHARD, "hybrid_shard_size": 4},
+            ValueError,
+            r"world_size \(6\) to be a multiple of hybrid_shard_size \(4\)",
+        ),
+    ],
+)
+def test_plan_rejects_bad_arguments_by_name(kwargs: dict, error: type, match: str) -> None:
+    model = TinyGPT()
+    with pytest.raises(error, match=match):
+        cs.plan(model, **kwargs)
+    assert cs.plan(model, world_size=2).units  # still plannable
+
+
+def test_describe_needs_a_sharded_model() -> None:
+    with pytest.raises(ValueError, match=r"describe\(TinyGPT\): no fully_shard unit in this module"):
+        cs.describe(TinyGPT())
+
+
+def _plan_of_sharded_model_raises(rank: int, world_size: int) -> None:
+    model = TinyGPT()
+    cs.fully_shard(model)
+    with pytest.raises(ValueError, match=r"plan\(TinyGPT\): this module is already sharded; use composable_shard.describe"):
+        cs.plan(model, world_size=world_size)
+    assert "frozen 0 B" in str(cs.describe(model))
+
+
+def test_plan_of_an_already_sharded_model_points_to_describe() -> None:
+    run_distributed(_plan_of_sharded_model_raises, 2)
+
+
+def test_hybrid_plan_shards_within_the_shard_group() -> None:
+    planned = cs.plan(TinyGPT(), world_size=8, strategy=ShardingStrategy.HYBRID_SHARD, hybrid_shard_size=4, rank=5)
+    full = cs.plan(TinyGPT(), world_size=4, rank=1)
+    assert [u.shard_numel for u in planned.units] == [u.shard_numel for u in full.units]
+    assert planned.rank_bytes["params"] == full.rank_bytes["params"]
+    no_shard = cs.plan(nn.Linear(4, 4), world_size=8, strategy=ShardingStrategy.NO_SHARD)
+    assert no_shard.units[0].shard_numel == no_shard.units[0].padded_numel == 20
+
+
+def test_train_gpt_example_prints_the_plan_before_training(tmp_path: Path) -> None:
+    picture = tmp_path / "step.png"
+    completed = subprocess.run(
+        [
+            *(sys.executable, "examples/train_gpt.py", "--plan", "--steps", "2", "--log-every", "1"),
+            *("--data-bytes", "50000", "--n-layer", "2", "--n-embd", "32", "--n-head", "2"),
+            *("--block-size", "16", "--batch-size", "2", "--plot", str(picture)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    out = completed.stdout
+    assert "ShardingPlan (fully_shard): 3 units" in out and "per rank (rank 0):" in out
+    assert "blocks.1" in out and "sharded parameters" in out
+    assert "step    2/2" in completed.stderr  # training ran after the plan
+    assert "memory over one step drawn to" in completed.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plan with the second step measured over it
+
+
+def _frozen_unit(name: str, numel: int, *, forward_prefetch: bool = False) -> UnitPlan:
+    """A unit of one frozen fp32 flat parameter sharded over 4 ranks (no
+    gradients: the forward's buffers decide the peak)."""
+    fp = FlatParamPlan(
+        dtype=torch.float32, requires_grad=False, numel=numel, padded_numel=numel, shard_numel=numel // 4,
+        local_numel=numel // 4, local_param_count=1, max_local_numel=numel // 4, param_dtype=torch.float32,
+        reduce_dtype=torch.float32, grad_dtype=torch.float32, needs_unshard_storage=True, offload=False,
+        is_sharded=True, param_count=1,
+    )
+    return UnitPlan(name, "Block", ShardingStrategy.FULL_SHARD, (fp,), forward_prefetch, None)
+
+
+def test_step_replay_counts_the_buffer_held_until_the_next_all_gather_on_cuda() -> None:
+    # [Note: what a lane waits for]: on CUDA blocks.0's buffer is freed only
+    # once blocks.1's all-gather allocated its own, so for a moment both are
+    # allocated (with the root's); without prefetch only, and not on CPU.
+    def peak(*, holds: bool, prefetch: bool) -> StepPeak:
+        units = [_frozen_unit("", 64)] + [_frozen_unit(f"blocks.{i}", 4096, forward_prefetch=prefetch) for i in range(3)]
+        return step_peak(
+            units, optimizer_step=0, all_grads=0, activations={}, activations_at_open={"forward of 'blocks.1'": 8},
+            holds_freed_buffer=holds,
+        )
+
+    cpu, cuda = peak(holds=False, prefetch=False), peak(holds=True, prefetch=False)
+    assert cpu.unsharded_params == (64 + 4096) * 4
+    assert (cuda.moment, cuda.unsharded_params, cuda.activations) == ("all-gather of 'blocks.1'", (64 + 2 * 4096) * 4, 8)
+    # Prefetched, the next all-gather was issued before the post-forward:
+    # nothing is held, the replay's current and prefetched blocks are the peak.
+    prefetched = peak(holds=True, prefetch=True)
+    assert prefetched == peak(holds=False, prefetch=True) and prefetched.moment.startswith("forward of")
