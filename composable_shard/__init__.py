@@ -40,12 +40,15 @@ from .state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from .fully_shard import register_before_change as _register_before_change
 from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
 from .runtime.skipped_units import set_may_be_skipped
+from . import interop
 from .interop import (
     autograd_grad as _autograd_inputs,
+    install as _torch_wrappers,
     param_hooks as _param_hooks,
     clip_grad as _torch_grad_norm,
 )
@@ -55,14 +58,15 @@ from .interop import (
 _register_unit_extension(_register_state_dict_hooks)
 # register_hook on an original parameter raises ([Note: hooks on original
 # parameters]); torch's clip_grad_norm_ gives the global norm ([Note: torch's
-# clip_grad_norm_ over shards]).
+# clip_grad_norm_ over shards]); autograd.grad over an original parameter
+# raises ([Note: autograd.grad over original parameters]). torch's functions
+# are replaced by the first fully_shard, not here ([Note: wrapping torch's
+# functions] in interop/install.py).
 _register_unit_extension(_param_hooks.guard_param_hooks)
 _register_unit_extension(_torch_grad_norm.track_unit_grads)
-_torch_grad_norm.install()
-# autograd.grad over an original parameter raises ([Note: autograd.grad over
-# original parameters]).
 _register_unit_extension(_autograd_inputs.track_unit_params)
-_autograd_inputs.install()
+_register_before_change(_torch_wrappers.before_fully_shard)
+_register_unit_extension(_torch_wrappers.track_unit)
 
 # ``composable_shard.plan`` is the function (API.md); its subpackage is
 # ``composable_shard.planning``. Code written as ``from composable_shard.plan

@@ -6,10 +6,12 @@ group into flat parameters come from ``units/rules.py`` (shared with ``plan``).
 Knows nothing of: runtime details (it calls ``runtime.register_hooks``),
 state dicts and every other wing: a wing that attaches per-unit hooks
 registers itself with ``register_unit_extension`` (the package's
-``__init__`` does it for state dicts), so the core imports no wing.
+``__init__`` does it for state dicts), and one that must act before the
+first change (interop installing torch's wrappers) with
+``register_before_change``, so the core imports no wing.
 
 Public names: ``fully_shard``, ``is_fully_sharded``, ``register_forward_method``,
-``register_unit_extension``.
+``register_unit_extension``, ``register_before_change``.
 
 Everything is validated before anything is changed, so a call that raises
 leaves the module as it was.
@@ -35,6 +37,7 @@ from .handle import FlatParamHandle, FlatParamSource
 from .units.materialize import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
+from .runtime.lifecycle import track_unit
 from .units.tensor_parallel import check_dtensor_params, data_parallel_mesh
 from .runtime.state import UnitConfig, UnitState, get_state, register_state
 from .units.rules import (
@@ -49,7 +52,13 @@ from .units.rules import (
     unit_skipper,
 )
 
-__all__ = ["fully_shard", "is_fully_sharded", "register_forward_method", "register_unit_extension"]
+__all__ = [
+    "fully_shard",
+    "is_fully_sharded",
+    "register_forward_method",
+    "register_unit_extension",
+    "register_before_change",
+]
 
 # What wings attach to every new unit, after the runtime's hooks, in
 # registration order (each returns the handles of the hooks it registered).
@@ -63,6 +72,21 @@ def register_unit_extension(attach: Callable[[UnitState], list[RemovableHandle]]
     it."""
     if attach not in _UNIT_EXTENSIONS:
         _UNIT_EXTENSIONS.append(attach)
+
+
+# What wings run in every fully_shard call once its arguments are
+# validated, before the module is changed, in registration order; each gets
+# the call's name for its messages and may raise to refuse the call.
+_BEFORE_CHANGE: list[Callable[[str], None]] = []
+
+
+def register_before_change(prepare: Callable[[str], None]) -> None:
+    """Have every ``fully_shard`` call run ``prepare(name)`` after its checks
+    and before it changes anything (idempotent): an exception from it
+    refuses the call and leaves the module untouched."""
+    if prepare not in _BEFORE_CHANGE:
+        _BEFORE_CHANGE.append(prepare)
+
 
 def fully_shard(
     module: nn.Module | list[nn.Module],
@@ -143,6 +167,8 @@ def fully_shard(
         check_dtensor_params(name, sources[id(choice.module)], unit_groups, keep_low)
     for member in members:
         check_materializable(member, param_init_fn, skip)
+    for prepare in _BEFORE_CHANGE:
+        prepare(name)
 
     # Validated: from here on the module is changed.
     for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
@@ -399,6 +425,7 @@ def _build_unit(
     )
     state = UnitState(members[0], handles, groups, config, compute_device, members=members)
     register_hooks(state)
+    track_unit(state)
     for attach in _UNIT_EXTENSIONS:
         state.module_hooks.extend(attach(state))
     for member in members:

@@ -4,7 +4,10 @@ accumulation) and ``clip_grad_norm_`` (global norm over all shards).
 
 Knows nothing of: hook internals (it reads unit states and calls handles).
 
-Public names: ``unshard_params``, ``no_sync``, ``clip_grad_norm_``.
+Public names: ``unshard_params``, ``no_sync``, ``clip_grad_norm_``; for
+torch's own clip functions over shards (interop/clip_grad.py), the one
+global-norm computation: ``NormGroups``, ``unit_norm_groups``,
+``global_grad_norm`` ([Note: one gradient norm over shards]).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from ..handle import FlatParamHandle, set_grad_of_other_dtype
 from .per_unit import set_units_gradient_sync
 from ..handle.dtensor_views import local_tensor, norm_group_of
 from ..runtime import enter_between_steps
-from ..runtime.state import units_of
+from ..runtime.state import UnitState, units_of
 
-__all__ = ["unshard_params", "no_sync", "clip_grad_norm_"]
+__all__ = ["unshard_params", "no_sync", "clip_grad_norm_", "NormGroups", "unit_norm_groups", "global_grad_norm"]
 
 # Handles shown unsharded by an enclosing unshard_params (nested use shows
 # each handle once, and only the outermost context restores it). Weak: a
@@ -204,37 +207,28 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     """
     units = units_of(module, recurse=True, what="clip_grad_norm_")
     enter_between_steps(units, "clip_grad_norm_")
-    norm_type = float(norm_type)
-    sharded_params: set[int] = set()
-    # Per (shard group, tensor-parallel group) (None: this rank alone),
-    # local norm contributions: a DTensor parameter sharded on its own mesh
-    # also sums over that mesh's group, a replicated one counts once.
-    group_grads: dict[tuple[ProcessGroup | None, ProcessGroup | None], list[torch.Tensor]] = {}
+    owned: set[int] = set()
+    local_grads: dict[NormGroups, list[torch.Tensor]] = {}
     for unit in units:
-        shard_group = unit.groups.shard_group if unit.groups.is_sharded else None
-        for handle in unit.handles:
-            sharded_params.update(id(p) for p in handle.orig_params)
-            for param, spec in zip(handle.orig_params, handle.tp_specs):
-                # Every parameter's key, with a gradient here or not: the
-                # keys (and so the collectives' order) agree across ranks.
-                tp_group = spec.norm_group() if spec is not None else None
-                grads = group_grads.setdefault((shard_group, tp_group), [])
-                grad = None if param.grad is None else local_tensor(param.grad)
-                if grad is not None and grad.numel() > 0:
-                    grads.append(grad)
+        for param, groups in unit_norm_groups(unit):
+            owned.add(id(param))
+            # Every parameter's key, with a gradient here or not: the keys
+            # (and so the collectives' order) agree across ranks.
+            grads = local_grads.setdefault(groups, [])
+            if param.grad is not None:
+                grads.append(local_tensor(param.grad))
     # Parameters no unit owns (ignored states) are whole on every rank (a
     # DTensor one: its local part, summed over its mesh when sharded).
     for param in module.parameters():
-        if id(param) not in sharded_params and param.grad is not None and param.grad.numel() > 0:
-            group_grads.setdefault((None, norm_group_of(param.grad)), []).append(local_tensor(param.grad))
-    device = units[0].compute_device
-    parts = [(groups, _norm_contribution(grads, norm_type, device)) for groups, grads in group_grads.items()]
-    total_norm = comm.total_norm_of_parts(parts, norm_type, device)
+        if id(param) not in owned and param.grad is not None and param.grad.numel() > 0:
+            local_grads.setdefault((None, norm_group_of(param.grad)), []).append(local_tensor(param.grad))
+    total_norm = global_grad_norm(local_grads, norm_type, units[0].compute_device)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grads in group_grads.values():
+    for grads in local_grads.values():
         for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
+            if grad.numel() > 0:
+                by_device.setdefault(grad.device, []).append(grad)
     for grad_device, grads in by_device.items():
         # Offloaded gradients: a host-device sync (the host scales them, so
         # it needs the coefficient), one per call.
@@ -242,27 +236,70 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     return total_norm
 
 
+# [Note: one gradient norm over shards]
+# ``clip_grad_norm_`` above and torch's own clip functions over a sharded
+# model (interop/clip_grad.py, [Note: torch's clip_grad_norm_ over shards])
+# compute the global norm with the two functions below: ``unit_norm_groups``
+# says over which groups each parameter's local gradient adds up to the
+# whole, ``global_grad_norm`` reduces the local gradients so grouped. The
+# callers differ only in which gradients they are given (a module's
+# parameters here, any list of tensors there).
+
+# The groups over which a local gradient's contribution adds up to the
+# whole tensor's: (the unit's shard group, the tensor-parallel group);
+# None: nobody else holds another piece of it.
+NormGroups = tuple[ProcessGroup | None, ProcessGroup | None]
+
+
+def unit_norm_groups(unit: UnitState) -> Iterator[tuple[nn.Parameter, NormGroups]]:
+    """Each original parameter of ``unit`` with its ``NormGroups``: the
+    unit's shard group when it shards (replicas count once), and the
+    parameter's tensor-parallel mesh group when it is a ``DTensor`` sharded
+    there."""
+    shard_group = unit.groups.shard_group if unit.groups.is_sharded else None
+    for handle in unit.handles:
+        for param, spec in zip(handle.orig_params, handle.tp_specs):
+            tp_group = spec.norm_group() if spec is not None else None
+            yield param, (shard_group, tp_group)
+
+
+def global_grad_norm(
+    local_grads: dict[NormGroups, list[torch.Tensor]], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole gradients whose local parts (plain
+    tensors; empty ones add nothing) are given per ``NormGroups``: each
+    group's contribution is reduced over its groups, in the dict's order
+    (every rank must pass the same keys in the same order). fp32, on
+    ``device``, equal on every rank. Collective over those groups."""
+    norm_type = float(norm_type)
+    parts = [(groups, _norm_contribution(grads, norm_type, device)) for groups, grads in local_grads.items()]
+    return comm.total_norm_of_parts(parts, norm_type, device)
+
+
 def _norm_contribution(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks).
 
-    Reduced where the gradients live, then one scalar per device moved to
+    One foreach kernel per device, accumulating in fp32 (no fp32 copies of
+    low-precision gradients), then one scalar per device moved to
     ``device``: offloaded gradients (host) cost one upload, not one per
     gradient, and it does not block the host (a pinned scalar, copied with
     ``non_blocking=True`` on the current stream, ahead of every kernel that
     reads it; the pinned allocator keeps the block until the copy ran)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
+        if grad.numel() > 0:
+            by_device.setdefault(grad.device, []).append(grad)
+    if not by_device:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    is_inf = math.isinf(norm_type)
     contributions = []
     for grad_device, device_grads in by_device.items():
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in device_grads])
-        local = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
+        norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32))
+        local = norms.max() if is_inf else (norms**norm_type).sum()
         if grad_device != device:
             if grad_device.type == "cpu" and device.type == "cuda":
                 local = local.pin_memory()
             local = local.to(device, non_blocking=True)
         contributions.append(local)
     stacked = torch.stack(contributions)
-    return stacked.max() if math.isinf(norm_type) else stacked.sum()
+    return stacked.max() if is_inf else stacked.sum()

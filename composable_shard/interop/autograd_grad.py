@@ -5,7 +5,8 @@ autograd's graph and would silently get no gradient.
 Knows nothing of: the runtime's hooks and lifecycle, flattening (it reads a
 unit's original parameters and their names).
 
-Public names: ``track_unit_params`` (a unit extension), ``install``.
+Public names: ``track_unit_params`` (a unit extension), ``wrap_grad``,
+``wrap_backward`` (used by install.py, which installs the wrappers).
 
 [Note: autograd.grad over original parameters]
 A unit computes with views of its gathered flat parameter; the original
@@ -16,10 +17,11 @@ when none of its inputs is in the graph, autograd runs no node and no hook,
 so the runtime cannot see the call. Putting the parameters into the graph
 would make autograd call every ``register_hook`` hook with None and every
 post-accumulate-grad hook twice on each ordinary backward. So the two entry
-points that take ``inputs`` are wrapped (once, at import; nothing changes for
-calls whose inputs are not such parameters: one lookup per input) and raise,
+points that take ``inputs`` are wrapped while a sharded model exists
+([Note: wrapping torch's functions] in install.py; nothing changes for calls
+whose inputs are not such parameters: one lookup per input) and raise,
 naming the parameter and what works instead. Pinned by
-tests/training/test_gradient_penalty.py.
+tests/interop/test_gradient_penalty.py.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ from torch.utils.hooks import RemovableHandle
 
 from ..runtime.state import UnitState
 
-__all__ = ["track_unit_params", "install"]
+__all__ = ["track_unit_params", "wrap_grad", "wrap_backward"]
 
 # An attribute on the parameter, not a weak registry: a weak reference to a
 # parameter makes torch.utils.swap_tensors (module.to() with swapping on)
 # refuse it; the attribute travels with the parameter like its __dict__.
 _NAME_ATTRIBUTE = "_composable_shard_unit_param"
 _tracking = False
-_TORCH_GRAD: Callable[..., Any] | None = None
-_TORCH_BACKWARD: Callable[..., Any] | None = None
 
 
 def track_unit_params(state: UnitState) -> list[RemovableHandle]:
@@ -82,28 +82,29 @@ def _refuse_original_params(inputs: Any, entry: str) -> Any:
     return inputs
 
 
-def _grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-    inputs = _refuse_original_params(inputs, "torch.autograd.grad")
-    assert _TORCH_GRAD is not None  # installed before this wrapper exists
-    return _TORCH_GRAD(outputs, inputs, *args, **kwargs)
+def wrap_grad(torch_grad: Callable[..., Any]) -> Callable[..., Any]:
+    """The guarded ``torch.autograd.grad``: refuses original parameters among
+    ``inputs``, then calls ``torch_grad`` (torch's own) unchanged."""
+
+    @functools.wraps(torch_grad)
+    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch_grad(outputs, _refuse_original_params(inputs, "torch.autograd.grad"), *args, **kwargs)
+
+    return grad
 
 
-def _backward(*args: Any, **kwargs: Any) -> Any:
-    # ``inputs`` is the sixth parameter; Tensor.backward passes it by keyword.
-    if "inputs" in kwargs:
-        kwargs["inputs"] = _refuse_original_params(kwargs["inputs"], "backward(inputs=...)")
-    elif len(args) > 5:
-        args = args[:5] + (_refuse_original_params(args[5], "backward(inputs=...)"),) + args[6:]
-    assert _TORCH_BACKWARD is not None
-    return _TORCH_BACKWARD(*args, **kwargs)
+def wrap_backward(torch_backward: Callable[..., Any]) -> Callable[..., Any]:
+    """The guarded ``torch.autograd.backward`` (which ``Tensor.backward``
+    calls): refuses original parameters in ``inputs``, then calls
+    ``torch_backward`` (torch's own) unchanged."""
 
+    @functools.wraps(torch_backward)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        # ``inputs`` is the sixth parameter; Tensor.backward passes it by keyword.
+        if "inputs" in kwargs:
+            kwargs["inputs"] = _refuse_original_params(kwargs["inputs"], "backward(inputs=...)")
+        elif len(args) > 5:
+            args = args[:5] + (_refuse_original_params(args[5], "backward(inputs=...)"),) + args[6:]
+        return torch_backward(*args, **kwargs)
 
-def install() -> None:
-    """Wrap ``torch.autograd.grad`` and ``torch.autograd.backward``; idempotent."""
-    global _TORCH_GRAD, _TORCH_BACKWARD
-    if _TORCH_GRAD is not None:
-        return
-    _TORCH_GRAD = torch.autograd.grad
-    _TORCH_BACKWARD = torch.autograd.backward
-    torch.autograd.grad = functools.wraps(_TORCH_GRAD)(_grad)
-    torch.autograd.backward = functools.wraps(_TORCH_BACKWARD)(_backward)
+    return backward

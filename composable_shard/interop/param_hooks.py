@@ -24,7 +24,7 @@ module computes. A hook that got there anyway (registered before
 ``fully_shard``, or through ``torch.Tensor.register_hook(param, fn)``) is
 refused before the unit's next forward, before anything of the step runs,
 so removing it (its handle's ``remove()``) makes the model usable again.
-Pinned by tests/training/test_param_hooks.py.
+Pinned by tests/interop/test_param_hooks.py.
 """
 
 from __future__ import annotations
