@@ -7,11 +7,13 @@ the reduction is issued: [Note: communication hooks] in comm/overrides.py).
 
 Public names: ``DefaultState``, ``LowPrecisionState``, ``allreduce_hook``,
 ``reduce_scatter_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
-``hook_reduce_dtype``, ``reduce_dtype_of_unit``.
+``hook_reduce_dtype``, ``reduce_dtype_of_unit``, ``is_shipped_hook``.
 
 The state names the group the hook reduces over: the unit's own (the
 default group for a unit sharded over all ranks; the subgroup given to
-``fully_shard`` otherwise). The mean is the sum divided by that group's
+``fully_shard`` otherwise). ``register_comm_hook(module, None, hook)`` with
+one of these hooks builds that state for each unit from its own group
+(controls/reduction.py). The mean is the sum divided by that group's
 size, split around the sum as FSDP1 does (a power of two before, the rest
 after), so a low-precision sum does not overflow. The compression hooks sum
 in fp16 / bf16 and write the mean back in the gradient's dtype. Pinned by
@@ -37,6 +39,7 @@ __all__ = [
     "bf16_compress_hook",
     "hook_reduce_dtype",
     "reduce_dtype_of_unit",
+    "is_shipped_hook",
 ]
 
 
@@ -120,10 +123,22 @@ def bf16_compress_hook(state: DefaultState, grad: torch.Tensor, output: torch.Te
     _low_precision_hook(torch.bfloat16, state, grad, output)
 
 
+_SHIPPED_HOOKS: tuple[Callable[..., Any], ...] = (
+    allreduce_hook,
+    reduce_scatter_hook,
+    fp16_compress_hook,
+    bf16_compress_hook,
+)
 _HOOK_DTYPES: dict[Callable[..., Any], torch.dtype] = {
     fp16_compress_hook: torch.float16,
     bf16_compress_hook: torch.bfloat16,
 }
+
+
+def is_shipped_hook(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is one of this module's hooks, which read a
+    ``DefaultState`` (its group and divisions)."""
+    return hook in _SHIPPED_HOOKS
 
 
 def hook_reduce_dtype(hook: Callable[..., Any]) -> torch.dtype | None:

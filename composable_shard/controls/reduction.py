@@ -22,9 +22,11 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime.state import units_of
+from ..comm_hooks import DefaultState, is_shipped_hook
+from ..runtime.state import UnitState, units_of
 
 __all__ = ["set_requires_all_reduce", "set_gradient_divide_factor", "register_comm_hook", "set_all_reduce_hook"]
 
@@ -93,11 +95,24 @@ def register_comm_hook(module: nn.Module, state: Any, hook: Callable[..., Any]) 
     mixed-precision ``reduce_dtype`` on the same unit raise at the next
     backward. A unit takes one hook. See [Note: communication hooks] in
     comm/overrides.py.
+
+    ``state=None`` with a shipped hook means each unit's own group: every
+    unit gets a ``DefaultState`` over the group it reduces over (its shard
+    group; the replicate group under ``NO_SHARD``). A user's own hook gets
+    ``state`` as given, ``None`` included. A shipped hook with a state that
+    is not a ``DefaultState``, or ``None`` on a unit with no group to reduce
+    over, is refused here, before any unit is changed.
     """
     name = type(module).__name__
     if not callable(hook):
         raise TypeError(f"register_comm_hook({name}): hook must be callable, got {type(hook).__name__}.")
     units = units_of(module, recurse=True, what="register_comm_hook")
+    if is_shipped_hook(hook) and state is not None and not isinstance(state, DefaultState):
+        raise TypeError(
+            f"register_comm_hook({name}): {hook.__name__} reads a composable_shard.comm_hooks.DefaultState (its group "
+            f"and divisions), got {type(state).__name__}. Pass DefaultState(process_group), or None for each unit's "
+            "own group."
+        )
     for unit in units:
         if unit.config.strategy.is_hybrid:
             raise ValueError(
@@ -110,8 +125,23 @@ def register_comm_hook(module: nn.Module, state: Any, hook: Callable[..., Any]) 
                 f"register_comm_hook({name}): unit '{unit.fqn}' already has a communication hook "
                 f"({getattr(unit.reduction_overrides.comm_hook[1], '__name__', '?')}); register one per unit, once."
             )
-    for unit in units:
-        unit.reduction_overrides.comm_hook = (state, hook)
+    states = [_own_group_state(name, unit) if state is None and is_shipped_hook(hook) else state for unit in units]
+    for unit, unit_state in zip(units, states):
+        unit.reduction_overrides.comm_hook = (unit_state, hook)
+
+
+def _own_group_state(name: str, unit: UnitState) -> DefaultState:
+    """A shipped hook's state over the group ``unit`` reduces its gradient
+    over (``register_comm_hook`` with ``state=None``)."""
+    groups = unit.groups
+    group = groups.shard_group if groups.shard_group is not None else groups.replicate_group
+    if group is None and dist.get_world_size() > 1:
+        raise ValueError(
+            f"register_comm_hook({name}): unit '{unit.fqn}' has no group to reduce its gradient over (NO_SHARD "
+            "over a single rank), so state=None names no group. Pass DefaultState(process_group) with the group "
+            "the hook should reduce over."
+        )
+    return DefaultState(group)
 
 
 def set_all_reduce_hook(

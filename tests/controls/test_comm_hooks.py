@@ -28,7 +28,7 @@ from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, compare_full, hybrid_groups, shard_manually
+from tests.support.parity import Parity, compare_full, hybrid_groups, shard_manually, step_and_compare
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 
@@ -226,3 +226,91 @@ def _unshard_params_sees_hooked_grads(rank: int, world_size: int) -> None:
 
 def test_hooked_gradient_is_the_shard_of_the_mean() -> None:
     run_distributed(_unshard_params_sees_hooked_grads, 2)
+
+
+def _none_state_means_each_units_own_group(rank: int, world_size: int) -> None:
+    # Before the fix, state=None reached the hook and backward failed with
+    # "'NoneType' object has no attribute 'world_size'".
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
+        torch.manual_seed(0)
+        plain = TinyGPT()
+        hooked = copy.deepcopy(plain)
+        shard_manually(strategy)(plain)
+        shard_manually(strategy)(hooked)
+        register_comm_hook(hooked, None, _default_hook(strategy))
+        states = [state.reduction_overrides.comm_hook[0] for _, state in unit_states_under(hooked)]
+        assert all(isinstance(state, comm_hooks.DefaultState) and state.world_size == world_size for state in states)
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, hooked)]
+        for step in range(2):
+            inputs, targets = batch(step)
+            for model in (plain, hooked):
+                lm_loss(model(inputs[_local(rank, world_size)]), targets[_local(rank, world_size)]).backward()
+            for (name, a), b in zip(plain.named_parameters(), hooked.parameters()):
+                assert torch.equal(a.grad, b.grad), (strategy.name, step, name)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    # A unit sharded over a subgroup: None means that group, not the world
+    # (a state over the world would be refused inside backward: 4 ranks vs 2).
+    pair = None
+    for start in range(0, world_size, 2):
+        group = dist.new_group([start, start + 1])
+        if rank in (start, start + 1):
+            pair = group
+    sub = fully_shard(nn.Linear(4, 3), process_group=pair)
+    register_comm_hook(sub, None, comm_hooks.bf16_compress_hook)
+    sub(torch.full((1, 4), float(rank + 1))).sum().backward()
+    pair_mean = float((rank - rank % 2) + 1.5)  # inputs rank+1 of the two ranks of the pair
+    with unshard_params(sub, with_grads=True, writeback=False):
+        torch.testing.assert_close(sub.weight.grad, torch.full((3, 4), pair_mean))
+    # A user's own hook gets None as given.
+    seen: list[object] = []
+
+    def own_hook(state: object, grad: torch.Tensor, output: torch.Tensor) -> None:
+        seen.append(state)
+        comm_hooks.reduce_scatter_hook(comm_hooks.DefaultState(), grad, output)
+
+    own = fully_shard(nn.Linear(4, 3))
+    register_comm_hook(own, None, own_hook)
+    own(torch.ones(1, 4)).sum().backward()
+    assert seen == [None]
+
+
+def test_comm_hook_with_none_state_reduces_over_each_units_own_group() -> None:
+    run_distributed(_none_state_means_each_units_own_group, 4)
+
+
+def _none_or_wrong_state_refused_then_trains(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    shard_manually(ShardingStrategy.FULL_SHARD)(model)
+    with pytest.raises(TypeError, match=r"register_comm_hook\(TinyGPT\): reduce_scatter_hook reads a "
+                                        r"composable_shard.comm_hooks.DefaultState .*got ProcessGroup.*or None for each unit's own group"):
+        register_comm_hook(model, dist.group.WORLD, comm_hooks.reduce_scatter_hook)
+    # NO_SHARD over one rank: no group for None to name.
+    solo = None
+    for group_rank in range(world_size):  # every rank creates every group
+        group = dist.new_group([group_rank])
+        if group_rank == rank:
+            solo = group
+    alone = fully_shard(nn.Linear(4, 4), strategy=ShardingStrategy.NO_SHARD, process_group=solo)
+    with pytest.raises(ValueError, match=r"register_comm_hook\(Linear\): unit '.*' has no group to reduce its gradient "
+                                         r"over .*Pass DefaultState\(process_group\)"):
+        register_comm_hook(alone, None, comm_hooks.allreduce_hook)
+    assert all(state.reduction_overrides.comm_hook is None for _, state in unit_states_under(model))
+    # Nothing was registered: the model trains in parity, then with the hook.
+    register_comm_hook(model, None, comm_hooks.reduce_scatter_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    parity = Parity(build=TinyGPT, shard=lambda m: None)
+    local = _local(rank, world_size)
+    for step in range(2):
+        inputs, targets = batch(step)
+        lm_loss(reference(inputs), targets).backward()
+        lm_loss(model(inputs[local]), targets[local]).backward()
+        step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"step {step}")
+
+
+def test_comm_hook_wrong_state_refused_at_registration_and_model_trains() -> None:
+    run_distributed(_none_or_wrong_state_refused_then_trains, 2)
