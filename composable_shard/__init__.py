@@ -1,8 +1,11 @@
-"""composable_shard: fully sharded data parallel training as a composable API.
+"""Owns: the package's public face — the top-level names (``__all__``, the
+contract in docs/api.md) and joining the optional wings (state-dict hooks,
+guards on torch's own functions, optimizer steps) to ``fully_shard``.
 
+composable_shard: fully sharded data parallel training as a composable API.
 ``fully_shard(module)`` shards a module's parameters across ranks in place and
 attaches the hooks that gather them for forward and backward and reduce their
-gradients. See API.md for the contract.
+gradients. See docs/api.md for the contract.
 """
 
 import sys as _sys
@@ -68,7 +71,7 @@ _register_unit_extension(_autograd_inputs.track_unit_params)
 _register_before_change(_torch_wrappers.before_fully_shard)
 _register_unit_extension(_torch_wrappers.track_unit)
 
-# ``composable_shard.plan`` is the function (API.md); its subpackage is
+# ``composable_shard.plan`` is the function (docs/api.md); its subpackage is
 # ``composable_shard.planning``. Code written as ``from composable_shard.plan
 # import ShardingPlan`` still finds the subpackage under its old name.
 _sys.modules.setdefault(f"{__name__}.plan", planning)

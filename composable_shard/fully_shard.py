@@ -110,7 +110,7 @@ def fully_shard(
 
     Returns the same module object: its class and its submodules' classes are
     unchanged, and its ``nn.Parameter`` objects are kept (they become views
-    into this rank's flat shard). See API.md for the full contract.
+    into this rank's flat shard). See docs/api.md for the full contract.
 
     Given a list of modules, makes them one unit (a group: one flat
     parameter per dtype and trainability for all of them) and returns the

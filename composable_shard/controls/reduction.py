@@ -5,7 +5,7 @@ arguments (an immediate error naming the module).
 
 Knows nothing of: how the reduction runs (``comm`` reads the overrides
 these set: comm/overrides.py), the step's lifecycle, the other runtime
-controls (composable_shard/controls.py).
+controls (controls/per_unit.py).
 
 Public names: ``set_requires_all_reduce``, ``set_gradient_divide_factor``,
 ``register_comm_hook``, ``set_all_reduce_hook``.

@@ -1,6 +1,6 @@
 """Owns: the switch that lets a memory recorder sample at every runtime hook
 — off by default (one check of a module global per hook), on while
-``composable_shard.plan.MemoryRecorder.record()`` runs — and what the
+``composable_shard.MemoryRecorder.record()`` runs — and what the
 runtime owns at that moment (its shards, gathered buffers and sharded
 gradients, over the unit's whole tree).
 

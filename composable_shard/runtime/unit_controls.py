@@ -1,4 +1,4 @@
-"""Owns: what the per-unit runtime controls (``composable_shard/controls.py``)
+"""Owns: what the per-unit runtime controls (``controls/per_unit.py``)
 change in a step — whether a unit keeps its parameters gathered after
 forward or after backward, the check of a unit's controls at its forward
 and backward, the reductions a backward that is not the last leaves in

@@ -1,6 +1,6 @@
 """Owns: the state-dict subpackage's public face — the four functions of
 ``torch.distributed.checkpoint.state_dict``'s shape for a sharded tree.
-The checkpoint-directory functions that API.md lists beside them live in
+The checkpoint-directory functions that docs/api.md lists beside them live in
 ``composable_shard.checkpoint`` (a layer above this one) and are re-exported
 at the top level; this face still resolves them by name, lazily, for code
 written as ``from composable_shard.state_dict import save_checkpoint``.
