@@ -9,11 +9,12 @@ memory.py, and the number of units).
 [Note: the memory that is not tensors]
 ``scripts/bench.py`` measures a rank's peak as the growth of its resident
 set (VmHWM) over its level before the model is built. Beyond the plan's
-tensors it holds (benchmarks/runtime_2026-11-25/ split it with
-``/proc/self/status`` and ``mallinfo2``):
+tensors it holds (``python scripts/bench.py runtime-memory`` splits it
+with ``/proc/self/status`` and ``mallinfo2``, per rank):
 
 - ``code``: pages of torch's libraries first touched by the steps
-  (``RssFile`` growth), 18.5 MiB at every size and transport measured;
+  (``RssFile`` growth: the subcommand's ``code``), 18.5 MiB at every
+  size and transport measured;
 - ``heap_tops``: free memory glibc keeps on top of its heaps. A tensor
   below the mmap threshold comes from the heap of the allocating thread's
   arena; the threshold starts at 128 KiB and, each time an mmapped chunk
@@ -29,18 +30,19 @@ tensors it holds (benchmarks/runtime_2026-11-25/ split it with
 - ``rest``: holes the step's order of allocations leaves between live
   chunks, Python objects, autograd's records. Not derived: 26.5 MiB plus
   1.66 MiB per unit, fitted on the bench GPT of width 256 at 2 and 16
-  blocks through shared memory; it does not follow the width (512, 768,
-  1,280 validate it).
+  blocks through shared memory (``python scripts/bench.py runtime-memory
+  --fit-rest`` prints the two numbers); it does not follow the width
+  (512, 768, 1,280 validate it: ``--n-embd``).
 
-Measured against the plan (benchmarks/runtime_2026-11-25b/, the table in
-docs/benchmarks.md): through shared memory every point of the grid (width
-256 to 1,280, 2 to 16 blocks, 326M) within 3.1%, the largest models
-within 1%; through gloo within 8% except with units of 12-27 MiB, where
+Measured against the plan (``scripts/bench.py runtime-memory`` per point;
+the table and its commands in docs/benchmarks.md): through shared memory
+every point of the grid (width 256 to 1,280, 2 to 16 blocks, 326M) within
+3.1%, the largest models within 1%; through gloo within 8% except with units of 12-27 MiB, where
 the workers' arenas keep several units' copies more (the plan up to 22%
 below). CUDA: the plan is compared with the caching allocator's bytes,
 which hold tensors only, so the line is 0 there (the CUDA context and host
 memory are outside what the plan predicts; never measured here, no GPU).
-Pinned by tests/plan/test_runtime_memory.py and tests/plan/test_plan.py
+Pinned by tests/planning/test_runtime_memory.py and tests/planning/test_plan.py
 (test_runtime_memory_is_its_own_line_of_the_total).
 """
 
@@ -55,7 +57,8 @@ _MIB = 2**20
 _PAGE = 4096
 
 # Pages of torch's libraries first touched by a training step (RssFile growth
-# after 3 steps: 18.5 MiB at 7.4M and 326M, gloo and shared memory).
+# after 3 steps: 18.5 MiB at 7.4M and 326M, gloo and shared memory). Measured
+# by `python scripts/bench.py runtime-memory` (its "code" per rank).
 CODE_BYTES = int(18.5 * _MIB)
 # glibc on 64-bit Linux: M_MMAP_THRESHOLD starts at 128 KiB and rises with
 # frees of mmapped chunks up to DEFAULT_MMAP_THRESHOLD_MAX; the trim
@@ -63,10 +66,12 @@ CODE_BYTES = int(18.5 * _MIB)
 MMAP_THRESHOLD_START = 128 * 1024
 MMAP_THRESHOLD_MAX = 32 * _MIB
 TRIM_PER_THRESHOLD = 2
-# ProcessGroupGloo's worker threads per group (its default), one arena each.
+# ProcessGroupGloo's worker threads per group (its default), one arena each
+# (torch's ProcessGroupGloo.Options threads; not measured, a default).
 GLOO_THREADS = 2
 # The rest, per rank and per unit: fitted on the bench GPT of width 256 at 2
-# and 16 blocks through shared memory (benchmarks/runtime_2026-11-25b/).
+# and 16 blocks through shared memory, torch 2.13, glibc defaults; refit
+# with `python scripts/bench.py runtime-memory --fit-rest` (prints both).
 REST_BYTES = int(26.5 * _MIB)
 REST_PER_UNIT_BYTES = int(1.66 * _MIB)
 

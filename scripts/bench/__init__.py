@@ -30,7 +30,19 @@ above it::
                   search for each mode's largest n_layer, its table
     plot.py       --plot: composable_shard's memory sampled at every hook
                   of one step on rank 0, drawn over its plan
-    cli.py        the command line and the order of the passes
+    cli.py        the command line and the order of the passes; the
+                  subcommands (SUBCOMMANDS), each one module below
+
+Subcommands (``bench.py NAME ...``), each its own measurement:
+
+    collectives.py     comm: the handle's collectives vs raw torch.distributed
+    checkpoints.py     checkpoint: sharded save / load vs FSDP2's
+    tensor_parallel.py tp: composable_shard + TP vs FSDP2 + TP
+    scale.py           scale: 8-1,024 simulated ranks of a 7B model vs the plan
+    runtime_memory.py  runtime-memory: a rank's non-tensor memory; the fit of
+                       composable_shard/planning/runtime_memory.py's constants
+    skipped_units.py   skipped-units: set_may_be_skipped's memory
+    tag_check.py       tag-check: the tag exchange's cost on gloo
 
 Modes, each with its own model copy (same seed, so the same initial weights)
 and its own AdamW (same ``param_groups``); every mode sees the same batches:

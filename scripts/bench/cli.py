@@ -1,9 +1,10 @@
 """Owns: the command line (its checks, the configuration's sizes filled in)
 and the order of the passes: timing, then memory per mode, then the table;
 or, for a configuration whose ``run`` is ``"largest"``, the search of
-``largest.py`` instead.
+``largest.py`` instead; and the subcommands (``SUBCOMMANDS``: a first
+argument naming one hands the rest to that module's ``main``).
 
-Knows nothing of: what the passes do inside.
+Knows nothing of: what the passes or the subcommands do inside.
 """
 
 from __future__ import annotations
@@ -29,9 +30,25 @@ from .timing import timing_worker
 
 logger = logging.getLogger("bench")
 
+# ``bench.py NAME ...``: the module of scripts/bench/ whose main(argv) runs it, and what it measures.
+SUBCOMMANDS = {
+    "comm": ("collectives", "the handle's all-gather / reduce-scatter against raw torch.distributed"),
+    "checkpoint": ("checkpoints", "sharded checkpoint save / load against FSDP2's"),
+    "tp": ("tensor_parallel", "composable_shard + TP against FSDP2 + TP on a 2 x 2 mesh"),
+    "scale": ("scale", "a 7B Llama-style model sharded at 8-1,024 simulated ranks against the plan"),
+    "runtime-memory": ("runtime_memory", "a rank's memory beyond the plan's tensors; the plan's runtime constants"),
+    "skipped-units": ("skipped_units", "peak unsharded bytes with and without set_may_be_skipped"),
+    "tag-check": ("tag_check", "the cost of the tag exchange beside a collective on gloo"),
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=package_doc.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=package_doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommands (bench.py NAME --help for each):\n"
+        + "\n".join(f"  {name:<15} {what}" for name, (_, what) in SUBCOMMANDS.items()),
+    )
     p.add_argument("--config", choices=sorted(CONFIGS), default="gpt")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -145,6 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        module = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]][0]}")
+        return module.main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if CONFIGS[args.config].run == "largest":

@@ -47,12 +47,16 @@ def init_worker(rank: int, args: argparse.Namespace, port: int) -> torch.device:
     return device
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for one set of processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn(worker: Callable[..., None], args: argparse.Namespace, *extra: object) -> None:
     """Runs ``worker(rank, args, port, *extra)`` in ``args.nprocs`` fresh processes."""
-    with socket.socket() as s:  # a free port for this set of processes
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port, *extra), nprocs=args.nprocs, join=True)
+    mp.spawn(worker, args=(args, free_port(), *extra), nprocs=args.nprocs, join=True)
 
 
 def fixed_malloc_thresholds(enabled: bool) -> contextlib.AbstractContextManager:

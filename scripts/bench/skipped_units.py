@@ -1,26 +1,29 @@
-"""Memory cost of ``set_may_be_skipped``: the peak bytes of unsharded
+"""Owns: ``bench.py skipped-units``.
+
+Memory cost of ``set_may_be_skipped``: the peak bytes of unsharded
 parameters and of unsharded gradients one rank holds in a step of a
 mixture-of-experts layer (4 experts, each its own unit, anchored at the
 root), with and without the mode, every rank routing to every expert (so
 that both modes run). Counted exactly from the handles at every all-gather
 and reduction the scheduler issues, and at the end of backward.
 
-Run: python scripts/measure_skipped_units.py [WIDTH]
+Run: python scripts/bench.py skipped-units [--width 256]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard import fully_shard, set_may_be_skipped
 from composable_shard.runtime.scheduler import Scheduler
 from composable_shard.runtime.state import unit_states_under
+
+from .processes import spawn
 
 EXPERTS = 4
 
@@ -71,8 +74,9 @@ def _measure(model: nn.Module, width: int) -> tuple[int, int]:
     return peaks[0], peaks[1]
 
 
-def _run(rank: int, world_size: int, width: int) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+def _run(rank: int, args: argparse.Namespace, port: int) -> None:
+    width, world_size = args.width, args.nprocs
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results = {}
     for mode in (False, True):
@@ -92,6 +96,10 @@ def _run(rank: int, world_size: int, width: int) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", "29533")
-    mp.spawn(_run, args=(2, int(sys.argv[1]) if len(sys.argv) > 1 else 256), nprocs=2)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py skipped-units", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=256, help="the experts' width")
+    args = parser.parse_args(argv)
+    args.nprocs = 2
+    spawn(_run, args)
+    return 0

@@ -4,14 +4,14 @@ under PyTorch's fake process group (collectives are no-ops, so this process
 plays rank 0 of W and allocates only its own shards), and its per-rank memory
 is compared with ``composable_shard.plan``.
 
-Owns: the simulation and its table.
+Owns: ``bench.py scale``: the simulation and its table.
 Knows nothing of: composable_shard internals (public API only).
 
 Run::
 
-    python scripts/scale_sim.py                      # 8, 64, 256, 1024 ranks
-    python scripts/scale_sim.py --world-sizes 8 64 --layers 32 --plan-table
-    python scripts/scale_sim.py --measure-step 2     # + a real step's peak vs the plan
+    python scripts/bench.py scale                      # 8, 64, 256, 1024 ranks
+    python scripts/bench.py scale --world-sizes 8 64 --layers 32 --plan-table
+    python scripts/bench.py scale --measure-step 2     # + a real step's peak vs the plan
 
 Columns: the plan's sharded parameters per rank and what ``fully_shard``
 allocated (distinct storages behind the parameters; ``==`` when plan,
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # composable_shard from a checkout
 
 import composable_shard as cs  # noqa: E402
 from composable_shard.planning.table import format_bytes  # noqa: E402
@@ -212,8 +212,8 @@ def measure_step(cfg: LlamaConfig, world_size: int, seq: int) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--layers", type=int, default=LlamaConfig.layers)
     parser.add_argument("--plan-table", action="store_true", help="print the full plan table per world size")
@@ -251,7 +251,4 @@ def main(argv: list[str] | None = None) -> None:
     print(f"max RSS of this process: {format_bytes(int(max(r['max_rss'] for r in rows)))}")
     if args.measure_step:
         measure_step(LlamaConfig(layers=args.measure_step), max(args.world_sizes), seq=16)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

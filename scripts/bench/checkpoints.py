@@ -1,6 +1,6 @@
 """Benchmark sharded checkpoint save and load: composable_shard against FSDP2.
 
-Owns: the comparison of time and peak memory of a sharded
+Owns: ``bench.py checkpoint``: the comparison of time and peak memory of a sharded
 ``torch.distributed.checkpoint`` save and load of one GPT between
 ``composable_shard`` (its ``get/set_model_state_dict`` and
 ``get/set_optimizer_state_dict``, and its ``save_checkpoint`` /
@@ -10,10 +10,10 @@ Knows nothing of: how either works inside.
 
 Run::
 
-    python scripts/bench_checkpoint.py                         # 2 ranks, CPU, gloo
-    python scripts/bench_checkpoint.py --sizes 8x512,18x1536   # two sizes (n_layer x n_embd), one table each
-    python scripts/bench_checkpoint.py --n-layer 12 --n-embd 768 --repeats 5
-    python scripts/bench_checkpoint.py --device cuda --world-size 8
+    python scripts/bench.py checkpoint                         # 2 ranks, CPU, gloo
+    python scripts/bench.py checkpoint --sizes 8x512,18x1536   # two sizes (n_layer x n_embd), one table each
+    python scripts/bench.py checkpoint --n-layer 12 --n-embd 768 --repeats 5
+    python scripts/bench.py checkpoint --device cuda --world-size 8
 
 The script spawns its own processes; do not start it with torchrun.
 
@@ -60,7 +60,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -72,14 +71,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))  # gpt.py
 sys.path.insert(1, str(ROOT))  # composable_shard from a checkout
 
 from gpt import GPT, GPTConfig, param_groups  # noqa: E402
+
+from .processes import spawn  # noqa: E402
 
 logger = logging.getLogger("bench_checkpoint")
 
@@ -87,7 +87,7 @@ MODES = ("composable_shard", "composable_shard_direct", "composable_shard_safe",
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench.py checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = [(args.n_layer, args.n_embd)]
     if any(embd % args.n_head for _, embd in args.sizes):
         p.error(f"--sizes: every width must be divisible by --n-head={args.n_head}")
+    args.nprocs = args.world_size  # for processes.spawn
     return args
 
 
@@ -257,10 +258,7 @@ def run_size(
         for round_index in range(args.rounds):
             # Reversed every other round: whichever mode runs first on a busy machine pays for it.
             for mode in args.modes if round_index % 2 == 0 else list(reversed(args.modes)):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                mp.spawn(worker, args=(args, port, mode, out_dir, ckpt_root), nprocs=args.world_size, join=True)
+                spawn(worker, args, mode, out_dir, ckpt_root)
                 shutil.rmtree(f"{ckpt_root}/{mode}", ignore_errors=True)  # keep at most one checkpoint on disk
                 per_rank = [json.loads(Path(out_dir, f"{mode}_rank{r}.json").read_text()) for r in range(args.world_size)]
                 for key in ("save_s", "load_s"):  # the slowest rank's time of each repeat
@@ -283,8 +281,8 @@ def run_size(
     return rows, samples
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ckpt_root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
     results = []
@@ -300,6 +298,3 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

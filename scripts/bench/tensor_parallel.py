@@ -1,9 +1,11 @@
-"""CPU step time of composable_shard + TP against FSDP2 + the same TP plan on
+"""Owns: ``bench.py tp``.
+
+CPU step time of composable_shard + TP against FSDP2 + the same TP plan on
 one 2 x 2 (dp, tp) mesh of 4 gloo processes, interleaved in one run.
 
 Run::
 
-    python scripts/bench_tp.py [--rounds 5 --steps 5 --dim 256 --layers 4 --seq 64 --batch 8]
+    python scripts/bench.py tp [--rounds 5 --steps 5 --dim 256 --layers 4 --seq 64 --batch 8]
 
 The model is examples/tensor_parallel_gpt.py's GPT (attention and MLP of each
 block on "tp", ``fully_shard`` per block on "dp"); both libraries train a
@@ -23,12 +25,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
+from .processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example():
@@ -83,8 +88,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py tp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -94,22 +100,30 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch (rows), split over dp")
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--port", type=int, default=29533)
-    args = parser.parse_args()
+    parser.add_argument("--port", type=int, default=0, help="the process group's port (0: a free one)")
+    args = parser.parse_args(argv)
+    if not args.port:
+        args.port = free_port()
     world = 4
     context = mp.get_context("spawn")
     queue = context.Queue()
     processes = [context.Process(target=_worker, args=(rank, world, args.port, args, queue)) for rank in range(world)]
     for process in processes:
         process.start()
-    times = queue.get()
+    times = None
+    while times is None:  # a rank that dies never puts: stop then instead of waiting forever
+        try:
+            times = queue.get(timeout=1.0)
+        except Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                for process in processes:
+                    process.kill()
+                sys.exit(f"bench.py tp: a rank exited with status {failed[0]} (its traceback is above)")
     for process in processes:
         process.join()
     medians = {mode: statistics.median(values) * 1e3 for mode, values in times.items()}
     for mode, median in medians.items():
         print(f"{mode:>18}: median step {median:8.1f} ms over {len(times[mode])} steps")
     print(f"ratio composable_shard / fsdp2: {medians['composable_shard'] / medians['fsdp2']:.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

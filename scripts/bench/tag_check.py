@@ -1,33 +1,37 @@
-"""Cost of the tag exchange beside a collective on gloo's message path
+"""Owns: ``bench.py tag-check``.
+
+Cost of the tag exchange beside a collective on gloo's message path
 (comm/tag_check.py): ``comm.all_gather_into`` at 2 ranks with
 COMPOSABLE_SHARD_SHARED_MEMORY=0, tagged and untagged, interleaved, median
 of 50 after 10 warm-up.
 
-Run: python scripts/measure_tag_check.py
+Run: python scripts/bench.py tag-check
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from composable_shard import comm
 from composable_shard.comm import tags
+
+from .processes import spawn
 
 
 class _Key:
     """Stands for a flat parameter: what a tag is registered under."""
 
 
-def _run(rank: int, world_size: int) -> None:
+def _run(rank: int, args: argparse.Namespace, port: int) -> None:
+    world_size = args.nprocs
     os.environ["COMPOSABLE_SHARD_SHARED_MEMORY"] = "0"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     key, untagged = _Key(), _Key()
     tags.register(key, 5, "unit 'x'")
@@ -51,5 +55,9 @@ def _run(rank: int, world_size: int) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    mp.spawn(_run, args=(2,), nprocs=2)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py tag-check", description=__doc__.split("\n\n")[0])
+    args = parser.parse_args(argv)
+    args.nprocs = 2
+    spawn(_run, args)
+    return 0

@@ -1,8 +1,10 @@
-"""Bandwidth the flat-parameter handle reaches for its all-gather (unshard)
+"""Owns: ``bench.py comm``.
+
+Bandwidth the flat-parameter handle reaches for its all-gather (unshard)
 and reduce-scatter (reduce_grad), against raw torch.distributed calls on the
 same bytes and (CPU) the raw shared-memory collectives, in one run.
 
-Run: python scripts/bench_comm.py [--world-size 2] [--numel 4194304] [--iters 20]
+Run: python scripts/bench.py comm [--world-size 2] [--numel 4194304] [--iters 20]
 [--slot-bytes N] (gloo on CPU; --device cuda uses NCCL, one GPU per rank).
 ``--slot-bytes`` sets the shared-memory transport's slot size
 (``shared_memory.SLOT_BYTES``) for the run, to compare sizes.
@@ -23,13 +25,14 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from composable_shard.comm import ShardGroups
 from composable_shard.comm import shared_memory, transport
 from composable_shard.handle.layout import ParamOwner
 from composable_shard.handle import FlatParamHandle, FlatParamSource
+
+from .processes import spawn
 
 
 def _seconds(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
@@ -169,21 +172,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py comm", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--numel", type=int, default=1 << 22)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--slot-bytes", type=int, default=0, help="shared-memory slot size (0: the default)")
-    args = parser.parse_args()
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_worker, args=(args, port), nprocs=args.world_size)
-
-
-if __name__ == "__main__":
-    main()
+    args = parser.parse_args(argv)
+    args.nprocs = args.world_size
+    spawn(_worker, args)
+    return 0
