@@ -17,6 +17,7 @@ Knows nothing of: which document or test uses it.
 from __future__ import annotations
 
 import ast
+import datetime
 import importlib
 import inspect
 import io
@@ -134,8 +135,7 @@ def signature_entries(block: str) -> list[str]:
 
 def parse_signature(entry: str, namespace: dict[str, Any] | None = None) -> Signature:
     """One signature entry, read as the ``def`` it would be; defaults are
-    evaluated in ``namespace`` (the package's top-level names, ``torch`` and
-    ``nn`` by default). Raises ``ValueError`` naming the entry if it does not
+    evaluated in ``namespace`` (by default ``default_namespace()``). Raises ``ValueError`` naming the entry if it does not
     parse."""
     match = _START.match(entry)
     if match is None:
@@ -177,8 +177,9 @@ def parse_signature(entry: str, namespace: dict[str, Any] | None = None) -> Sign
 
 def default_namespace() -> dict[str, Any]:
     """What a default written in a signature may name: the package's
-    top-level names, ``torch`` and ``nn``."""
-    return {**{name: getattr(composable_shard, name) for name in composable_shard.__all__}, "torch": torch, "nn": torch.nn}
+    top-level names, ``torch``, ``nn`` and ``timedelta``."""
+    names = {name: getattr(composable_shard, name) for name in composable_shard.__all__}
+    return {**names, "torch": torch, "nn": torch.nn, "timedelta": datetime.timedelta}
 
 
 def resolve(dotted: str) -> tuple[Any, bool]:
