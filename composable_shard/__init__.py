@@ -48,6 +48,10 @@ from .fully_shard import register_unit_extension as _register_unit_extension
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
 from .runtime.skipped_units import set_may_be_skipped
+from .runtime.lifecycle import OptimizerStepExtension as _OptimizerStepExtension
+from .runtime.lifecycle import register_optimizer_step_extension as _register_optimizer_step_extension
+from .optim import full_shape
+from .optim import owner_step as _owner_step
 from . import interop
 from .interop import (
     autograd_grad as _autograd_inputs,
@@ -75,6 +79,12 @@ _register_unit_extension(_torch_wrappers.track_unit)
 # ``composable_shard.planning``. Code written as ``from composable_shard.plan
 # import ShardingPlan`` still finds the subpackage under its old name.
 _sys.modules.setdefault(f"{__name__}.plan", planning)
+
+# Optimizers that are not elementwise step whole parameters on their owners
+# ([Note: owner computes] in optim/owner_step.py).
+_register_optimizer_step_extension(
+    _OptimizerStepExtension(_owner_step.before_step, _owner_step.after_step, _owner_step.settle)
+)
 
 __all__ = [
     "fully_shard",
@@ -106,6 +116,7 @@ __all__ = [
     "reshard",
     "UnshardHandle",
     "register_elementwise_optimizer",
+    "full_shape",
     "set_may_be_skipped",
     "plan",
     "describe",

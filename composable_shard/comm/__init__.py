@@ -26,7 +26,7 @@ wrap this module to count or order them (a spy that calls through).
 
 Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
-``all_reduce``, ``all_reduce_max``, ``broadcast``, ``Work``,
+``all_reduce``, ``all_reduce_max``, ``all_to_all``, ``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
 ``finish_grad_reduction``, ``ReductionOverrides``, ``settings_with``,
@@ -64,6 +64,7 @@ __all__ = [
     "ChunkOfAllReduce",
     "all_reduce",
     "all_reduce_max",
+    "all_to_all",
     "broadcast",
     "broadcast_object",
     "all_gather_object",
@@ -278,6 +279,16 @@ def _run_all_reduce_hook(summed_grad: torch.Tensor, settings: GradReduceSettings
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
     process_group.all_reduce_max(tensor, group)
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    group: ProcessGroup | None,
+) -> None:
+    """Exchange 1-D ``input`` in pieces: ``input_splits[q]`` elements to group
+    rank ``q``; ``output`` receives ``output_splits[q]`` from rank ``q``, in
+    rank order (synchronous; the owner step's one collective per direction)."""
+    process_group.all_to_all(output, input, output_splits, input_splits, group)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:

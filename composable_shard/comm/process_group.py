@@ -112,6 +112,15 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    group: ProcessGroup | None,
+) -> None:
+    """Rank ``r``'s ``input_splits[q]`` elements go to rank ``q``, landing
+    after what lower ranks sent (synchronous)."""
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
     """Overwrite ``tensor`` with the one on group rank ``src_group_rank`` (synchronous)."""
     dist.broadcast(tensor, group=group, **_source(src_group_rank, group))

@@ -48,15 +48,16 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Iterable, Literal
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
-from .optimizer_checks import refuse_unless_elementwise, remember_step_after_pending_forward, remember_step_while_held
+from .optimizer_checks import refuse_coupling_optimizer, remember_step_after_pending_forward, remember_step_while_held
 from .unit_controls import (
     drop_gathered_written_back,
     end_backward_leaving_reductions,
@@ -76,13 +77,44 @@ __all__ = [
     "backward_was_abandoned",
     "recover_from_abandoned_backward",
     "track_root",
+    "track_unit",
+    "live_units",
+    "OptimizerStepExtension",
+    "register_optimizer_step_extension",
 ]
 
 # Every root's context, for the optimizer step pre-hook (weak: a deleted
 # model drops its context).
 _ROOT_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
-# The process-wide optimizer step pre-hook, registered at the first lazy init.
-_OPTIMIZER_STEP_PRE_HOOK: RemovableHandle | None = None
+# Every unit fully_shard built (weak), for the optimizer step: it may come
+# before the first forward, when no root context exists yet.
+_UNITS: weakref.WeakSet[UnitState] = weakref.WeakSet()
+# The process-wide optimizer step hooks, registered by the first fully_shard.
+_OPTIMIZER_STEP_HOOKS: list[RemovableHandle] = []
+
+
+@dataclass(frozen=True)
+class OptimizerStepExtension:
+    """What a wing adds to every optimizer step over units (the owner step
+    of composable_shard/optim/), registered without the core importing it."""
+
+    # After the refusals and the gate, before the optimizer's own step:
+    # the optimizer, every live unit, and the step's arguments.
+    before_step: Callable[[torch.optim.Optimizer, list[UnitState], tuple, dict], None]
+    # After the optimizer's own step returned.
+    after_step: Callable[[torch.optim.Optimizer], None]
+    # At every entry from outside a step: undo what a step that raised
+    # left half done, before anything reads the parameters.
+    settle: Callable[[], None]
+
+
+_STEP_EXTENSIONS: list[OptimizerStepExtension] = []
+
+
+def register_optimizer_step_extension(extension: OptimizerStepExtension) -> None:
+    """Run ``extension`` around every optimizer step (idempotent)."""
+    if extension not in _STEP_EXTENSIONS:
+        _STEP_EXTENSIONS.append(extension)
 
 
 class TreePhase(enum.Enum):
@@ -143,6 +175,8 @@ def enter_between_steps(
     ``keep_gathered`` (a forward), finish reductions left in flight and free
     what idle units kept gathered ([Note: units kept gathered between
     steps] in unit_controls.py)."""
+    for extension in _STEP_EXTENSIONS:
+        extension.settle()
     for context, tree in _trees(units):
         if context is not None and backward_was_abandoned(context):
             recover_from_abandoned_backward(context)
@@ -276,10 +310,22 @@ def recover_from_abandoned_backward(context: RootContext) -> None:
 # ------------------------------------------------------------ optimizer step
 def track_root(context: RootContext) -> None:
     """Let the optimizer step pass the gate for this tree (lazy init)."""
-    global _OPTIMIZER_STEP_PRE_HOOK
     _ROOT_CONTEXTS.add(context)
-    if _OPTIMIZER_STEP_PRE_HOOK is None:
-        _OPTIMIZER_STEP_PRE_HOOK = register_optimizer_step_pre_hook(_pre_optimizer_step)
+    _register_step_hooks()
+
+
+def track_unit(unit: UnitState) -> None:
+    """Let the optimizer step see this unit from the moment ``fully_shard``
+    built it: a step before the first forward is refused or stepped by
+    owners like any other."""
+    _UNITS.add(unit)
+    _register_step_hooks()
+
+
+def _register_step_hooks() -> None:
+    if not _OPTIMIZER_STEP_HOOKS:
+        _OPTIMIZER_STEP_HOOKS.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
+        _OPTIMIZER_STEP_HOOKS.append(register_optimizer_step_post_hook(_post_optimizer_step))
 
 
 def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -287,7 +333,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     pass the gate (the step writes the shards; with CPU offload an upload
     may still read them). Inside a step (an optimizer in backward) nothing
     is held to end."""
-    refuse_unless_elementwise(optimizer, _ROOT_CONTEXTS)  # [Note: optimizers over shards]
+    units = live_units()
+    refuse_coupling_optimizer(optimizer, units)  # [Note: optimizers over shards]
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
             continue  # a tree that became part of a larger one
@@ -300,6 +347,18 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
         elif not held and not context.post_backward_callback_queued and _updates_tree(optimizer, context):
             remember_step_after_pending_forward(context, optimizer)
+    for extension in _STEP_EXTENSIONS:
+        extension.before_step(optimizer, units, args, kwargs)
+
+
+def _post_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for extension in _STEP_EXTENSIONS:
+        extension.after_step(optimizer)
+
+
+def live_units() -> list[UnitState]:
+    """Every live unit, in the order fully_shard built them on this rank."""
+    return sorted(_UNITS, key=lambda unit: unit.build_index)
 
 
 def _updates_tree(optimizer: torch.optim.Optimizer, context: RootContext) -> bool:

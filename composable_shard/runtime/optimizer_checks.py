@@ -19,32 +19,37 @@ so for the ``torch.optim`` optimizers in ``ELEMENTWISE_OPTIMIZERS`` (checked
 against their update rules in torch 2.9 to 2.13: momentum, moving averages,
 AMSGrad's running max, Rprop's per-element step sizes, RAdam's rectification
 and NAdam's momentum product are elementwise or scalars of the step count).
-It is not so for ``LBFGS`` (dot products over all parameters), ``Adafactor``
-(row and column factors of each matrix; on an empty local part it divides
-by zero), ``Muon`` (orthogonalises each whole matrix); ``SparseAdam`` is
-elementwise but needs sparse gradients, which a flat parameter never has.
-Those and every optimizer not declared are refused before their step
-changes anything, when they update a parameter of a sharded unit (NO_SHARD
-units hold whole tensors: anything goes). The check is by exact type (a
-subclass may override ``step``); ``register_elementwise_optimizer(cls)``
-declares another. Pinned by tests/training/test_optimizer_checks.py.
+Any other optimizer is taken to be per-parameter (its update of a
+parameter reads that parameter's whole gradient and state: Muon,
+Adafactor, Shampoo/SOAP, a user's own that reads shapes or norms): each of
+its parameters of a unit is stepped whole, once per shard group, by an
+owner rank ([Note: owner computes] in optim/owner_step.py) — under every
+strategy, since NO_SHARD and one-rank units show flattened 1-D views too.
+Refused at every step (before the first forward too, so the hooks are
+registered by ``fully_shard``), before anything changes: ``LBFGS``, which
+couples all parameters, and ``SparseAdam``, which needs sparse gradients.
+The elementwise check is by exact type (a subclass may override ``step``);
+``register_elementwise_optimizer(cls)`` declares another. Pinned by
+tests/runtime/test_optimizer_checks.py and tests/optim/.
 
 [Note: optimizer step between forward and backward]
 In a single process, ``optimizer.step()`` between a forward and its
 backward changes parameters the graph saved, and the backward raises
 autograd's "modified by an inplace operation". Here the step writes the
 shards, and the backward would gather the new values and compute gradients
-with them: silently wrong. So the step notes the forward it came after (the
-tree's ``forward_order`` list, a new object at every root forward), and the
-first pre-backward of that forward resets the tree and raises. A forward
+with them: silently wrong. So the step notes the latest forward it came
+after (``RootContext.forward_serial``), and the first pre-backward of that
+forward or an earlier one resets the tree and raises: also a second
+backward through a graph kept with ``retain_graph=True`` after the first
+backward and a step, which a single process refuses the same way. A forward
 whose backward never comes (evaluation under grad mode) is free to be
 followed by a step: nothing is refused until a backward of it starts, and
-the next root forward makes a new list, which ends the matter.
-A backward of an earlier forward can return the tree to idle while the
-latest forward's backward is still to come (forward A, forward B, A's
-backward, step, B's backward): each pre-backward hook carries its forward's
-number (``RootContext.forward_serial``), so the step knows whether the latest forward's backward started, and
-remembers it if not. Pinned by tests/training/test_optimizer_checks.py.
+the next root forward has a larger number, which ends the matter.
+A backward can return the tree to idle while a backward of the same or
+an earlier forward is still to come (forward A, forward B, A's backward,
+step, B's backward; or ``backward(retain_graph=True)``, step, backward): a
+step with the tree idle is remembered too, and each pre-backward hook
+carries its forward's number. Pinned by tests/runtime/test_optimizer_checks.py.
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ from typing import Callable, Iterable, TypeVar
 
 import torch
 
-from .state import RootContext
+from .state import RootContext, UnitState
 
 __all__ = [
     "register_elementwise_optimizer",
     "ELEMENTWISE_OPTIMIZERS",
-    "refuse_unless_elementwise",
+    "is_elementwise",
+    "refuse_coupling_optimizer",
     "remember_step_while_held",
     "refuse_backward_after_step",
     "remember_step_after_pending_forward",
@@ -79,14 +85,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
     torch.optim.Rprop,
 )
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "SparseAdam")
+# Optimizers no per-parameter schedule makes exact here, with why.
+_REFUSED: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.LBFGS: "LBFGS couples all parameters (dot products and a line search over every parameter at "
+    "once), so neither a shard nor one whole parameter is enough to compute its step.",
+    torch.optim.SparseAdam: "SparseAdam needs sparse gradients, which the reduced gradients of a unit never are.",
+}
 
 _DECLARED: set[type] = set(ELEMENTWISE_OPTIMIZERS)
-# Optimizers found to update no sharded parameter, with how many parameters
-# they had then (add_param_group invalidates it).
-_NOTHING_SHARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-# The forward each tree was stepped after (its forward_order list).
-_STEPPED_AFTER: weakref.WeakKeyDictionary[RootContext, list] = weakref.WeakKeyDictionary()
+# The latest forward (RootContext.forward_serial) each tree was stepped after.
+_STEPPED_AFTER: weakref.WeakKeyDictionary[RootContext, int] = weakref.WeakKeyDictionary()
 
 OptimizerClass = TypeVar("OptimizerClass", bound=type)
 
@@ -106,47 +114,38 @@ def register_elementwise_optimizer(optimizer_class: OptimizerClass) -> Optimizer
     return optimizer_class
 
 
-def _param_count(optimizer: torch.optim.Optimizer) -> int:
-    return sum(len(group["params"]) for group in optimizer.param_groups)
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps each rank's slice ([Note: optimizers over
+    shards]); any other per-parameter optimizer steps whole parameters on
+    their owners (composable_shard/optim/)."""
+    return type(optimizer) in _DECLARED
 
 
-def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, contexts: Iterable[RootContext]) -> None:
-    """Raise before the step if ``optimizer`` is not declared elementwise and
-    updates a parameter of a sharded unit in ``contexts``."""
+def refuse_coupling_optimizer(optimizer: torch.optim.Optimizer, units: Iterable[UnitState]) -> None:
+    """Raise before the step, whatever step it is (before the first forward
+    too), if ``optimizer`` is one that no per-parameter schedule makes exact
+    and it updates a parameter of any unit in ``units``. Looked up at every
+    step: an optimizer's parameter groups may change between steps."""
     if type(optimizer) in _DECLARED:
         return
-    count = _param_count(optimizer)
-    if _NOTHING_SHARDED.get(optimizer) == count:
+    reason = next((why for cls, why in _REFUSED.items() if isinstance(optimizer, cls)), None)
+    if reason is None:
         return
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
-    for context in contexts:
-        for unit in context.units:
-            if not unit.groups.is_sharded:
-                continue
-            for handle in unit.handles:
-                for info, param in zip(handle.layout.params, handle.orig_params):
-                    if id(param) in stepped:
-                        _raise_not_elementwise(optimizer, f"{unit.name_prefix}{info.fqn}")
-    _NOTHING_SHARDED[optimizer] = count
+    for unit in units:
+        for handle in unit.handles:
+            for info, param in zip(handle.layout.params, handle.orig_params):
+                if id(param) in stepped:
+                    _raise_refused(optimizer, f"{unit.name_prefix}{info.fqn}", reason)
 
 
-def _raise_not_elementwise(optimizer: torch.optim.Optimizer, param_name: str) -> None:
+def _raise_refused(optimizer: torch.optim.Optimizer, param_name: str, reason: str) -> None:
     name = type(optimizer).__name__
-    known = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-    why = (
-        f"{name} needs whole tensors or dot products over all parameters"
-        if name in _NOT_ELEMENTWISE[:3]
-        else "SparseAdam needs sparse gradients, which flat parameters never have"
-        if name == "SparseAdam"
-        else f"{name} is not known to update each element on its own"
-    )
     raise RuntimeError(
-        f"{name}.step() over parameter '{param_name}' of a sharded fully_shard unit: each rank steps only its "
-        f"shard, which is right only for an optimizer whose update is elementwise; {why}. Known elementwise: "
-        f"{known}; not elementwise: LBFGS, Adafactor, Muon. If {name}'s update of each element depends only on that "
-        f"element's gradient and state and on scalars equal on every rank, declare it with "
-        f"composable_shard.register_elementwise_optimizer({name}); otherwise keep its parameters out of sharded "
-        "units (ShardingStrategy.NO_SHARD or ignored_states). Nothing was updated."
+        f"{name}.step() over parameter '{param_name}' of a fully_shard unit: {reason} Optimizers whose update of a "
+        "parameter reads only that parameter's own gradient and state (SGD, AdamW, Muon, Adafactor, Shampoo-style "
+        f"preconditioners, ...) work on sharded units; for {name} keep its parameters out of units "
+        "(ignored_states) or use one of those. Nothing was updated."
     )
 
 
@@ -157,29 +156,32 @@ def remember_step_while_held(context: RootContext, optimizer: torch.optim.Optimi
     gradient, and then a single process's backward does not raise either."""
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"] if param.grad is not None}
     if any(id(param) in stepped for unit in context.units for handle in unit.handles for param in handle.orig_params):
-        _STEPPED_AFTER[context] = context.forward_order
+        _STEPPED_AFTER[context] = context.forward_serial
 
 
-def refuse_backward_after_step(context: RootContext, reset: Callable[[RootContext], None]) -> None:
-    """In a pre-backward: if an optimizer step came after this backward's
-    forward, ``reset`` the tree and raise."""
+def refuse_backward_after_step(
+    context: RootContext, forward_serial: int, unit_fqn: str, reset: Callable[[RootContext], None]
+) -> None:
+    """In a pre-backward of unit ``unit_fqn`` for the root forward numbered
+    ``forward_serial``: if an optimizer step came after that forward,
+    ``reset`` the tree and raise."""
     stepped_after = _STEPPED_AFTER.get(context)
-    if stepped_after is None or stepped_after is not context.forward_order:
+    if stepped_after is None or forward_serial > stepped_after:
         return
     reset(context)
     raise RuntimeError(
-        f"fully_shard({context.root.fqn}): backward of a forward that optimizer.step() was called after. The step "
-        "changed parameters this forward used, so the gradients would not be those of the forward (a single "
-        "process raises here too: 'one of the variables needed for gradient computation has been modified by an "
-        "inplace operation'). Call backward before optimizer.step(), or run the forward again. The model has been "
-        "reset to its sharded state and is usable."
+        f"fully_shard({context.root.fqn}): backward (reaching unit '{unit_fqn}') of a forward that "
+        "optimizer.step() was called after, also a second backward through a graph kept with retain_graph=True. "
+        "The step changed parameters this forward used, so the gradients would not be those of the forward (a "
+        "single process raises here too: 'one of the variables needed for gradient computation has been modified "
+        "by an inplace operation'). Call every backward of a forward before optimizer.step(), or run the forward "
+        "again. The model has been reset to its sharded state and is usable."
     )
 
 
 def remember_step_after_pending_forward(context: RootContext, optimizer: torch.optim.Optimizer) -> None:
-    """A step with the tree idle: remember it if the latest forward was
-    hooked for a backward that has not started ([Note: optimizer step
-    between forward and backward])."""
-    latest = context.forward_serial
-    if context.hooked_forward == latest and context.backward_started_forward < latest:
+    """A step with the tree idle: remember it if a forward was hooked for
+    backward, whose backward may still come, or come again through a
+    retained graph ([Note: optimizer step between forward and backward])."""
+    if context.hooked_forward:
         remember_step_while_held(context, optimizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -86,6 +87,11 @@ class UnitConfig:
     limit_all_gathers: bool
 
 
+# Numbers units in the order fully_shard builds them: the same on every rank,
+# so work over all units (the owner step) runs in one order everywhere.
+_BUILD_COUNTER = itertools.count()
+
+
 class UnitState:
     """State of one unit: its flat parameters, configuration and hooks."""
 
@@ -111,6 +117,8 @@ class UnitState:
         self.groups = groups
         self.config = config
         self.compute_device = compute_device
+        # Position in the order fully_shard built the process's units.
+        self.build_index: int = next(_BUILD_COUNTER)
         # Name of the module under its root, known after lazy init.
         self.fqn: str = type(module).__name__
         self.training_state = TrainingState.IDLE

@@ -1,0 +1,375 @@
+"""Owns: stepping a per-parameter optimizer that is not elementwise over the
+parameters of units — each whole parameter by its owner rank — around the
+optimizer's own ``step``.
+
+Knows nothing of: the optimizer's update rule, hooks, state dicts.
+
+Public names: ``before_step``, ``after_step``, ``settle``, ``owner_plans``,
+``StepTraffic``, ``last_step_traffic``.
+
+[Note: owner computes]
+An elementwise optimizer steps each rank's slice. Any other per-parameter
+optimizer (Muon, Adafactor, Shampoo/SOAP, a user's own that reads a shape or
+a norm) is exact only over whole parameters, so around its step:
+
+1. ``before_step`` (after the lifecycle's gate): one ``all_reduce`` (max) of
+   a flag per parameter says which have a gradient on some rank (a single
+   process skips a parameter whose ``.grad`` is None); one ``all_to_all``
+   per dtype sends every piece of those parameters' values and reduced
+   gradients to their owners ([Note: choosing owners] in owners.py). The
+   owner points the parameter's ``.data`` and ``.grad`` at whole tensors of
+   the original shape; every other rank hides the parameter from the
+   optimizer by setting its ``.grad`` to None (torch's optimizers, and any
+   that follows their convention, skip such parameters).
+2. The optimizer's own ``step`` runs unchanged; its state for a parameter
+   is created with the whole shape, on the owner only.
+3. ``after_step``: one ``all_to_all`` per dtype sends the new values from the
+   owners to the ranks holding pieces; every parameter shows its 1-D piece
+   of the shard again, with the gradient it had.
+
+A parameter the owner holds whole is stepped in place on a view of the
+shard: nothing moves. Under NO_SHARD and one-rank groups that is every
+parameter, so the step is the optimizer's own over reshaped views. A step
+that raised leaves the exchange half done: ``settle`` (run by the
+lifecycle's gate, before anything reads the parameters) shows the pieces and
+gradients again, with the values of before the step. A closure (``step(fn)``)
+would run forward and backward while parameters are whole, so it is refused;
+LBFGS, which needs one, is refused anyway (runtime/optimizer_checks.py).
+Pinned by tests/optim/test_owner_step.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..handle import FlatParamHandle
+from ..runtime.optimizer_checks import is_elementwise
+from ..runtime.state import UnitState
+from .owners import OwnedParam, OwnerPlan, param_cost, pieces_of, plan_owners
+
+__all__ = ["before_step", "after_step", "settle", "owner_plans", "StepTraffic", "last_step_traffic"]
+
+
+@dataclass
+class StepTraffic:
+    """Elements one rank sent in the last owner step of an optimizer (for
+    benchmarks and the plan): to owners, and back from them."""
+
+    to_owners: int = 0
+    from_owners: int = 0
+    # Bytes, summed over dtypes.
+    bytes_sent: int = 0
+
+
+@dataclass
+class _Exchange:
+    """One group's parameters in flight through an optimizer step."""
+
+    plan: OwnerPlan
+    # Parameters with a gradient on some rank, in plan order.
+    stepped: list[OwnedParam]
+    # The gradient each parameter of the plan showed before the step.
+    saved_grads: list[torch.Tensor | None]
+    # The whole values the owner's optimizer steps, by position in ``stepped``.
+    whole_values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+# The owners of each optimizer's parameters, with the key they were made for.
+_PLANS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple, list[OwnerPlan]]] = weakref.WeakKeyDictionary()
+# Steps between before_step and after_step (a step that raised stays here
+# until settle).
+_IN_FLIGHT: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Exchange]] = weakref.WeakKeyDictionary()
+_TRAFFIC: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepTraffic] = weakref.WeakKeyDictionary()
+
+
+def owner_plans(optimizer: torch.optim.Optimizer, units: list[UnitState]) -> list[OwnerPlan]:
+    """The owners of ``optimizer``'s parameters of ``units``, one plan per
+    shard group, made once per set of parameters ([Note: choosing owners])."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    key = (tuple(id(param) for param in params), tuple(unit.build_index for unit in units))
+    cached = _PLANS.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    where: dict[int, tuple[UnitState, FlatParamHandle, int]] = {}
+    for unit in units:
+        for handle in unit.handles:
+            for index, param in enumerate(handle.orig_params):
+                where[id(param)] = (unit, handle, index)
+    by_group: dict[int, list[tuple[nn.Parameter, UnitState, FlatParamHandle, int]]] = {}
+    seen: set[int] = set()
+    for param in params:
+        if id(param) in where and id(param) not in seen:
+            seen.add(id(param))
+            unit, handle, index = where[id(param)]
+            by_group.setdefault(id(handle.groups.shard_group), []).append((param, unit, handle, index))
+    plans = [_plan_group(members) for members in by_group.values()]
+    _PLANS[optimizer] = (key, plans)
+    return plans
+
+
+def _plan_group(members: list[tuple[nn.Parameter, UnitState, FlatParamHandle, int]]) -> OwnerPlan:
+    groups = members[0][2].groups
+    infos = [handle.layout.params[index] for _, _, handle, index in members]
+    pieces = [pieces_of(handle.layout, info) for (_, _, handle, _), info in zip(members, infos)]
+    costs = [param_cost(info.shape) for info in infos]
+    owners = plan_owners(costs, pieces, groups.shard_world_size)
+    owned = tuple(
+        OwnedParam(param, handle, index, f"{unit.name_prefix}{info.fqn}", info.shape, piece, owner, cost)
+        for (param, unit, handle, index), info, piece, owner, cost in zip(members, infos, pieces, owners, costs)
+    )
+    return OwnerPlan(groups.shard_group, groups.shard_rank, groups.shard_world_size, owned)
+
+
+def before_step(optimizer: torch.optim.Optimizer, units: list[UnitState], args: tuple, kwargs: dict) -> None:
+    """Bring every whole parameter of ``optimizer`` to its owner ([Note:
+    owner computes]). Collective over each shard group involved."""
+    if is_elementwise(optimizer):
+        return
+    plans = owner_plans(optimizer, units)
+    if not any(plan.params for plan in plans):
+        return
+    _refuse_unsupported(optimizer, plans, args, kwargs)
+    traffic = _TRAFFIC.setdefault(optimizer, StepTraffic())
+    traffic.to_owners = traffic.from_owners = traffic.bytes_sent = 0
+    exchanges = []
+    try:
+        for plan in plans:
+            exchanges.append(_gather_to_owners(plan, traffic))
+    except BaseException:
+        _restore(exchanges)
+        raise
+    _IN_FLIGHT[optimizer] = exchanges
+
+
+def after_step(optimizer: torch.optim.Optimizer) -> None:
+    """Send the stepped values back to the ranks holding pieces and show the
+    pieces again. Collective over each shard group involved."""
+    exchanges = _IN_FLIGHT.pop(optimizer, None)
+    if exchanges is None:
+        return
+    traffic = _TRAFFIC.setdefault(optimizer, StepTraffic())
+    try:
+        for exchange in exchanges:
+            _scatter_from_owners(exchange, traffic)
+    finally:
+        _restore(exchanges)
+
+
+def settle() -> None:
+    """Undo the exchange of any step that raised (values as before it)."""
+    while _IN_FLIGHT:
+        _, exchanges = _IN_FLIGHT.popitem()
+        _restore(exchanges)
+
+
+def last_step_traffic(optimizer: torch.optim.Optimizer) -> StepTraffic:
+    """What this rank sent in ``optimizer``'s last owner step."""
+    return _TRAFFIC.get(optimizer, StepTraffic())
+
+
+# --------------------------------------------------------------------- checks
+def _refuse_unsupported(optimizer: torch.optim.Optimizer, plans: list[OwnerPlan], args: tuple, kwargs: dict) -> None:
+    name = type(optimizer).__name__
+    # torch passes the step's own arguments, ``self`` first.
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None:
+        raise RuntimeError(
+            f"{name}.step(closure) over parameters of fully_shard units: {name} is stepped on whole parameters by "
+            "their owner ranks, and a closure would run forward and backward in the middle of that step. Call "
+            "the closure (forward and backward) yourself, then optimizer.step(). Nothing was updated."
+        )
+    for plan in plans:
+        for owned in plan.params:
+            handle = owned.handle
+            if handle.tp_specs[owned.index] is not None:
+                raise RuntimeError(
+                    f"{name}.step() over parameter '{owned.name}', a tensor-parallel DTensor of a fully_shard unit: "
+                    f"{name} is not declared elementwise, so it must see whole parameters, and a tensor-parallel "
+                    "parameter is whole only across the tensor-parallel ranks. Step it with an elementwise "
+                    "optimizer (or declare one with register_elementwise_optimizer), or keep it out of the unit "
+                    "(ignored_states). Nothing was updated."
+                )
+            if handle.offload_params and handle.compute_device.type != "cpu":
+                raise RuntimeError(
+                    f"{name}.step() over parameter '{owned.name}' of a unit with CPUOffload(offload_params=True): "
+                    f"{name} steps whole parameters on owner ranks, which is not supported for offloaded shards "
+                    "on an accelerator yet. Use an elementwise optimizer, or no offload. Nothing was updated."
+                )
+
+
+# ------------------------------------------------------------------ exchanges
+def _gather_to_owners(plan: OwnerPlan, traffic: StepTraffic) -> _Exchange:
+    rank = plan.rank
+    flags = torch.tensor(
+        [float(owned.param.grad is not None) for owned in plan.params], device=_device_of(plan)
+    )
+    if plan.world_size > 1:
+        comm.all_reduce_max(flags, plan.group)
+    stepped = [owned for owned, flag in zip(plan.params, flags.tolist()) if flag]
+    exchange = _Exchange(plan, stepped, [owned.param.grad for owned in plan.params])
+    # What each rank sends: for every destination, its pieces of the
+    # parameters that rank owns — value, then gradient.
+    sends: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
+    for owned in stepped:
+        start, stop = owned.pieces[rank]
+        if owned.owner != rank and stop > start:
+            value, grad = _local_value_and_grad(owned)
+            sends[owned.owner] += [value, grad]
+    received = _exchange(
+        plan, sends, _sizes_to_owner(plan, stepped, values_and_grads=True), _moves_pieces(stepped), traffic,
+        to_owners=True,
+    )
+    for position, owned in enumerate(stepped):
+        if owned.owner != rank:
+            owned.param.grad = None  # hidden from this rank's optimizer
+            continue
+        exchange.whole_values[position] = _show_whole(owned, received, rank)
+    return exchange
+
+
+def _sizes_to_owner(plan: OwnerPlan, stepped: list[OwnedParam], *, values_and_grads: bool) -> list[list[int]]:
+    """Sizes of what this rank receives from each source rank, in order."""
+    per_item = 2 if values_and_grads else 1
+    sizes: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for owned in stepped:
+        if owned.owner != plan.rank:
+            continue
+        for source, (start, stop) in enumerate(owned.pieces):
+            if source != plan.rank and stop > start:
+                sizes[source] += [stop - start] * per_item
+    return sizes
+
+
+def _show_whole(owned: OwnedParam, received: list[list[torch.Tensor]], rank: int) -> torch.Tensor:
+    """On the owner: point the parameter's data and grad at whole tensors."""
+    handle, param = owned.handle, owned.param
+    value, grad = _local_value_and_grad(owned)
+    start, stop = owned.pieces[rank]
+    if stop - start == owned.numel:
+        whole_value, whole_grad = value.view(owned.shape), grad.view(owned.shape)  # in place: nothing moves
+    else:
+        whole_value = torch.empty(owned.numel, dtype=value.dtype, device=value.device)
+        whole_grad = torch.empty(owned.numel, dtype=grad.dtype, device=grad.device)
+        whole_value[start:stop].copy_(value)
+        whole_grad[start:stop].copy_(grad)
+        for source, (piece_start, piece_stop) in enumerate(owned.pieces):
+            if source != rank and piece_stop > piece_start:
+                whole_value[piece_start:piece_stop].copy_(received[source].pop(0))
+                whole_grad[piece_start:piece_stop].copy_(received[source].pop(0))
+        whole_value, whole_grad = whole_value.view(owned.shape), whole_grad.view(owned.shape)
+    param.grad = None
+    handle.show_local_data(owned.index, whole_value, full=True)
+    param.grad = whole_grad.to(_grad_dtype(handle))
+    return whole_value
+
+
+def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:
+    plan, rank = exchange.plan, exchange.plan.rank
+    sends: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
+    for position, owned in enumerate(exchange.stepped):
+        if owned.owner != rank:
+            continue
+        new_value = owned.param.detach().reshape(-1)
+        for target, (start, stop) in enumerate(owned.pieces):
+            if stop <= start:
+                continue
+            if target == rank:
+                local = owned.handle.local_shard_view(owned.handle.layout.params[owned.index])
+                if local.data_ptr() != new_value[start:stop].data_ptr():
+                    local.copy_(new_value[start:stop])
+            else:
+                sends[target].append(new_value[start:stop])
+    sizes: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for owned in exchange.stepped:
+        start, stop = owned.pieces[rank]
+        if owned.owner != rank and stop > start:
+            sizes[owned.owner].append(stop - start)
+    received = _exchange(plan, sends, sizes, _moves_pieces(exchange.stepped), traffic, to_owners=False)
+    for owned in exchange.stepped:
+        start, stop = owned.pieces[rank]
+        if owned.owner != rank and stop > start:
+            owned.handle.local_shard_view(owned.handle.layout.params[owned.index]).copy_(received[owned.owner].pop(0))
+
+
+def _moves_pieces(stepped: list[OwnedParam]) -> bool:
+    """Whether some stepped parameter has a piece off its owner. Derived from
+    the plan and the shared flags, so every rank of the group agrees on
+    whether the collective runs."""
+    return any(
+        stop > start and source != owned.owner
+        for owned in stepped
+        for source, (start, stop) in enumerate(owned.pieces)
+    )
+
+
+def _exchange(
+    plan: OwnerPlan, sends: list[list[torch.Tensor]], receive_sizes: list[list[int]], moves_pieces: bool,
+    traffic: StepTraffic, *, to_owners: bool,
+) -> list[list[torch.Tensor]]:
+    """One ``all_to_all`` carrying each rank's list of tensors to each rank,
+    in the widest floating dtype of the group's flat parameters (a narrower
+    one round-trips through it exactly)."""
+    received: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
+    if plan.world_size == 1 or not moves_pieces:
+        return received
+    dtype, device = _dtype_of(plan), _device_of(plan)
+    input_splits = [sum(t.numel() for t in tensors) for tensors in sends]
+    output_splits = [sum(sizes) for sizes in receive_sizes]
+    flat_in = torch.cat([t.reshape(-1).to(dtype) for tensors in sends for t in tensors]) if sum(input_splits) else (
+        torch.empty(0, dtype=dtype, device=device)
+    )
+    flat_out = torch.empty(sum(output_splits), dtype=dtype, device=device)
+    comm.all_to_all(flat_out, flat_in, output_splits, input_splits, plan.group)
+    sent = sum(input_splits)
+    if to_owners:
+        traffic.to_owners += sent
+    else:
+        traffic.from_owners += sent
+    traffic.bytes_sent += sent * flat_in.element_size()
+    offset = 0
+    for source, sizes in enumerate(receive_sizes):
+        for size in sizes:
+            received[source].append(flat_out[offset : offset + size])
+            offset += size
+    return received
+
+
+def _restore(exchanges: list[_Exchange]) -> None:
+    """Every parameter of ``exchanges`` shows its piece of the shard and the
+    gradient it had before the step."""
+    for exchange in exchanges:
+        for owned in exchange.plan.params:
+            owned.param.grad = None
+        for handle in {id(owned.handle): owned.handle for owned in exchange.plan.params}.values():
+            handle.use_sharded_views()
+        for owned, grad in zip(exchange.plan.params, exchange.saved_grads):
+            owned.param.grad = grad
+
+
+def _local_value_and_grad(owned: OwnedParam) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's piece of the parameter and of its gradient (zeros where
+    it holds no gradient), 1-D, in the flat parameter's dtype."""
+    handle = owned.handle
+    value = handle.local_shard_view(handle.layout.params[owned.index])
+    grad = owned.param.grad
+    if grad is None:
+        return value, torch.zeros_like(value)
+    return value, grad.detach().reshape(-1).to(value.dtype)
+
+
+def _grad_dtype(handle: FlatParamHandle) -> torch.dtype:
+    return handle.reduce_dtype if handle.keep_low_precision_grads else handle.layout.dtype
+
+
+def _dtype_of(plan: OwnerPlan) -> torch.dtype:
+    return functools.reduce(torch.promote_types, {owned.handle.layout.dtype for owned in plan.params})
+
+
+def _device_of(plan: OwnerPlan) -> torch.device:
+    return plan.params[0].handle.sharded_flat_param.device

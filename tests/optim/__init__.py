@@ -1,0 +1,1 @@
+"""Tests of composable_shard/optim/: optimizers that step whole parameters on owner ranks."""
