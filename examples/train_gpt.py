@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
 
-from composable_shard import clip_grad_norm_, describe, fully_shard, planning as plan  # noqa: E402
+from composable_shard import clip_grad_norm_, describe, fully_shard, plan  # noqa: E402
 from composable_shard.planning import MemoryRecorder  # noqa: E402
 from data import ByteCorpus, rank_slice  # noqa: E402
 from gpt import GPT, Block, GPTConfig, param_groups  # noqa: E402

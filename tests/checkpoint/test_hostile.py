@@ -413,7 +413,7 @@ def test_a_refused_global_is_never_imported(tmp_path: Path) -> None:
     without touching it."""
     (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch\nonnx\nq\x00.")
     code = (
-        "import sys; from composable_shard.checkpoint.safe_pickle import load_metadata, PickleTrust\n"
+        "import sys; from composable_shard.checkpoint.untrusted.safe_pickle import load_metadata, PickleTrust\n"
         "from composable_shard.checkpoint import CheckpointError\n"
         f"try:\n    load_metadata({str(tmp_path / '.metadata')!r}, PickleTrust())\nexcept CheckpointError as e:\n    print('refused', e)\n"
         "print('imported' if 'torch.onnx' in sys.modules else 'not imported')\n"

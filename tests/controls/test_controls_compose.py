@@ -31,7 +31,7 @@ from composable_shard import (
     set_reshard_after_backward,
     set_reshard_after_forward,
 )
-from composable_shard.controls import unshard_params as unshard
+from composable_shard import unshard
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime.state import get_state, unit_states_under
 

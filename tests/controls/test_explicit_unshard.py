@@ -24,7 +24,7 @@ from composable_shard import (
     set_reshard_after_backward,
     set_reshard_after_forward,
 )
-from composable_shard.controls import unshard_params as unshard
+from composable_shard import unshard
 from composable_shard.runtime.state import unit_states_under
 
 from tests.support.comm_spies import CollectiveSpy

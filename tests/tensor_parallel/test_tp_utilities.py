@@ -9,7 +9,7 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-from composable_shard import describe, fully_shard, planning as plan, unshard_params
+from composable_shard import describe, fully_shard, plan, unshard_params
 
 from tests.support.harness_pool import run_distributed
 from tests.support.tensor_parallel import (
