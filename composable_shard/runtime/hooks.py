@@ -220,8 +220,8 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
 
 
 def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> None:
-    refuse_backward_after_step(state.context, reset_after_error)  # [Note: optimizer step between forward and backward]
-    state.context.backward_started_forward = max(state.context.backward_started_forward, forward_serial)
+    # [Note: optimizer step between forward and backward]
+    refuse_backward_after_step(state.context, forward_serial, state.fqn, reset_after_error)
     if state.training_state is TrainingState.PRE_BACKWARD:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):

@@ -1,5 +1,6 @@
 """The optimizer step over a sharded model: a step between a forward and its
-backward makes that backward raise, as autograd does in a single process,
+backward (or between two backwards of one forward, the graph kept with
+``retain_graph=True``) makes that backward raise, as autograd does in a single process,
 and the model then trains exactly as the reference that went through the
 same sequence; LBFGS and Adafactor (not elementwise; Adafactor divided by
 zero on an empty local part) and an undeclared custom optimizer are refused
@@ -47,15 +48,26 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
             reference_optimizer.step()
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 reference_loss.backward()
-            with pytest.raises(RuntimeError, match=r"backward of a forward that optimizer\.step\(\) was called after"):
+            with pytest.raises(RuntimeError, match=r"backward \(reaching unit '.*'\) of a forward that optimizer\.step\(\) was called after.*Call every backward of a forward before optimizer\.step\(\)"):
                 loss.backward()
             assert_resharded(model)
             compare_full(model, reference, parity, f"{strategy.name} step {step} after the refused backward", grads=False)
             optimizer.zero_grad()
             reference_optimizer.zero_grad()
 
-        def train(step: int, *, misuse: bool, two_forwards: bool = False) -> None:
+        def train(step: int, *, misuse: bool, two_forwards: bool = False, retained: bool = False) -> None:
             inputs, targets = batch(step)
+            if retained:  # backward(retain_graph=True), step, backward again through the same graph
+                loss = lm_loss(model(_local(inputs)), _local(targets))
+                reference_loss = lm_loss(reference(inputs), targets)
+                loss.backward(retain_graph=True)
+                reference_loss.backward(retain_graph=True)
+                compare_full(model, reference, parity, f"{strategy.name} step {step} first backward", grads=True)
+                # Before the fix: the first backward had left the tree idle,
+                # the step went unremembered, and the second backward ran
+                # with the stepped weights and the first forward's activations.
+                step_then_refused_backward(step, loss, reference_loss)
+                return
             if two_forwards:  # forward A, forward B, A's backward, step, B's backward
                 other_inputs, other_targets = batch(step + 100)
                 loss_a = lm_loss(model(_local(inputs)), _local(targets))
@@ -89,6 +101,8 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         train(2, misuse=False)
         train(3, misuse=False, two_forwards=True)
         train(6, misuse=False)
+        train(8, misuse=False, retained=True)
+        train(9, misuse=False)
         # Two forwards, both backwards, then the step: nothing refused.
         for model_, inputs_, targets_ in ((model, _local(batch(7)[0]), _local(batch(7)[1])), (reference, *batch(7))):
             first = lm_loss(model_(inputs_), targets_)
