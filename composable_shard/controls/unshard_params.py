@@ -7,7 +7,7 @@ Knows nothing of: hook internals (it reads unit states and calls handles).
 Public names: ``unshard_params``, ``no_sync``, ``clip_grad_norm_``; for
 torch's own clip functions over shards (interop/clip_grad.py), the one
 global-norm computation: ``NormGroups``, ``unit_norm_groups``,
-``global_grad_norm`` ([Note: one gradient norm over shards]).
+``unowned_norm_groups``, ``global_grad_norm`` ([Note: one gradient norm over shards]).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from ..handle.dtensor_views import local_tensor, norm_group_of
 from ..runtime import enter_between_steps
 from ..runtime.state import UnitState, units_of
 
-__all__ = ["unshard_params", "no_sync", "clip_grad_norm_", "NormGroups", "unit_norm_groups", "global_grad_norm"]
+__all__ = ["unshard_params", "no_sync", "clip_grad_norm_", "NormGroups", "unit_norm_groups", "unowned_norm_groups", "global_grad_norm"]
 
 # Handles shown unsharded by an enclosing unshard_params (nested use shows
 # each handle once, and only the outermost context restores it). Weak: a
@@ -221,7 +221,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     # DTensor one: its local part, summed over its mesh when sharded).
     for param in module.parameters():
         if id(param) not in owned and param.grad is not None and param.grad.numel() > 0:
-            local_grads.setdefault((None, norm_group_of(param.grad)), []).append(local_tensor(param.grad))
+            local_grads.setdefault(unowned_norm_groups(param.grad), []).append(local_tensor(param.grad))
     total_norm = global_grad_norm(local_grads, norm_type, units[0].compute_device)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -239,9 +239,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 # [Note: one gradient norm over shards]
 # ``clip_grad_norm_`` above and torch's own clip functions over a sharded
 # model (interop/clip_grad.py, [Note: torch's clip_grad_norm_ over shards])
-# compute the global norm with the two functions below: ``unit_norm_groups``
-# says over which groups each parameter's local gradient adds up to the
-# whole, ``global_grad_norm`` reduces the local gradients so grouped. The
+# compute the global norm with the functions below: ``unit_norm_groups`` (and
+# ``unowned_norm_groups`` for a gradient no unit owns) says over which groups
+# each local gradient adds up to the whole, ``global_grad_norm`` reduces the
+# local gradients so grouped. The
 # callers differ only in which gradients they are given (a module's
 # parameters here, any list of tensors there).
 
@@ -259,8 +260,15 @@ def unit_norm_groups(unit: UnitState) -> Iterator[tuple[nn.Parameter, NormGroups
     shard_group = unit.groups.shard_group if unit.groups.is_sharded else None
     for handle in unit.handles:
         for param, spec in zip(handle.orig_params, handle.tp_specs):
-            tp_group = spec.norm_group() if spec is not None else None
+            tp_group = cast("ProcessGroup | None", spec.norm_group() if spec is not None else None)
             yield param, (shard_group, tp_group)
+
+
+def unowned_norm_groups(grad: torch.Tensor) -> NormGroups:
+    """The ``NormGroups`` of a gradient no unit owns: whole on every rank
+    (replicated, counted once), a ``DTensor`` one summed over its mesh when
+    sharded there."""
+    return (None, cast("ProcessGroup | None", norm_group_of(grad)))
 
 
 def global_grad_norm(
@@ -272,7 +280,9 @@ def global_grad_norm(
     (every rank must pass the same keys in the same order). fp32, on
     ``device``, equal on every rank. Collective over those groups."""
     norm_type = float(norm_type)
-    parts = [(groups, _norm_contribution(grads, norm_type, device)) for groups, grads in local_grads.items()]
+    parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]] = [
+        (groups, _norm_contribution(grads, norm_type, device)) for groups, grads in local_grads.items()
+    ]
     return comm.total_norm_of_parts(parts, norm_type, device)
 
 
@@ -280,21 +290,26 @@ def _norm_contribution(grads: list[torch.Tensor], norm_type: float, device: torc
     """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks).
 
     One foreach kernel per device, accumulating in fp32 (no fp32 copies of
-    low-precision gradients), then one scalar per device moved to
+    low-precision gradients; fp64 ones in fp64), then one scalar per device moved to
     ``device``: offloaded gradients (host) cost one upload, not one per
     gradient, and it does not block the host (a pinned scalar, copied with
     ``non_blocking=True`` on the current stream, ahead of every kernel that
     reads it; the pinned allocator keeps the block until the copy ran)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    # Per device, and whether fp32 can hold the dtype (fp64 gradients: their
+    # own precision, then one fp32 norm each).
+    by_device: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for grad in grads:
         if grad.numel() > 0:
-            by_device.setdefault(grad.device, []).append(grad)
+            by_device.setdefault((grad.device, grad.dtype.itemsize <= 4), []).append(grad)
     if not by_device:
         return torch.zeros((), dtype=torch.float32, device=device)
     is_inf = math.isinf(norm_type)
     contributions = []
-    for grad_device, device_grads in by_device.items():
-        norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32))
+    for (grad_device, fits_fp32), device_grads in by_device.items():
+        if fits_fp32:
+            norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32))
+        else:
+            norms = torch.stack(torch._foreach_norm(device_grads, norm_type)).float()
         local = norms.max() if is_inf else (norms**norm_type).sum()
         if grad_device != device:
             if grad_device.type == "cpu" and device.type == "cuda":

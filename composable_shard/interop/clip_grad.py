@@ -54,8 +54,8 @@ import torch
 import torch.nn.utils.clip_grad as torch_clip_grad
 from torch.utils.hooks import RemovableHandle
 
-from ..controls.unshard_params import NormGroups, global_grad_norm, unit_norm_groups
-from ..handle.dtensor_views import local_tensor, norm_group_of
+from ..controls.unshard_params import NormGroups, global_grad_norm, unit_norm_groups, unowned_norm_groups
+from ..handle.dtensor_views import local_tensor
 from ..runtime.state import UnitState
 
 __all__ = ["track_unit_grads", "check_torch_clip", "wrap_get_total_norm"]
@@ -200,7 +200,7 @@ def _sharded_total_norm(
     local_grads: dict[NormGroups, list[torch.Tensor]] = {}
     for tensor in tensors:
         owner = owners.get(id(tensor))
-        groups: NormGroups = owner[0] if owner is not None else (None, norm_group_of(tensor))  # type: ignore[assignment]
+        groups = owner[0] if owner is not None else unowned_norm_groups(tensor)
         local_grads.setdefault(groups, []).append(local_tensor(tensor))
     with torch.no_grad():
         total = global_grad_norm(local_grads, norm_type, device)

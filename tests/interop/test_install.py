@@ -285,7 +285,7 @@ def _refused_then_trains(refusals: list[str]) -> Callable[[nn.Module], None]:
 
             def refused_fully_shard() -> None:
                 with pytest.raises(RuntimeError, match=message) as error:
-                    fully_shard(model.blocks[0])
+                    fully_shard(model.get_submodule("blocks.0"))
                 refusals.append(str(error.value))
 
             _with_broken_torch(attribute, value, refused_fully_shard)
