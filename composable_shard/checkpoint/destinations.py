@@ -26,13 +26,21 @@ from ..state_dict.checks import StateDictError, key_mismatch_message, value_mism
 from ..state_dict.entries import ModelEntries, ShardedParamEntry, sharding_of
 from ..state_dict.model import empty_model_state_dict, model_state_dict_views
 from ..state_dict.optim import is_param_shaped, optimizer_params
+from ..state_dict.owned import owned_by
 from ..state_dict.range_tensor import RangeShardedTensor
 from ..state_dict.shards import LEGACY_SCALAR_SHAPE, is_legacy_scalar, sharded_tensor_of_range, with_shape
 from .planners import saved_path_of
 
-__all__ = ["SavedPaths", "saved_paths", "model_destination", "optim_destination", "MODEL", "OPTIM", "EXTRA"]
+__all__ = ["SavedPaths", "saved_paths", "model_destination", "optim_destination", "optim_key", "MODEL", "OPTIM", "EXTRA"]
 
 MODEL, OPTIM, EXTRA = "model", "optim", "extra"
+
+
+def optim_key(index: int) -> str:
+    """Where the ``index``-th optimizer of ``save_checkpoint(...,
+    optimizer=[a, b])`` is saved: ``"optim"`` for the first (so one optimizer
+    alone is saved as before), ``"optim1"``, ``"optim2"``... after it."""
+    return OPTIM if index == 0 else f"{OPTIM}{index}"
 
 # Flat DCP key -> (path in the nested state dict, storage metadata).
 SavedPaths = dict[str, tuple[tuple[Any, ...], Any]]
@@ -95,19 +103,22 @@ def optim_destination(
     what: str,
     *,
     in_place: bool,
+    key: str = OPTIM,
 ) -> dict[str, Any]:
-    """The optimizer part of a destination: ``{"state": {name: {key:
+    """The optimizer part of a destination (saved under ``key``; see
+    ``optim_key``): ``{"state": {name: {key:
     value}}}`` with per-element state as RangeShardedTensors over this
     rank's range — the optimizer's own state tensor where it has one of that
     size and dtype and ``in_place`` is set, else a new buffer (which becomes
     the optimizer's state when loaded). The rest (``step``, hyperparameters)
     is left to the load planner, for the parameters listed here."""
     params = {op.fqn: op for op in optimizer_params(optimizer, entries, what)}
-    if not any(path[0] == OPTIM for path, _ in saved.values()):
-        raise StateDictError(f"{what}: the checkpoint holds no optimizer state. Load it without the optimizer.")
+    if not any(path[0] == key for path, _ in saved.values()):
+        which = "optimizer state" if key == OPTIM else f"state for optimizer {key[len(OPTIM):]} of the list"
+        raise StateDictError(f"{what}: the checkpoint holds no {which}. Load it without that optimizer.")
     saved_state: dict[str, dict[str, Any]] = {}
     for path, md in saved.values():
-        if len(path) >= 3 and path[:2] == (OPTIM, "state"):
+        if len(path) >= 3 and path[:2] == (key, "state"):
             values = saved_state.setdefault(path[2], {})
             if len(path) == 4:
                 values[path[3]] = md
@@ -116,10 +127,13 @@ def optim_destination(
         raise StateDictError(key_mismatch_message(what, [], unexpected))
     state: dict[str, dict[str, Any]] = {}  # strict=False: state of parameters this optimizer does not hold is left out
     problems = []
+    owned = owned_by(optimizer)
     for fqn in [fqn for fqn in saved_state if fqn in params]:
+        if owned.get(id(params[fqn].param)) is False:
+            continue  # another rank owns it ([Note: owned optimizer state])
         op, state[fqn] = params[fqn], {}
-        if op.entry is None:
-            continue
+        if op.entry is None or id(op.param) in owned:
+            continue  # read whole
         info = op.entry.info
         for key, md in saved_state[fqn].items():
             if not isinstance(md, TensorStorageMetadata):

@@ -50,7 +50,7 @@ from ..state_dict.entries import model_entries, prepare_units
 from ..state_dict.model import get_model_state_dict, set_model_state_dict
 from ..state_dict.optim import check_optimizer_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from .checksums import ChecksummingFileSystem, file_record
-from .destinations import EXTRA, MODEL, OPTIM, model_destination, optim_destination, saved_paths
+from .destinations import EXTRA, MODEL, OPTIM, model_destination, optim_destination, optim_key, saved_paths
 from .errors import CheckpointError, UnsafeCheckpointError
 from .manifest import agree, current_rank, manifest_hints, rank0_step, verify_checkpoint, write_manifest
 from .planners import DestinationLoadPlanner, TiedOnceFileSystemWriter, TiedOnceSavePlanner
@@ -67,14 +67,15 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------- save
 def save_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     extra_state: dict[str, Any] | None = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``, and picklable ``extra_state``) as a
-    sharded checkpoint directory at ``path``, replacing any checkpoint there
-    only once the new one is complete. See [Note: checkpoint safety].
+    """Save ``module`` (and ``optimizer`` — one, or a list such as ``[muon,
+    adamw]`` — and picklable ``extra_state``) as a sharded checkpoint
+    directory at ``path``, replacing any checkpoint there only once the new
+    one is complete. See [Note: checkpoint safety].
 
     Collective: every rank calls it with the same ``path`` (on a file system
     all ranks share). Each rank writes only what it holds.
@@ -82,11 +83,11 @@ def save_checkpoint(
     target = Path(path)
     what = f"save_checkpoint({target})"
     staging = target.with_name(target.name + ".partial")
-    entries = model_entries(model, prepare_units(model, "save_checkpoint"))
+    entries = model_entries(module, prepare_units(module, "save_checkpoint"))
     tied = {(MODEL, alias): (MODEL, entry.keys[0]) for entry in entries.sharded for alias in entry.keys[1:]}
-    state: dict[str, Any] = {MODEL: get_model_state_dict(model)}
-    if optimizer is not None:
-        state[OPTIM] = get_optimizer_state_dict(model, optimizer)
+    state: dict[str, Any] = {MODEL: get_model_state_dict(module)}
+    for index, each in enumerate(_optimizers(optimizer, what)):
+        state[optim_key(index)] = get_optimizer_state_dict(module, each)
     if extra_state:
         state[EXTRA] = dict(extra_state)
 
@@ -135,8 +136,8 @@ def _record(path: Path, checksums: ChecksummingFileSystem | None) -> dict[str, i
 # ------------------------------------------------------------------- load
 def load_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     strict: bool = True,
     trusted: bool = False,
@@ -144,7 +145,8 @@ def load_checkpoint(
     allow_links_outside: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint directory (from ``save_checkpoint``, any world size
-    or strategy) into ``model`` (and ``optimizer``); returns the saved
+    or strategy) into ``module`` (and ``optimizer``: one, or the list of
+    optimizers it was saved with, in the same order); returns the saved
     ``extra_state`` (``{}`` if none). Raises ``CheckpointError`` for a missing
     or damaged checkpoint and ``StateDictError`` for one of another model
     (missing, unexpected or differently shaped keys), in both cases before
@@ -172,24 +174,26 @@ def load_checkpoint(
     in_place = verify_checkpoint(directory, allow_links_outside=trust.allow_links_outside)
     # 2. Build the destinations from the metadata, checked against the model and optimizer.
     saved = saved_paths(_read_metadata(directory, what, trust))
-    entries = model_entries(model, prepare_units(model, "load_checkpoint"))
+    entries = model_entries(module, prepare_units(module, "load_checkpoint"))
+    optimizers = _optimizers(optimizer, what)
     destination: dict[str, Any] = {MODEL: model_destination(entries, saved, strict, what, in_place=in_place)}
     # The rest (extra states and extra_state, step and hyperparameters) the planner fills from the metadata.
     fill = [(EXTRA,), *((MODEL, key) for key in entries.extra_states)]
     if any(path[0] == EXTRA for path, _ in saved.values()):
         destination[EXTRA] = {}  # dcp.load keeps only the top-level keys it is given
     options = StateDictOptions(strict=strict)
-    if optimizer is not None:
-        destination[OPTIM] = optim_destination(entries, optimizer, saved, strict, what, in_place=in_place)
-        fill += [(OPTIM, "param_groups"), *((OPTIM, "state", fqn) for fqn in destination[OPTIM]["state"])]
-        to_check = _optim_to_check(directory, destination[OPTIM], what, trust)
-        check_optimizer_state_dict(model, optimizer, to_check, options=options)
+    for index, each in enumerate(optimizers):
+        key = optim_key(index)
+        destination[key] = optim_destination(entries, each, saved, strict, what, in_place=in_place, key=key)
+        fill += [(key, "param_groups"), *((key, "state", fqn) for fqn in destination[key]["state"])]
+        to_check = _optim_to_check(directory, destination[key], what, trust, key=key)
+        check_optimizer_state_dict(module, each, to_check, options=options)
     # 3. Read the tensors into the destinations.
     _read(directory, destination, what, trust, in_place=in_place, planner=DestinationLoadPlanner(tuple(fill)))
     # 4. Finish: the setters' copies are skipped where the destination is the model's own memory.
-    set_model_state_dict(model, destination[MODEL], options=options)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, destination[OPTIM], options=options)
+    set_model_state_dict(module, destination[MODEL], options=options)
+    for index, each in enumerate(optimizers):
+        set_optimizer_state_dict(module, each, destination[optim_key(index)], options=options)
     logger.info("%s: loaded%s", what, " in place" if in_place else " through new buffers (no manifest)")
     return dict(destination.get(EXTRA) or {})
 
@@ -210,16 +214,34 @@ def _read_metadata(directory: Path, what: str, trust: PickleTrust) -> Metadata:
         ) from exc
 
 
-def _optim_to_check(directory: Path, optim: dict[str, Any], what: str, trust: PickleTrust) -> dict[str, Any]:
+def _optimizers(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, what: str
+) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list (one, several, or none)."""
+    if optimizer is None:
+        return []
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    wrong = [type(each).__name__ for each in optimizers if not isinstance(each, torch.optim.Optimizer)]
+    if wrong:
+        raise TypeError(
+            f"{what}: optimizer must be a torch.optim.Optimizer or a list of them, got {', '.join(wrong)}. "
+            "Nothing was read or written."
+        )
+    return optimizers
+
+
+def _optim_to_check(
+    directory: Path, optim: dict[str, Any], what: str, trust: PickleTrust, *, key: str = OPTIM
+) -> dict[str, Any]:
     """The optimizer destination as ``check_optimizer_state_dict`` needs it,
     before any tensor is read: its parameter names per group from the
-    manifest, or (a checkpoint without them) its objects read first."""
-    groups = manifest_hints(directory).get("optim_param_groups")
+    manifest (the first optimizer's), or its objects read first."""
+    groups = manifest_hints(directory).get("optim_param_groups") if key == OPTIM else None
     if isinstance(groups, list):
         return {"state": optim["state"], "param_groups": [{"params": list(names)} for names in groups]}
-    objects: dict[str, Any] = {OPTIM: {}}  # hyperparameters: a few bytes, read on their own
-    _read(directory, objects, what, trust, in_place=False, planner=DestinationLoadPlanner(((OPTIM,),), objects_only=True))
-    return {"state": optim["state"], "param_groups": objects[OPTIM].get("param_groups")}
+    objects: dict[str, Any] = {key: {}}  # hyperparameters: a few bytes, read on their own
+    _read(directory, objects, what, trust, in_place=False, planner=DestinationLoadPlanner(((key,),), objects_only=True))
+    return {"state": optim["state"], "param_groups": objects[key].get("param_groups")}
 
 
 def _reader(directory: Path, trust: PickleTrust) -> DirectFileSystemReader:

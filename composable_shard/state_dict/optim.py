@@ -31,6 +31,7 @@ from .. import comm
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import as_grad_of, local_tensor
 from ..runtime.state import UnitState
+from .owned import gather_owned_state, owned_by
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
 from .entries import ModelEntries, ShardedParamEntry, full_tensor_of_local, model_entries, prepare_units, sharding_of
 from .shards import (
@@ -184,9 +185,13 @@ def _sharded_state(
     params: list[OptimParam], optimizer: torch.optim.Optimizer, options: StateDictOptions
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
+    owned = owned_by(optimizer)
     for op in params:
         param_state = optimizer.state.get(op.param)
-        if not param_state:
+        if not param_state or owned.get(id(op.param)) is False:
+            continue
+        if id(op.param) in owned:  # whole tensors on the owner ([Note: owned optimizer state])
+            state[op.fqn] = {k: _plain_value(v, options, copy=False) for k, v in param_state.items()}
             continue
         values = {}
         for key, value in param_state.items():
@@ -206,8 +211,16 @@ def _full_state(
     """Gather every per-element state, one (flat parameter, state name) at a
     time, packed like the flat parameter so one all-gather serves it all."""
     keep = not options.cpu_offload or is_rank0()
+    owned = owned_by(optimizer)
+    if owned:  # [Note: owned optimizer state]
+        mine = {op.fqn: optimizer.state[op.param] for op in params if owned.get(id(op.param)) and optimizer.state.get(op.param)}
+        device = None if options.cpu_offload else _device_of(params)
+        gathered = gather_owned_state(mine, device=device)
+        params = [op for op in params if id(op.param) not in owned]
     merged = _merged_state_layout(params, optimizer)
     state: dict[str, dict[str, Any]] = {}
+    if owned:
+        state.update(gathered)
     for op in params:  # the order of the result: optimizer order, state order
         if op.entry is None and optimizer.state.get(op.param):
             state[op.fqn] = {k: _plain_value(v, options, copy=True) for k, v in optimizer.state[op.param].items()}
@@ -236,6 +249,10 @@ def _full_state(
                             view = full_tensor_of_local(op.entry, view)  # type: ignore[arg-type]
                         state[op.fqn][key] = view.to("cpu", copy=True) if options.cpu_offload else view.clone()
     return state if keep else {}
+
+
+def _device_of(params: list[OptimParam]) -> torch.device:
+    return params[0].param.device if params else torch.device("cpu")
 
 
 def _merged_state_layout(params: list[OptimParam], optimizer: torch.optim.Optimizer) -> dict[str, dict[str, tuple]]:
@@ -295,16 +312,19 @@ def set_optimizer_state_dict(
     options = checked_options(options, "set_optimizer_state_dict", name)
     units = prepare_units(module, "set_optimizer_state_dict")
     params = optimizer_params(optimizer, model_entries(module, units), what)
+    owned = owned_by(optimizer)
     if options.broadcast_from_rank0:
-        state, groups = _receive_broadcast(params, state_dict, options, what)
+        state, groups = _receive_broadcast(params, state_dict, options, what, owned)
     else:
-        _check(params, state_dict, options, what)
+        _check(params, state_dict, options, what, owned)
         state = {
-            fqn: {key: _local_value(op, key, value) for key, value in state_dict["state"][fqn].items()}
+            fqn: {key: _local_value(op, key, value, owned) for key, value in state_dict["state"][fqn].items()}
             for fqn, op in _by_fqn(params).items()
             if fqn in state_dict["state"]
         }
         groups = list(state_dict["param_groups"])
+    # A parameter's state stays on its owner only ([Note: owned optimizer state]).
+    state = {fqn: values for fqn, values in state.items() if owned.get(id(_by_fqn(params)[fqn].param)) is not False}
     _load(optimizer, params, state, groups)
 
 
@@ -322,14 +342,16 @@ def check_optimizer_state_dict(
     what = f"set_optimizer_state_dict({name})"
     options = checked_options(options, "set_optimizer_state_dict", name)
     params = optimizer_params(optimizer, model_entries(module, prepare_units(module, "set_optimizer_state_dict")), what)
-    _check(params, state_dict, options, what)
+    _check(params, state_dict, options, what, owned_by(optimizer))
 
 
 def _by_fqn(params: list[OptimParam]) -> dict[str, OptimParam]:
     return {op.fqn: op for op in params}
 
 
-def _check(params: list[OptimParam], state_dict: Mapping[str, Any], options: StateDictOptions, what: str) -> None:
+def _check(
+    params: list[OptimParam], state_dict: Mapping[str, Any], options: StateDictOptions, what: str, owned: dict[int, bool]
+) -> None:
     """Raise ``StateDictError`` unless ``state_dict`` fits the optimizer."""
     if (
         not isinstance(state_dict, Mapping)
@@ -353,6 +375,9 @@ def _check(params: list[OptimParam], state_dict: Mapping[str, Any], options: Sta
         op = by_fqn.get(fqn)
         if op is None:
             continue  # strict=False: parameters this optimizer does not hold are skipped
+        if id(op.param) in owned:
+            problems += _owned_problems(fqn, op, values)
+            continue
         box = op.entry.local_box if op.entry is not None else None
         shape = op.entry.info.shape if op.entry is not None else op.param.shape
         if box is not None:
@@ -370,10 +395,24 @@ def _check(params: list[OptimParam], state_dict: Mapping[str, Any], options: Sta
         raise StateDictError(value_mismatch_message(what, problems))
 
 
-def _local_value(op: OptimParam, key: str, value: Any) -> Any:
+def _owned_problems(fqn: str, op: OptimParam, values: Any) -> list[tuple[str, str]]:
+    """An owner-stepped parameter's state holds whole tensors: any shape its
+    update rule made, but one with the parameter's numel must have its shape."""
+    shape = op.entry.info.shape if op.entry is not None else op.param.shape
+    problems = []
+    for key, value in (values or {}).items():
+        if is_sharded_tensor(value):
+            problems.append((f"{fqn}.{key}", "a sharded range where the owner needs the whole tensor"))
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == shape.numel() and value.shape != shape:
+            problems.append((f"{fqn}.{key}", f"shape {tuple(value.shape)} does not match the parameter's {tuple(shape)}"))
+    return problems
+
+
+def _local_value(op: OptimParam, key: str, value: Any, owned: dict[int, bool]) -> Any:
     """This rank's part of a checked state value (a new tensor, or the
-    state dict's own whole buffer, never a view into a larger tensor)."""
-    if op.entry is None or not is_param_shaped(key, value, op.entry.info.shape):
+    state dict's own whole buffer, never a view into a larger tensor); an
+    owner-stepped parameter's whole value."""
+    if op.entry is None or id(op.param) in owned or not is_param_shaped(key, value, op.entry.info.shape):
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
     info = op.entry.info
     local = read_range(value, info.local_start, info.local_numel, op.entry.local_box)
@@ -414,7 +453,8 @@ def _as_dtensor_state(param: nn.Parameter, state: dict[str, Any]) -> None:
 
 
 def _receive_broadcast(
-    params: list[OptimParam], state_dict: Mapping[str, Any], options: StateDictOptions, what: str
+    params: list[OptimParam], state_dict: Mapping[str, Any], options: StateDictOptions, what: str,
+    owned: dict[int, bool],
 ) -> tuple[dict[str, Any], list[Mapping[str, Any]]]:
     """Rank 0 checks its state dict and broadcasts a skeleton (scalars by
     value, per-element tensors as specs), then each such tensor; every rank
@@ -422,14 +462,15 @@ def _receive_broadcast(
     skeleton: dict[str, Any] = {}
     if is_rank0():
         try:
-            _check(params, state_dict, options, what)
+            _check(params, state_dict, options, what, owned)
             by_fqn = _by_fqn(params)
             skeleton = {"error": None, "param_groups": list(state_dict["param_groups"]), "state": {}}
             for fqn, values in state_dict["state"].items():
                 op = by_fqn[fqn]
                 skeleton["state"][fqn] = {
                     key: _TensorSpec(tuple(global_shape(value)), value.dtype)  # type: ignore[arg-type]
-                    if op.entry is not None and is_param_shaped(key, value, op.entry.info.shape)
+                    if op.entry is not None and isinstance(value, torch.Tensor)
+                    and (id(op.param) in owned or is_param_shaped(key, value, op.entry.info.shape))
                     else value
                     for key, value in (values or {}).items()
                 }
@@ -447,6 +488,9 @@ def _receive_broadcast(
         for key, item in values.items():
             if isinstance(item, _TensorSpec):
                 full = _broadcast_full(state_dict, op, key, item)
+                if id(op.param) in owned:  # the owner keeps it whole
+                    state[op.fqn][key] = full.view(item.shape).clone()
+                    continue
                 info = op.entry.info  # type: ignore[union-attr]  # specs are for sharded parameters
                 box = op.entry.local_box  # type: ignore[union-attr]
                 if box is not None:
