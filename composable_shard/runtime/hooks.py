@@ -83,6 +83,9 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
         elif context.root.training_state is not TrainingState.FORWARD:  # called on its own
             enter_between_steps(context.units, "forward", inside_a_step="skip", keep_gathered=True)
             context.scheduler.mark_shards_written()  # [Note: what a lane waits for]
+            # A forward of its own: its backward is not one of an earlier
+            # step's ([Note: optimizer step between forward and backward]).
+            context.forward_serial += 1
         state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)  # from HELD: it already ran in this forward
         context.record_forward(state)
         state.unshard(wait=True)

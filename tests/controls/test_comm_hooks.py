@@ -141,7 +141,7 @@ def _failing_hook_then_parity(rank: int, world_size: int) -> None:
     register_comm_hook(model, comm_hooks.DefaultState(), hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5)
+    parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
     local = _local(rank, world_size)
     inputs, targets = batch(0)
     with pytest.raises(_HookFailure, match="the hook failed on purpose") as raised:
@@ -303,7 +303,7 @@ def _none_or_wrong_state_refused_then_trains(rank: int, world_size: int) -> None
     register_comm_hook(model, None, comm_hooks.reduce_scatter_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    parity = Parity(build=TinyGPT, shard=lambda m: None)
+    parity = Parity(build=TinyGPT, shard=lambda m: None, reference_optimizer=reference_optimizer)
     local = _local(rank, world_size)
     for step in range(2):
         inputs, targets = batch(step)

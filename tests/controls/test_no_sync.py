@@ -45,7 +45,7 @@ def _accumulation_matches_summed_reference(rank: int, world_size: int) -> None:
         _shard(strategy)(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        parity = Parity(build=TinyGPT, shard=_shard(strategy), atol=5e-6, rtol=1e-5)
+        parity = Parity(build=TinyGPT, shard=_shard(strategy), atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
         local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
         for step in range(2):
             for micro in range(micro_batches):

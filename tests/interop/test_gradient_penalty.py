@@ -59,7 +59,7 @@ def _gradient_penalty_matches_reference(rank: int, world_size: int) -> None:
         shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        parity = Parity(build=_critic, shard=shard, atol=5e-6, rtol=1e-5)
+        parity = Parity(build=_critic, shard=shard, atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
         for step in range(3):
             samples = _samples(step)
             _penalised_loss(reference, samples).backward()
@@ -89,7 +89,7 @@ def _input_gradients_only_then_training(rank: int, world_size: int) -> None:
         shard_manually(strategy)(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        parity = Parity(build=TinyGPT, shard=shard_manually(strategy), atol=5e-6, rtol=1e-5)
+        parity = Parity(build=TinyGPT, shard=shard_manually(strategy), atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
         for step in range(3):
             inputs, targets = batch(step)
             # Gradients with respect to a hidden state only, by both APIs.

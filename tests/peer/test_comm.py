@@ -93,9 +93,9 @@ def _branches_and_unused_submodules(rank: int, world_size: int) -> None:
         reference = copy.deepcopy(model)
         for unit in (model[0], model[1].lin1, model[1].lin2, model):
             fully_shard(unit, strategy=strategy)
-        parity = Parity(build=lambda: model, shard=lambda m: None)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+        parity = Parity(build=lambda: model, shard=lambda m: None, reference_optimizer=reference_optimizer)
         for step in range(3):
             inputs = float_batch(step, 12)
             for module, x in ((reference, inputs), (model, local_slice(inputs))):

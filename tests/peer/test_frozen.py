@@ -76,7 +76,7 @@ def _interleaved_frozen_roots_with_a_no_grad_forward(rank: int, world_size: int)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(trainable, lr=1e-2)
         reference_optimizer = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-        parity = Parity(build=lambda: model, shard=lambda m: None)
+        parity = Parity(build=lambda: model, shard=lambda m: None, reference_optimizer=reference_optimizer)
         for step in range(3):
             inputs = float_batch(step, 16)
             if step == 1:

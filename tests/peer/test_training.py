@@ -205,7 +205,7 @@ def _non_root_and_first_forward_scenarios(rank: int, world_size: int) -> None:
         _units_and_root(list)(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
-        parity = Parity(build=lambda: model, shard=lambda m: None)
+        parity = Parity(build=lambda: model, shard=lambda m: None, reference_optimizer=reference_optimizer)
         order = ("non-root", "root", "non-root", "root") if first_through_non_root else ("root", "non-root", "root")
         for step, through in enumerate(order):
             inputs = float_batch(step, 8)
@@ -238,7 +238,7 @@ def _gradient_accumulation_modes(rank: int, world_size: int) -> None:
             _units_and_root(lambda m: list(m)[1:], strategy=strategy)(model)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
             reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
-            parity = Parity(build=lambda: model, shard=lambda m: None, atol=5e-6)
+            parity = Parity(build=lambda: model, shard=lambda m: None, atol=5e-6, reference_optimizer=reference_optimizer)
             for step in range(3):
                 spy = CollectiveSpy()
                 for micro in range(micro_batches):
@@ -288,7 +288,7 @@ def _hybrid_with_checkpointing_and_accumulation(rank: int, world_size: int) -> N
             fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
             reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
-            parity = Parity(build=lambda: model, shard=lambda m: None, atol=5e-6)
+            parity = Parity(build=lambda: model, shard=lambda m: None, atol=5e-6, reference_optimizer=reference_optimizer)
             for step in range(2):
                 for micro in range(micro_batches):
                     inputs = float_batch(step * micro_batches + micro, dim)

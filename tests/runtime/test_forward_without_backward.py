@@ -99,7 +99,7 @@ class _Pair:
         self.optimizer = adamw(self.model)
         self.reference_optimizer = adamw(self.reference)
         self.device = device
-        self.parity = Parity(build=build, shard=shard, atol=atol, rtol=rtol)
+        self.parity = Parity(build=build, shard=shard, atol=atol, rtol=rtol, reference_optimizer=self.reference_optimizer)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
 

@@ -90,7 +90,7 @@ def _train_through_failures(
     shard_manually(strategy)(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    parity = Parity(build=_build, shard=shard_manually(strategy), atol=5e-6)
+    parity = Parity(build=_build, shard=shard_manually(strategy), atol=5e-6, reference_optimizer=reference_optimizer)
     local = _local(rank, world_size)
     label = f"{strategy.name} {failure}"
     for step in range(4):
@@ -180,7 +180,7 @@ def _inference_forwards_change_nothing(rank: int, world_size: int) -> None:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
             evaluate = _eval_forward(mode)
-            parity = Parity(build=TinyGPT, shard=shard, atol=5e-6)
+            parity = Parity(build=TinyGPT, shard=shard, atol=5e-6, reference_optimizer=reference_optimizer)
             evaluate(model, batch(50)[0][local])  # a sanity check before the first step
             for step in range(2):
                 inputs, targets = batch(step)

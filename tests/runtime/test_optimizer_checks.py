@@ -40,8 +40,8 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         model = TinyGPT()
         reference = copy.deepcopy(model)
         shard_manually(strategy)(model)
-        parity = Parity(build=TinyGPT, shard=shard_manually(strategy))
         optimizer, reference_optimizer = adamw(model), adamw(reference)
+        parity = Parity(build=TinyGPT, shard=shard_manually(strategy), reference_optimizer=reference_optimizer)
 
         def step_then_refused_backward(step: int, loss: torch.Tensor, reference_loss: torch.Tensor) -> None:
             optimizer.step()

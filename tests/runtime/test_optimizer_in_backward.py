@@ -69,7 +69,7 @@ def _optimizer_in_backward_matches_reference(rank: int, world_size: int) -> None
         else:
             _shard(**kwargs)(model)
             handles = _step_in_backward(model, calls)
-        parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5)
+        parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
         for step in range(3):
             for micro in range(micro_batches):
                 inputs, targets = batch(step * micro_batches + micro)
