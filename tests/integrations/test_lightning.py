@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from composable_shard import fully_shard, is_fully_sharded, unshard_params
 from composable_shard.integrations.lightning import FabricShardStrategy, ShardStrategy
@@ -228,3 +228,116 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trainer_matches_one_process_on_the_global_batch(world_size: int) -> None:
     run_distributed(_trainer_matches_reference, world_size, timeout=300)
+
+
+# ------------------------------------------------------------- checkpoints
+STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
+
+
+def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[str]:
+    """Epoch 1 with ModelCheckpoint, then trainer.save_checkpoint too."""
+    torch.manual_seed(0)
+    checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
+    recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), callbacks=[checkpoints],
+                    enable_checkpointing=True)
+    assert recorder.trainer is not None
+    with _in_harness_ranks(rank):
+        recorder.trainer.save_checkpoint(Path(directory) / "manual.ckpt")
+    return sorted(p.name for p in Path(directory).iterdir())
+
+
+def _resume_matches_uninterrupted(rank: int, world_size: int, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    expected = _reference(Regressor(), epochs=2)[STEPS_PER_EPOCH:]
+    assert Path(checkpoint).is_dir(), checkpoint
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), max_epochs=2, ckpt_path=checkpoint)
+    assert recorder.trainer is not None and recorder.trainer.global_step == 2 * STEPS_PER_EPOCH
+    _assert_steps_equal(recorder.steps, expected, TIGHT)
+
+
+def test_checkpoint_resumes_exactly_at_the_same_and_another_world_size(tmp_path: Path) -> None:
+    names = run_distributed(_save_after_one_epoch, 2, str(tmp_path), timeout=300)[0]
+    assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "manual.ckpt"], names
+    run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path / names[0]), timeout=300)
+    run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path / "manual.ckpt"), timeout=300)
+
+
+# ------------------------------------------------------------------ Fabric
+def _fabric_matches_reference(rank: int, world_size: int, directory: str) -> None:
+    torch.manual_seed(0)
+    module = Regressor()
+    model = copy.deepcopy(module)  # a plain nn.Module use of the same layers
+    expected = _reference(module, epochs=2, accumulate=2, clip=CLIP)
+    reference_norms = _reference_norms(module, accumulate=2)
+    with _in_harness_ranks(rank):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricShardStrategy(policy={Block}))
+        fabric.launch()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        model, optimizer = fabric.setup(model, optimizer)
+        # The sampler the Trainer uses (shuffled, seed 0), its epoch set here (a
+        # loader Fabric wraps would count epochs by iterations of it).
+        sampler = DistributedSampler(_data(), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+        loader = DataLoader(_data(), batch_size=GLOBAL_BATCH // world_size // 2, sampler=sampler)
+        got, norms = [], []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for index, (x, y) in enumerate(loader):
+                last = (index + 1) % 2 == 0
+                with fabric.no_backward_sync(model, enabled=not last):
+                    fabric.backward(F.mse_loss(model(x), y) / 2)
+                if not last:
+                    continue
+                norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+                with unshard_params(model.module, writeback=False):
+                    got.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+                if epoch == 0 and len(got) == STEPS_PER_EPOCH:
+                    fabric.save(Path(directory) / "fabric", {"model": model, "optimizer": optimizer,
+                                                             "scheduler": scheduler, "epoch": epoch})
+        _assert_steps_equal(got, expected, TIGHT)
+        torch.testing.assert_close(torch.tensor(norms[:1]), torch.tensor(reference_norms[:1]), rtol=1e-5, atol=0)
+
+        # Load into a fresh model, optimizer and scheduler; the second epoch again.
+        torch.manual_seed(5)
+        fresh = Regressor()
+        optimizer = torch.optim.AdamW(fresh.parameters(), lr=LR, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        fresh_model, optimizer = fabric.setup(fresh, optimizer)
+        state = {"model": fresh_model, "optimizer": optimizer, "scheduler": scheduler, "epoch": -1}
+        assert fabric.load(Path(directory) / "fabric", state) == {}
+        assert state["epoch"] == 0
+        resumed = []
+        sampler.set_epoch(1)
+        for index, (x, y) in enumerate(loader):
+            with fabric.no_backward_sync(fresh_model, enabled=index % 2 == 0):
+                fabric.backward(F.mse_loss(fresh_model(x), y) / 2)
+            if index % 2 == 0:
+                continue
+            fabric.clip_gradients(fresh_model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            with unshard_params(fresh, writeback=False):
+                resumed.append({n: p.detach().clone() for n, p in fresh.named_parameters()})
+        _assert_steps_equal(resumed, expected[STEPS_PER_EPOCH:], TIGHT)
+
+
+def _reference_norms(module: Regressor, *, accumulate: int) -> list[float]:
+    """The first step's gradient norm one process computes (before clipping)."""
+    model = copy.deepcopy(module)
+    x_all, y_all = _data().tensors
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0))
+    micro = GLOBAL_BATCH // accumulate
+    for index in range(accumulate):
+        rows = order[index * micro : (index + 1) * micro]
+        (F.mse_loss(model(x_all[rows]), y_all[rows]) / accumulate).backward()
+    return [float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fabric_setup_backward_clip_save_load_match_one_process(world_size: int, tmp_path: Path) -> None:
+    run_distributed(_fabric_matches_reference, world_size, str(tmp_path), timeout=300)
