@@ -15,6 +15,12 @@ Run::
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 60 --save-dir runs/gpt --save-every 20
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 60 --save-dir runs/gpt --resume latest
 
+    # survive dead workers: torchrun's elastic agent starts the group again
+    # (up to 3 times) and every worker resumes from the newest complete
+    # checkpoint ("latest" starts fresh when there is none yet)
+    torchrun --nnodes 1:2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
+        --nproc_per_node 2 examples/train_gpt.py --save-dir runs/gpt --save-every 10 --resume latest
+
 What it shows:
 - sharding: ``fully_shard(block)`` for every transformer block, then
   ``fully_shard(model)``; the root unit owns the embeddings, the final norm and
@@ -24,7 +30,11 @@ What it shows:
 - every rank draws the same *global* batch and trains on its slice, so the
   loss curve does not depend on the number of ranks;
 - checkpoints are sharded: each rank writes its part with
-  ``torch.distributed.checkpoint``; one saved at one world size loads at another.
+  ``torch.distributed.checkpoint`` (``composable_shard.checkpoint``); one
+  saved at one world size loads at another;
+- elastic restarts: ``composable_shard.comm.elastic.init_process_group``
+  joins a group that torchrun started again, ``latest_checkpoint`` finds
+  where to resume, and the batch of a step depends only on the step.
 """
 
 from __future__ import annotations
@@ -32,12 +42,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
 import resource
-import shutil
 import socket
 import sys
 import time
@@ -45,11 +53,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # composable_shard from a checkout
 
 from composable_shard import clip_grad_norm_, describe, fully_shard, plan  # noqa: E402
+from composable_shard.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from composable_shard.comm.elastic import init_process_group  # noqa: E402
 from composable_shard.planning import MemoryRecorder  # noqa: E402
 from data import ByteCorpus, rank_slice  # noqa: E402
 from gpt import GPT, Block, GPTConfig, param_groups  # noqa: E402
@@ -79,7 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-dir", type=Path, default=None, help="write checkpoints under this directory")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
-    p.add_argument("--resume", default=None, help="checkpoint directory to resume from, or 'latest' in --save-dir")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint directory to resume from, or 'latest': the newest complete one in --save-dir, "
+                        "if any (else start fresh)")
     p.add_argument("--plan", action="store_true", help="print rank 0's sharding plan (units, per-rank memory) first")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
                    help="with --plan: draw rank 0's planned memory over one step, with the memory measured at "
@@ -96,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun described in the environment, or make a
+    """Join the process group torchrun described in the environment (also
+    after torchrun's elastic agent restarted the group), or make a
     one-process group on this machine when started with plain ``python``."""
     if "RANK" not in os.environ:
         with socket.socket() as s:  # a free port for the one-process group
@@ -106,10 +118,10 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -156,70 +168,30 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 # -- checkpoints ----------------------------------------------------------------
 
 
-def save_checkpoint(model: GPT, optimizer: torch.optim.Optimizer, step: int, save_dir: Path) -> Path:
+def save_step(model: GPT, optimizer: torch.optim.Optimizer, step: int, save_dir: Path) -> Path:
     """Sharded checkpoint of ``step`` (the number of steps done) at
-    ``save_dir/step_NNNNNN``. Written into a staging directory that rank 0
-    renames when every rank is done, so a directory named ``step_*`` is
-    always complete."""
-    from composable_shard import get_model_state_dict, get_optimizer_state_dict
-
-    final = save_dir / f"step_{step:06d}"
-    staging = save_dir / f".step_{step:06d}.partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left over by a crashed save
-        staging.mkdir(parents=True)
-    dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=staging)  # returns on every rank once the metadata is written
-    if dist.get_rank() == 0:
-        (staging / "trainer.json").write_text(json.dumps({"step": step}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    dist.barrier()
-    logger.info("saved %s", final)
-    return final
+    ``save_dir/step_NNNNNN``; a directory of that name is always complete
+    (``save_checkpoint`` writes ``step_NNNNNN.partial`` and switches it into
+    place), so a kill during a save leaves the previous checkpoints usable."""
+    path = save_dir / f"step_{step:06d}"
+    save_checkpoint(path, model, optimizer, extra_state={"step": step})
+    logger.info("saved %s", path)
+    return path
 
 
-def latest_checkpoint(save_dir: Path) -> Path:
-    found = sorted(save_dir.glob("step_*"))
-    if not found:
-        raise FileNotFoundError(f"--resume latest: no step_* checkpoint under {save_dir}. Train with --save-dir first.")
-    return found[-1]
-
-
-def load_checkpoint(model: GPT, optimizer: torch.optim.Optimizer, path: Path) -> int:
-    """Load model and optimizer state saved by ``save_checkpoint`` (at any world
-    size); returns the number of steps already done."""
-    from composable_shard import get_model_state_dict, get_optimizer_state_dict
-    from composable_shard import set_model_state_dict, set_optimizer_state_dict
-
-    init_optimizer_state(optimizer)
-    # DCP loads in place into a state dict of the right structure and sharding.
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    step = json.loads((path / "trainer.json").read_text())["step"]
-    logger.info("resumed from %s at step %d", path, step)
-    return step
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (AdamW: step, exp_avg, exp_avg_sq)
-    by one step on zero gradients at learning rate 0, which changes no
-    parameter; a fresh optimizer has no state for DCP to load into."""
-    if optimizer.state:
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
+def resume(model: GPT, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> int:
+    """Load ``--resume`` (a directory, or ``latest``: the newest complete
+    checkpoint in ``--save-dir``) into the model and optimizer, at any world
+    size; returns the number of steps already done (0: starting fresh)."""
+    path = latest_checkpoint(args.save_dir) if args.resume == "latest" else Path(args.resume)
+    if path is None:
+        logger.info("no complete checkpoint under %s yet: starting fresh", args.save_dir)
+        return 0
+    extra = load_checkpoint(path, model, optimizer)
+    if "step" not in extra:
+        raise ValueError(f"--resume {path}: the checkpoint records no step (not saved by this script). Pass another.")
+    logger.info("resumed from %s at step %d", path, extra["step"])
+    return int(extra["step"])
 
 
 # -- memory --------------------------------------------------------------------
@@ -245,8 +217,6 @@ def train(args: argparse.Namespace) -> None:
         format=f"%(asctime)s [rank{rank}] %(message)s",
     )
     logger.info("world size %d on %s (%s)", world_size, device, dist.get_backend())
-    if args.save_dir is not None or args.resume is not None:
-        from composable_shard import get_model_state_dict  # noqa: F401  (fails now, not after training)
     corpus = ByteCorpus.from_stdlib(args.data_bytes)
     # Made before the model: the measured memory then counts the model state, as the plan does.
     recorder = MemoryRecorder(device) if args.plot is not None else None
@@ -257,10 +227,7 @@ def train(args: argparse.Namespace) -> None:
             print(plan, flush=True)
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
 
-    start_step = 0
-    if args.resume is not None:
-        path = latest_checkpoint(args.save_dir) if args.resume == "latest" else Path(args.resume)
-        start_step = load_checkpoint(model, optimizer, path)
+    start_step = resume(model, optimizer, args) if args.resume is not None else 0
 
     # The second step is recorded: the optimizer state exists by then, as the plan assumes.
     recorded_step, record = min(start_step + 1, args.steps - 1), None
@@ -303,11 +270,11 @@ def train(args: argparse.Namespace) -> None:
             )
             t_last, step_last = time.perf_counter(), done
         if args.save_dir is not None and args.save_every > 0 and done % args.save_every == 0:
-            save_checkpoint(model, optimizer, done, args.save_dir)
+            save_step(model, optimizer, done, args.save_dir)
 
     if args.save_dir is not None and (args.save_every <= 0 or args.steps % args.save_every != 0):
         if args.steps > start_step:
-            save_checkpoint(model, optimizer, args.steps, args.save_dir)
+            save_step(model, optimizer, args.steps, args.save_dir)
     if args.plot is not None and rank == 0:
         plot_memory(args, world_size, device, record)
 

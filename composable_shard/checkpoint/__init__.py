@@ -1,5 +1,6 @@
 """Owns: the checkpoint subpackage's public face — checkpoint directories on
 disk: ``save_checkpoint`` / ``load_checkpoint`` / ``verify_checkpoint``,
+``latest_checkpoint`` (the newest complete one under a directory),
 ``DirectFileSystemReader`` for a plain ``dcp.load``, and the converters to
 and from one file of full tensors.
 
@@ -24,6 +25,7 @@ shards and state dicts)::
                      built from the metadata
     destinations.py  the metadata checked against a model and optimizer
     save_load.py     save_checkpoint / load_checkpoint
+    latest.py        latest_checkpoint: the newest complete checkpoint
     convert.py       directory <-> torch.save / safetensors file
 """
 
@@ -31,12 +33,14 @@ from .errors import CheckpointError, UnsafeCheckpointError
 from .manifest import MANIFEST_NAME, verify_checkpoint
 from .untrusted.reader import DirectFileSystemReader
 from .save_load import load_checkpoint, save_checkpoint
+from .latest import latest_checkpoint
 from .convert import dcp_to_safetensors, dcp_to_torch_save, safetensors_to_dcp, torch_save_to_dcp
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "verify_checkpoint",
+    "latest_checkpoint",
     "CheckpointError",
     "UnsafeCheckpointError",
     "DirectFileSystemReader",
