@@ -157,7 +157,7 @@ def _owning_alias(view: torch.Tensor) -> torch.Tensor:
     ``dcp.save`` (a whole shard more at peak). An alias made through
     numpy has a storage of exactly the box's bytes, so DCP writes it as it is;
     it keeps the shard alive through the array it wraps, and writes into it
-    (a load) reach the shard. Measured by scripts/bench_checkpoint.py (save
+    (a load) reach the shard. Measured by scripts/bench.py checkpoint (save
     peak; docs/design/checkpoint.md)."""
     if view.device.type != "cpu" or view.untyped_storage().nbytes() == view.numel() * view.element_size():
         return view
