@@ -341,3 +341,35 @@ def _reference_norms(module: Regressor, *, accumulate: int) -> list[float]:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fabric_setup_backward_clip_save_load_match_one_process(world_size: int, tmp_path: Path) -> None:
     run_distributed(_fabric_matches_reference, world_size, str(tmp_path), timeout=300)
+
+
+# ------------------------------------------------------------------ misuse
+def _misuse_is_refused_at_setup_then_trains(rank: int, world_size: int) -> None:
+    cases: list[tuple[Regressor, ShardStrategy, dict[str, Any], type[Exception], str]] = [
+        (Regressor(), ShardStrategy(policy={Block}), {"precision": "64-true"}, ValueError,
+         "ShardStrategy: precision='64-true' is not supported. Use one of ['32-true', 'bf16-mixed', 'bf16-true']"),
+        (Regressor(shard_in_configure_model=True, configure_model_shards=False), ShardStrategy(), {}, ValueError,
+         "ShardStrategy: Regressor has no module that fully_shard made a unit after configure_model"),
+        (Regressor(), ShardStrategy(policy={nn.GRU}), {}, ValueError,
+         "ShardStrategy: policy={<class 'torch.nn.modules.rnn.GRU'>} picks no module of Regressor"),
+        (Regressor(shard_in_configure_model=True), ShardStrategy(policy={Block}), {}, ValueError,
+         "ShardStrategy: Regressor was already given to fully_shard (in configure_model) and the strategy has policy"),
+        (Regressor(shard_in_configure_model=True), ShardStrategy(), {"precision": "bf16-true"}, ValueError,
+         "ShardStrategy: precision 'bf16-true' needs torch.bfloat16 parameters, but Regressor was sharded"),
+    ]
+    for module, strategy, kwargs, error, message in cases:
+        before = {n: p.detach().clone() for n, p in module.named_parameters()}
+        with pytest.raises(error, match=re.escape(message)):
+            _fit(rank, world_size, module, strategy, **kwargs)
+        if not any(is_fully_sharded(m) for m in module.modules()):
+            assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # untouched
+    with pytest.raises(TypeError, match=re.escape("ShardStrategy: unknown keyword argument(s) ['polcy']")):
+        ShardStrategy(polcy={Block})
+    # The refused (unsharded) module still trains, with a valid setup.
+    module = cases[0][0]
+    expected = _reference(module, epochs=1)
+    _assert_steps_equal(_fit(rank, world_size, module, ShardStrategy(policy={Block})).steps, expected, TIGHT)
+
+
+def test_misuse_is_refused_at_setup_with_a_clear_message() -> None:
+    run_distributed(_misuse_is_refused_at_setup_then_trains, 2, timeout=300)
