@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..handle import FlatParamHandle
-from ..runtime.optimizer_checks import is_elementwise
+from ..runtime.optimizer_checks import flattens_parameters, is_elementwise
 from ..runtime.state import UnitState
 from .owners import OwnedParam, OwnerPlan, param_cost, pieces_of, plan_owners
 
@@ -129,7 +129,7 @@ def _plan_group(members: list[tuple[nn.Parameter, UnitState, FlatParamHandle, in
 def before_step(optimizer: torch.optim.Optimizer, units: list[UnitState], args: tuple, kwargs: dict) -> None:
     """Bring every whole parameter of ``optimizer`` to its owner ([Note:
     owner computes]). Collective over each shard group involved."""
-    if is_elementwise(optimizer):
+    if is_elementwise(optimizer) or flattens_parameters(optimizer):
         return
     plans = owner_plans(optimizer, units)
     if not any(plan.params for plan in plans):

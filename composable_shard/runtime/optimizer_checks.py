@@ -27,7 +27,9 @@ owner rank ([Note: owner computes] in optim/owner_step.py) — under every
 strategy, since NO_SHARD and one-rank units show flattened 1-D views too.
 Refused at every step (before the first forward too, so the hooks are
 registered by ``fully_shard``), before anything changes: ``LBFGS``, which
-couples all parameters, and ``SparseAdam``, which needs sparse gradients.
+couples all parameters (over sharded units; NO_SHARD units hold whole
+tensors, which it flattens anyway), and ``SparseAdam``, which needs sparse
+gradients.
 The elementwise check is by exact type (a subclass may override ``step``);
 ``register_elementwise_optimizer(cls)`` declares another. Pinned by
 tests/runtime/test_optimizer_checks.py and tests/optim/.
@@ -65,6 +67,7 @@ __all__ = [
     "register_elementwise_optimizer",
     "ELEMENTWISE_OPTIMIZERS",
     "is_elementwise",
+    "flattens_parameters",
     "refuse_coupling_optimizer",
     "remember_step_while_held",
     "refuse_backward_after_step",
@@ -85,11 +88,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
     torch.optim.Rprop,
 )
-# Optimizers no per-parameter schedule makes exact here, with why.
-_REFUSED: dict[type[torch.optim.Optimizer], str] = {
-    torch.optim.LBFGS: "LBFGS couples all parameters (dot products and a line search over every parameter at "
-    "once), so neither a shard nor one whole parameter is enough to compute its step.",
-    torch.optim.SparseAdam: "SparseAdam needs sparse gradients, which the reduced gradients of a unit never are.",
+# Optimizers no per-parameter schedule makes exact here, with why, and
+# whether units that hold whole tensors on every rank (NO_SHARD, one-rank
+# shard groups) are exact for them anyway.
+_REFUSED: dict[type[torch.optim.Optimizer], tuple[str, bool]] = {
+    torch.optim.LBFGS: (
+        "LBFGS couples all parameters (dot products and a line search over every parameter at once), so neither "
+        "a shard nor one whole parameter is enough to compute its step.",
+        True,  # it flattens every parameter anyway: whole 1-D views are exact
+    ),
+    torch.optim.SparseAdam: ("SparseAdam needs sparse gradients, which the reduced gradients of a unit never are.", False),
 }
 
 _DECLARED: set[type] = set(ELEMENTWISE_OPTIMIZERS)
@@ -121,6 +129,12 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in _DECLARED
 
 
+def flattens_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` reads every parameter as one flat vector
+    (LBFGS): allowed only over whole tensors, which need no owner."""
+    return isinstance(optimizer, torch.optim.LBFGS)
+
+
 def refuse_coupling_optimizer(optimizer: torch.optim.Optimizer, units: Iterable[UnitState]) -> None:
     """Raise before the step, whatever step it is (before the first forward
     too), if ``optimizer`` is one that no per-parameter schedule makes exact
@@ -128,11 +142,14 @@ def refuse_coupling_optimizer(optimizer: torch.optim.Optimizer, units: Iterable[
     step: an optimizer's parameter groups may change between steps."""
     if type(optimizer) in _DECLARED:
         return
-    reason = next((why for cls, why in _REFUSED.items() if isinstance(optimizer, cls)), None)
-    if reason is None:
+    refusal = next((why for cls, why in _REFUSED.items() if isinstance(optimizer, cls)), None)
+    if refusal is None:
         return
+    reason, whole_is_exact = refusal
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
     for unit in units:
+        if whole_is_exact and not unit.groups.is_sharded:
+            continue
         for handle in unit.handles:
             for info, param in zip(handle.layout.params, handle.orig_params):
                 if id(param) in stepped:
@@ -144,8 +161,8 @@ def _raise_refused(optimizer: torch.optim.Optimizer, param_name: str, reason: st
     raise RuntimeError(
         f"{name}.step() over parameter '{param_name}' of a fully_shard unit: {reason} Optimizers whose update of a "
         "parameter reads only that parameter's own gradient and state (SGD, AdamW, Muon, Adafactor, Shampoo-style "
-        f"preconditioners, ...) work on sharded units; for {name} keep its parameters out of units "
-        "(ignored_states) or use one of those. Nothing was updated."
+        f"preconditioners, ...) work on sharded units; for {name} keep its parameters out of sharded units "
+        "(ShardingStrategy.NO_SHARD or ignored_states) or use one of those. Nothing was updated."
     )
 
 

@@ -27,7 +27,7 @@ import torch
 from .. import comm
 from ..optim.owner_step import owner_plans
 from ..runtime.lifecycle import live_units
-from ..runtime.optimizer_checks import is_elementwise
+from ..runtime.optimizer_checks import flattens_parameters, is_elementwise
 
 __all__ = ["owned_by", "gather_owned_state"]
 
@@ -36,7 +36,7 @@ def owned_by(optimizer: torch.optim.Optimizer) -> dict[int, bool]:
     """For each parameter of ``optimizer`` stepped by an owner: whether this
     rank is its owner (by ``id`` of the parameter). Empty for an elementwise
     optimizer."""
-    if is_elementwise(optimizer):
+    if is_elementwise(optimizer) or flattens_parameters(optimizer):
         return {}
     return {
         id(owned.param): owned.owner == plan.rank

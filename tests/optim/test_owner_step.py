@@ -25,35 +25,9 @@ from tests.support.optimizers import NewtonSchulzSGD, RowNormalizedSGD, StepReco
 from tests.support.parity import Parity, hybrid_groups, run_parity, shard_manually
 
 
-def _muon_and_adamw(model: nn.Module) -> torch.optim.Optimizer:
-    """torch's Muon on the blocks' matrices (chosen by full_shape, after
-    sharding), AdamW on the rest: one optimizer object per kind, stepped
-    together through a small wrapper the parity loop can call."""
-    matrices = [p for name, p in model.named_parameters() if name.startswith("blocks.") and len(full_shape(p)) == 2]
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    return _Pair(torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=1e-2))
-
-
-class _Pair(torch.optim.Optimizer):
-    """Two optimizers stepped as one (the parity loop takes one)."""
-
-    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
-        self.first, self.second = first, second
-        self.param_groups = first.param_groups + second.param_groups  # read only: for zero_grad
-        self.state = {}
-
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        self.first.step()
-        self.second.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.first.zero_grad(set_to_none)
-        self.second.zero_grad(set_to_none)
-
-
 OPTIMIZERS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], float]] = {
     # name: (factory, atol); rtol 1e-5 throughout. torch's Muon runs
-    # Newton-Schulz in bf16: its tolerance is derived in test_muon_tolerance.
+    # Newton-Schulz in bf16: its tolerance is derived in test_muon.py.
     "newton_schulz_fp32": (lambda m: NewtonSchulzSGD(m.parameters()), 2e-6),
     "row_normalized_sgd": (lambda m: RowNormalizedSGD(m.parameters()), 2e-6),
     "tensor_normalized_sgd": (lambda m: TensorNormalizedSGD(m.parameters()), 2e-6),
