@@ -16,12 +16,11 @@ Public names: ``set_requires_gradient_sync``, ``set_is_last_backward``,
 
 Where our flat layout makes a control differ from FSDP2's (docs/parallelism.md,
 "Per-unit runtime controls"): a unit's flat parameters are gathered and
-freed together, so every control acts on a whole unit; ``unshard`` gathers
-into the unit's buffer but the module keeps showing the shards until its
-forward (outside a step everyone sees shards: [Note: units kept gathered
-between steps] in runtime/unit_controls.py); a buffer kept gathered is
-dropped by the optimizer step and every other entry that may change the
-shards, so it never goes stale.
+freed together, so every control acts on a whole unit; a buffer kept
+gathered is dropped by the optimizer step and every other entry that may
+change the shards, so it never goes stale. ``unshard`` shows the unit's
+full parameters as FSDP2's does ([Note: explicit unshard shows full
+parameters] in runtime/unit_controls.py).
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from ..runtime import lazy_init, mark_local_accumulation
+from ..runtime import TreePhase, lazy_init, mark_local_accumulation, tree_phase
 from ..runtime.state import TrainingState, UnitState, get_state, units_of
+from ..runtime.unit_controls import end_explicit_unshard, show_unsharded_between_steps
 
 __all__ = [
     "set_requires_gradient_sync",
@@ -193,28 +193,47 @@ def set_modules_to_backward_prefetch(module: nn.Module, modules: Sequence[nn.Mod
 # --------------------------------------------------------- unshard / reshard
 class UnshardHandle:
     """An explicit unshard in flight; ``wait()`` makes compute wait for it
-    (the unit's forward also waits, so calling it is optional)."""
+    and, between steps, shows the unit's full parameters (as after a
+    synchronous ``unshard``). The unit's forward also waits, so calling it
+    is optional when nothing reads the parameters before."""
 
     def __init__(self, state: UnitState) -> None:
         self._state = state
 
     def wait(self) -> None:
         state = self._state
-        if state.root_context is not None:
-            for handle in state.handles:
-                state.context.scheduler.wait_for_unshard(handle)
+        if state.root_context is None:
+            return
+        context = state.context
+        idle = tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.IDLE
+        if idle:  # [Note: explicit unshard shows full parameters]
+            show_unsharded_between_steps(state)
+            return
+        for handle in state.handles:
+            context.scheduler.wait_for_unshard(handle)
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
     """Gather the unit's parameters now (not recursive), in the compute
     dtype of its mixed-precision policy; its next forward or backward finds
     them gathered. ``async_op=True`` returns an ``UnshardHandle`` at once;
-    else waits and returns None. Unlike FSDP2 the module keeps showing its
-    shards until its forward (use ``unshard_params`` to read full values);
-    the gathered buffer is freed by the unit's forward or backward as
-    usual, by ``reshard``, and by the optimizer step, state dicts,
+    else waits and returns None.
+
+    As in FSDP2, once it is waited for (here, or ``handle.wait()``) between
+    steps, the unit's modules show parameters of their full shapes and
+    values (in the compute dtype), usable in place of ``unshard_params``
+    for reading, until the unit reshards: its next forward or backward (as
+    configured), ``reshard``, or the optimizer step, state dicts,
     ``unshard_params`` and ``clip_grad_norm_`` (the shards may change
-    there). Collective over the unit's shard group."""
+    there), which also free the gathered buffer. They are new parameter
+    objects (the optimizer keeps the sharded originals). Edits to them, in
+    place or by assigning ``.data`` of the full shape, the same on every
+    rank, are written into the shards when the unit reshards (as
+    ``unshard_params(writeback=True)``); ``.data`` of another shape is
+    refused then with a ``ValueError``. Called inside a step or while the
+    tree is held for a backward it only gathers. Collective over the unit's
+    shard group. See [Note: explicit unshard shows full parameters] in
+    runtime/unit_controls.py."""
     state = _unit_of(module, "unshard")
     _check_bool(module, "unshard", "async_op", async_op)
     if state.root_context is None:
@@ -230,8 +249,8 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 
 def reshard(module: nn.Module) -> None:
-    """Free the unit's gathered parameters now (not recursive): what
-    ``unshard``, ``set_reshard_after_forward(False)`` or
+    """Free the unit's gathered parameters now (not recursive), showing its
+    shards again: what ``unshard``, ``set_reshard_after_forward(False)`` or
     ``set_reshard_after_backward(False)`` kept. A unit kept for its
     backward gathers again when the backward comes. Refused inside the
     unit's own forward or backward."""
@@ -244,6 +263,9 @@ def reshard(module: nn.Module) -> None:
             f"{'forward' if state.training_state is TrainingState.FORWARD else 'backward'}, which needs its "
             "parameters. Call reshard after it, e.g. between micro-batches."
         )
-    state.reshard()
+    try:
+        end_explicit_unshard(state)  # edits to what unshard showed go into the shards
+    finally:
+        state.reshard()
     if state.training_state is TrainingState.HELD_FOR_BACKWARD:
         state.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)

@@ -439,6 +439,62 @@ class FlatParamHandle:
         self.is_unsharded = not self.needs_unshard_storage
 
 
+    # ------------------------------------- explicit unshard (FSDP2's unshard())
+    def show_unsharded_params(self) -> tuple[nn.Parameter, ...]:
+        """Register on the owners, for each original parameter, a new
+        parameter of its full shape aliasing the gathered buffer (compute
+        dtype; a ``DTensor`` with its tensor-parallel spec where it is one),
+        as FSDP2's ``unshard()`` registers its unsharded parameters. The
+        original parameters keep their shard views; any later registration
+        of them (``reshard``, ``hide_unsharded_views``, a forward's views)
+        ends the show. Returns the shown parameters, for
+        ``write_back_shown_edits``."""
+        self._check_unsharded("show_unsharded_params")
+        shown: list[nn.Parameter] = []
+        for index, (info, view) in enumerate(zip(self.layout.params, self._views_of(self.unsharded_flat_param))):
+            spec = self.tp_specs[index]
+            param = nn.Parameter(
+                dtensor_views.forward_view(view, spec) if spec is not None else view,
+                requires_grad=self.param_requires_grad[index],
+            )
+            for owner in info.owners:
+                owner.module._parameters[owner.attr] = param
+            shown.append(param)
+        return tuple(shown)
+
+    def write_back_shown_edits(self, shown: Sequence[nn.Parameter]) -> list[str]:
+        """Take into this rank's shard what the user changed on the
+        parameters ``show_unsharded_params`` showed: values written in place
+        (through any alias of the buffer) or by assigning ``.data`` of the
+        same shape, and ``requires_grad`` (handed to the original parameter,
+        which the next write-back takes in). Only elements that differ from
+        the shard in the compute dtype are written, so under mixed precision
+        the others keep their full-precision values. The buffer is kept: it
+        holds the edited values. Returns the names of parameters whose
+        ``.data`` got another shape (their change is dropped)."""
+        self._check_unsharded("write_back_shown_edits")
+        wrong: list[str] = []
+        with torch.no_grad():
+            for info, view, param, orig in zip(
+                self.layout.params, self._views_of(self.unsharded_flat_param), shown, self.orig_params
+            ):
+                data = dtensor_views.local_tensor(param.data)
+                if data.shape != info.shape:
+                    wrong.append(info.fqn)
+                elif data.data_ptr() != view.data_ptr():
+                    view.copy_(data)  # .data replaced: into the buffer, then as an in-place edit
+                if param.requires_grad != orig.requires_grad:
+                    orig.requires_grad_(param.requires_grad)
+            start = self.layout.shard_rank * self.layout.shard_numel
+            window = self.unsharded_flat_param.detach()[start : start + self.layout.shard_numel]
+            shard = self.sharded_flat_param
+            if window.data_ptr() != shard.data_ptr():  # else the shown views are the shard's own
+                current = self._shard_on_compute_device().to(window.dtype)
+                edited = (window != current) & ~(window.isnan() & current.isnan())
+                if bool(edited.any()):  # a host-device sync, once per handle per explicit unshard
+                    shard.copy_(torch.where(edited.to(shard.device), window.to(shard.device, shard.dtype), shard))
+        return wrong
+
     # ---------------------------------------------- full copies (unshard_params)
     def gather_full_flat_param(self) -> torch.Tensor:
         """A new padded unsharded copy of the flat parameter in its own dtype

@@ -52,6 +52,8 @@ from .root import lazy_init
 from .skipped_units import end_anchor_forward, gather_anchored, reduce_or_defer, reduce_skippable, stays_gathered
 from .unit_controls import (
     check_unit_controls,
+    end_explicit_unshard,
+    end_explicit_unshards,
     finish_reductions_left_in_flight,
     keep_gathered_between_steps,
     keeps_after_forward,
@@ -67,6 +69,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
             lazy_init(state)
         context = state.context
         check_unit_controls(state, "forward")
+        end_explicit_unshard(state)  # [Note: explicit unshard shows full parameters]
         if in_backward():  # [Note: activation-checkpoint re-runs]
             if state.training_state in BETWEEN_STEPS:
                 state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS)
@@ -230,6 +233,7 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
     with hook_label(state, "pre_backward"):
         context = state.context
         check_unit_controls(state, "backward")
+        end_explicit_unshard(state)  # [Note: explicit unshard shows full parameters]
         if backward_accumulates(state):
             _queue_finalize_once(context)
         else:  # [Note: backwards that accumulate nothing of ours]
@@ -258,6 +262,7 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
 def _queue_finalize_once(context: RootContext) -> None:
     if not context.post_backward_callback_queued:
         finish_reductions_left_in_flight(context)  # [Note: a backward that is not the last]
+        end_explicit_unshards(context)  # [Note: explicit unshard shows full parameters]
         context.post_backward_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, context))
         # A backward starts: shards may have changed since the forward

@@ -2,8 +2,8 @@
 change in a step — whether a unit keeps its parameters gathered after
 forward or after backward, the check of a unit's controls at its forward
 and backward, the reductions a backward that is not the last leaves in
-flight, and dropping gathered buffers a unit kept between steps once they
-may go stale.
+flight, dropping gathered buffers a unit kept between steps once they
+may go stale, and the full parameters an explicit ``unshard`` shows.
 
 Knows nothing of: the hooks and the lifecycle (they call it), argument
 checks (controls/per_unit.py), streams (the scheduler), flattening details.
@@ -11,7 +11,9 @@ checks (controls/per_unit.py), streams (the scheduler), flattening details.
 Public names: ``check_unit_controls``, ``keeps_after_forward``,
 ``keep_gathered_between_steps``, ``end_backward_leaving_reductions``,
 ``finish_reductions_left_in_flight``, ``settle_gathered_and_reductions``,
-``needs_settling``, ``drop_gathered_written_back``.
+``needs_settling``, ``drop_gathered_written_back``,
+``show_unsharded_between_steps``, ``end_explicit_unshard``,
+``end_explicit_unshards``.
 
 [Note: units kept gathered between steps]
 A unit may hold its gathered buffer while no forward or backward of it
@@ -19,16 +21,38 @@ runs, outside the held-for-backward state: after a backward with
 ``set_reshard_after_backward(False)``, after a no-grad forward with
 ``set_reshard_after_forward(False)``, and after an explicit ``unshard``.
 It is ``IDLE``, its owners show the shards (as held units do: outside a
-step everyone sees shards), and its next forward or backward finds it
-gathered, with no all-gather. The buffer is a copy of the shards, so it is
+step everyone sees shards, but for [Note: explicit unshard shows full
+parameters]), and its next forward or backward finds it gathered, with no
+all-gather. The buffer is a copy of the shards, so it is
 kept only while they cannot change: the root's forward drops the buffers
 of flat parameters the user wrote since (``drop_gathered_written_back``),
 and every other entry through the lifecycle's gate (optimizer step, state
 dicts, ``unshard_params``, ``clip_grad_norm_``) drops them all. An
 in-place edit of a shard's values between steps is not seen: call
 ``reshard`` on such a unit first. Pinned by
-tests/training/test_explicit_unshard.py and tests/training/test_controls.py
+tests/controls/test_explicit_unshard.py and tests/controls/test_controls.py
 (all-gathers counted).
+
+[Note: explicit unshard shows full parameters]
+As FSDP2's ``unshard()``: once an explicit unshard made between steps is
+waited for, the unit's modules show new parameters of the full shapes,
+aliasing its gathered buffer (the compute dtype), until the unit reshards
+— its next forward or backward (which use the buffer, gathering nothing),
+``reshard``, or any entry through the gate (optimizer step, state dicts,
+``unshard_params``, ``clip_grad_norm_``), which also frees the buffer. An
+unshard issued inside a step (a prefetch from a hook) or while the tree is
+held for a backward only gathers. The original parameters keep their
+shards for the optimizer. What the user writes into the shown parameters
+(in place, or ``.data`` of the same shape; the same on every rank) is
+written into the shards when the show ends, as ``unshard_params`` does with
+``writeback=True``; the buffer holds it already. ``.data`` of another shape
+is dropped and raises (``ValueError``) once the unit is back to its shards.
+Every way the show ends passes ``end_explicit_unshard``: the unit's own
+forward (hooks.py), a backward of the tree starting (hooks.py), the root's
+forward (``drop_gathered_written_back``), the gate
+(``settle_gathered_and_reductions``, which ``needs_settling`` reports) and
+``reshard`` (controls/per_unit.py). Pinned by
+tests/controls/test_explicit_unshard.py.
 
 [Note: a backward that is not the last]
 With ``set_is_last_backward(False)`` the end of backward reshards and
@@ -45,6 +69,9 @@ from __future__ import annotations
 
 import weakref
 
+import torch.nn as nn
+
+from ..handle import FlatParamHandle
 from ..handle.writeback import find_user_edits
 from .state import RootContext, TrainingState, UnitState
 from .prefetch import backward_starts_with
@@ -58,11 +85,17 @@ __all__ = [
     "settle_gathered_and_reductions",
     "needs_settling",
     "drop_gathered_written_back",
+    "show_unsharded_between_steps",
+    "end_explicit_unshard",
+    "end_explicit_unshards",
 ]
 
 # Trees whose last backward left reductions in flight ([Note: a backward
 # that is not the last]). Weak: a deleted model drops its entry.
 _REDUCTIONS_LEFT: weakref.WeakSet[RootContext] = weakref.WeakSet()
+# Handles an explicit unshard shows, with the parameters shown ([Note:
+# explicit unshard shows full parameters]). Weak: a deleted model drops its entry.
+_SHOWN: weakref.WeakKeyDictionary[FlatParamHandle, tuple[nn.Parameter, ...]] = weakref.WeakKeyDictionary()
 
 
 def check_unit_controls(state: UnitState, when: str) -> None:
@@ -143,14 +176,19 @@ def needs_settling(context: RootContext) -> bool:
     the optimizer step asks every step)."""
     if context in _REDUCTIONS_LEFT:
         return True
+    if _SHOWN and any(handle in _SHOWN for unit in context.units for handle in unit.handles):
+        return True
     return any(unit.training_state is TrainingState.IDLE and _gathered_handles(unit) for unit in context.units)
 
 
 def settle_gathered_and_reductions(context: RootContext) -> None:
     """Between steps, before anything reads or writes the shards or the
     gradients: finish reductions left in flight and free what idle units
-    kept gathered ([Note: units kept gathered between steps])."""
+    kept gathered ([Note: units kept gathered between steps]), ending what
+    an explicit unshard shows first ([Note: explicit unshard shows full
+    parameters])."""
     finish_reductions_left_in_flight(context)
+    end_explicit_unshards(context)
     for unit in context.units:
         if unit.training_state is TrainingState.IDLE:
             for handle in _gathered_handles(unit):
@@ -162,7 +200,9 @@ def drop_gathered_written_back(context: RootContext) -> None:
     shards, first dropping what a unit kept gathered of a flat parameter
     the user changed (its pending all-gather, which still reads the shard,
     is waited for by the reshard): [Note: units kept gathered between
-    steps]."""
+    steps]; what an explicit unshard shows is taken in first ([Note:
+    explicit unshard shows full parameters])."""
+    end_explicit_unshards(context)
     scheduler = context.scheduler
     for unit in context.units:
         for handle in unit.handles:
@@ -173,3 +213,44 @@ def drop_gathered_written_back(context: RootContext) -> None:
                     continue  # the kept buffer is the shards' copy
                 unit.reshard_handle(handle)
             handle.writeback_orig_params(name_prefix=unit.name_prefix)
+
+
+def show_unsharded_between_steps(unit: UnitState) -> None:
+    """After an explicit unshard between steps: wait for its all-gathers and
+    show the unit's full parameters ([Note: explicit unshard shows full
+    parameters]); a show already there ends first (its edits taken in)."""
+    end_explicit_unshard(unit)
+    scheduler = unit.context.scheduler
+    for handle in unit.handles:
+        scheduler.wait_for_unshard(handle)
+        if handle.is_unsharded:  # else dropped since (the gate came between)
+            _SHOWN[handle] = handle.show_unsharded_params()
+
+
+def end_explicit_unshard(unit: UnitState) -> None:
+    """The unit's shown full parameters ([Note: explicit unshard shows full
+    parameters]) go: their edits into the shards, the owners back to the
+    original parameters; the gathered buffer stays (callers reshard it or
+    use it). A no-op without a show."""
+    if not _SHOWN:
+        return
+    dropped: list[str] = []
+    for handle in unit.handles:
+        shown = _SHOWN.pop(handle, None)
+        if shown is None or not handle.is_unsharded:
+            continue
+        dropped += [f"{unit.name_prefix}{name}" for name in handle.write_back_shown_edits(shown)]
+        handle.hide_unsharded_views()
+    if dropped:
+        raise ValueError(
+            f"fully_shard({unit.fqn}): after unshard(), {dropped[:4]} got .data of another shape than the "
+            "parameter's, which cannot be written into its shards; that change was dropped (the rest were "
+            "kept). Edit the shown parameters in place, or assign tensors of their full shape."
+        )
+
+
+def end_explicit_unshards(context: RootContext) -> None:
+    """``end_explicit_unshard`` for every unit of the tree."""
+    if _SHOWN:
+        for unit in context.units:
+            end_explicit_unshard(unit)
