@@ -286,6 +286,12 @@ def _unshard_shows_full_parameters(rank: int, world_size: int) -> None:
             assert block.fc_in.weight.shape == reference_block.fc_in.weight.shape
         _expect_shards(block, "after unshard_params")
         assert_resharded(model)
+        unshard(block)
+        state = model.state_dict()  # full float32 tensors, as always
+        _expect_shards(block, "after state_dict")
+        assert_resharded(model)
+        assert state["blocks.1.fc_in.weight"].shape == reference_block.fc_in.weight.shape
+        assert state["blocks.1.fc_in.weight"].dtype is torch.float32
         # Training after it all is exact.
         _micro_batch(model, reference, 2)
         _optimizer_steps(model, reference, optimizer, reference_optimizer, f"{strategy.name} after unshard/reshard")

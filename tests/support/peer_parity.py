@@ -62,7 +62,7 @@ def train_in_parity(
     shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     reference_optimizer = torch.optim.Adam(reference.parameters(), lr=lr)
-    parity = Parity(build=build, shard=lambda m: None, atol=atol, rtol=rtol)
+    parity = Parity(build=build, shard=lambda m: None, atol=atol, rtol=rtol, reference_optimizer=reference_optimizer)
     for step in range(steps):
         label = f"{when} step {step}"
         inputs = make_batch(step) if make_batch is not None else float_batch(step, dim)
