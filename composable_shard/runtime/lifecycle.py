@@ -344,6 +344,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
         if (held or needs_settling(context)) and _updates_tree(optimizer, context):
             if held and tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:
                 remember_step_while_held(context, optimizer)  # [Note: optimizer step between forward and backward]
+            elif not held and not context.post_backward_callback_queued:  # idle, something kept gathered
+                remember_step_after_pending_forward(context, optimizer)
             enter_between_steps(context.units, "optimizer.step", inside_a_step="skip")
         elif not held and not context.post_backward_callback_queued and _updates_tree(optimizer, context):
             remember_step_after_pending_forward(context, optimizer)

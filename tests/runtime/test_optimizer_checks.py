@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded, register_elementwise_optimizer
+from composable_shard import (
+    ShardingStrategy,
+    fully_shard,
+    is_fully_sharded,
+    register_elementwise_optimizer,
+    set_reshard_after_backward,
+    unshard,
+)
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
@@ -55,14 +62,19 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
             optimizer.zero_grad()
             reference_optimizer.zero_grad()
 
-        def train(step: int, *, misuse: bool, two_forwards: bool = False, retained: bool = False) -> None:
+        def train(step: int, *, misuse: bool, two_forwards: bool = False, retained: str = "") -> None:
             inputs, targets = batch(step)
             if retained:  # backward(retain_graph=True), step, backward again through the same graph
                 loss = lm_loss(model(_local(inputs)), _local(targets))
                 reference_loss = lm_loss(reference(inputs), targets)
+                if retained == "kept gathered":  # the step then finds something to free first
+                    set_reshard_after_backward(model, False)
                 loss.backward(retain_graph=True)
                 reference_loss.backward(retain_graph=True)
+                set_reshard_after_backward(model, True)
                 compare_full(model, reference, parity, f"{strategy.name} step {step} first backward", grads=True)
+                if retained == "explicit unshard":
+                    unshard(model.blocks[1])
                 # Before the fix: the first backward had left the tree idle,
                 # the step went unremembered, and the second backward ran
                 # with the stepped weights and the first forward's activations.
@@ -101,8 +113,11 @@ def _step_between_forward_and_backward(rank: int, world_size: int) -> None:
         train(2, misuse=False)
         train(3, misuse=False, two_forwards=True)
         train(6, misuse=False)
-        train(8, misuse=False, retained=True)
+        train(8, misuse=False, retained="plain")
         train(9, misuse=False)
+        train(10, misuse=False, retained="kept gathered")
+        train(11, misuse=False, retained="explicit unshard")
+        train(12, misuse=False)
         # Two forwards, both backwards, then the step: nothing refused.
         for model_, inputs_, targets_ in ((model, _local(batch(7)[0]), _local(batch(7)[1])), (reference, *batch(7))):
             first = lm_loss(model_(inputs_), targets_)
