@@ -23,7 +23,8 @@ not candidates. Rank 0 lists the directory and every rank takes its list,
 so all ranks check the same candidates in the same order (a collective,
 like ``load_checkpoint``). Leftover ``.partial`` directories are left where
 they are: the next save of that name clears them (``clear_staging``).
-Pinned by tests/checkpoint/test_latest.py and tests/elastic/.
+Pinned by tests/elastic/test_latest_checkpoint.py and
+tests/elastic/test_torchrun_restarts.py.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from tests.support.torchrun_agents import (
 STEPS = 12
 SAVE_EVERY = 4
 TIMEOUT_S = 240.0  # a whole job, on two busy cores
-KILL_TO_STEP_LIMIT_S = 90.0  # generous: process start (import torch) dominates on a loaded machine
+RESUME_TIMEOUT_S = 120.0  # a kill to the first resumed step (measured 6-25 s on two busy cores)
 
 
 def _job(tmp: Path, name: str) -> dict[str, Path]:
@@ -52,18 +52,23 @@ def _job(tmp: Path, name: str) -> dict[str, Path]:
     return paths
 
 
-def _agent(paths: dict[str, Path], name: str, port: int, *, nnodes: str, nproc: int, is_host: bool = True) -> Agent:
+def _agent(
+    paths: dict[str, Path], name: str, port: int, *, nnodes: str, nproc: int, is_host: bool = True, share_store: bool = True
+) -> Agent:
     return start_agent(
         name=name, tmp=paths["tmp"], port=port, nnodes=nnodes, nproc=nproc, save_dir=paths["save"],
-        steps=STEPS, save_every=SAVE_EVERY, is_host=is_host, shm_dir=paths["shm"],
+        steps=STEPS, save_every=SAVE_EVERY, is_host=is_host, shm_dir=paths["shm"], share_store=share_store,
     )  # fmt: skip
 
 
-def _finish(agents: list[Agent]) -> None:
+def _finish(agents: list[Agent], failed: bool) -> None:
+    """Wait for the agents to end (at once, by pid, if the test failed)."""
     try:
+        if failed:
+            return
         codes = [agent.process.wait(timeout=TIMEOUT_S) for agent in agents]
     finally:
-        for agent in agents:  # only on timeout or interruption: stop what we started
+        for agent in agents:  # on failure, timeout or interruption: stop what we started
             if agent.process.poll() is None:
                 agent.stop()
     assert codes == [0] * len(agents), f"torchrun exit codes {codes}\n{logs(agents)}"
@@ -76,7 +81,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, to
     paths = _job(tmp, "reference")
     (port,) = free_ports(1)
     agent = _agent(paths, "reference", port, nnodes="1:2", nproc=2)
-    _finish([agent])
+    _finish([agent], failed=False)
     assert fresh_starts_logged(agent) == 1 and resumes_logged(agent) == [], logs([agent])
     assert complete_steps(paths["save"]) == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     yield final_state(paths["save"] / f"step_{STEPS:06d}", tmp / "reference.pt")
@@ -100,7 +105,7 @@ def _resumed_after(agent: Agent, since: float, agents: list[Agent]) -> tuple[str
         step = first_step_after(agent, since)
         return (resumes[0], step) if resumes and step else None
 
-    (_, name, step), (when, first) = wait_until("the resumed group's first step", resumed, agents, TIMEOUT_S)  # type: ignore[misc]
+    (_, name, step), (when, first) = wait_until("the resumed group's first step", resumed, agents, RESUME_TIMEOUT_S)  # type: ignore[misc]
     assert first == step + 1, (first, step)
     return name, step, when - since
 
@@ -111,7 +116,7 @@ def test_killed_worker_mid_run_then_mid_save_resumes_exactly(
     paths = _job(tmp_path, "one_node")
     (port,) = free_ports(1)
     agent = _agent(paths, "one_node", port, nnodes="1:2", nproc=2)
-    agents = [agent]
+    agents, failed = [agent], True
     try:
         # 1. SIGKILL rank 1 between checkpoints (step 6 of 12 done; the newest is step 4).
         wait_until("step 6", lambda: any(step >= 6 for _, step in steps_logged(agent)), agents, TIMEOUT_S)
@@ -132,12 +137,13 @@ def test_killed_worker_mid_run_then_mid_save_resumes_exactly(
         name, step, seconds = _resumed_after(agent, killed_at, agents)
         assert (name, step) == (f"step_{newest:06d}", newest) == ("step_000004", 4), logs(agents)
         timings.append(("mid-save, rank 0", seconds, newest - step))
+        failed = False
     finally:
-        _finish(agents)
+        _finish(agents, failed)
     assert fresh_starts_logged(agent) == 1, logs(agents)
     _assert_same_as_reference(paths, reference)
     for what, seconds, lost in timings:
-        assert lost == 0 and seconds < KILL_TO_STEP_LIMIT_S, (what, seconds, lost)
+        assert lost == 0, (what, seconds, lost)
     with capsys.disabled():
         print("\n" + "\n".join(f"killed {what}: first resumed step {s:.2f} s after the kill, {lost} steps lost beyond "
                                f"the newest checkpoint" for what, s, lost in timings))
@@ -148,12 +154,17 @@ def test_two_agents_one_killed_whole_and_started_again_resumes_exactly(
 ) -> None:
     """Two torchrun agents on this machine (c10d rendezvous, one worker
     each: the same world of 2 as the reference); node B, agent and worker,
-    is SIGKILLed, then a new agent B' starts with the same command."""
+    is SIGKILLed, then a new agent B' starts with the same command.
+
+    With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every agent: torch 2.13's
+    shared store cannot admit a replaced agent (B' waits for the round's
+    MASTER_ADDR key, which the surviving rank-0 agent no longer writes, and
+    both agents time out in the rendezvous; README's multi-node section)."""
     paths = _job(tmp_path, "two_nodes")
     (port,) = free_ports(1)
-    node_a = _agent(paths, "node_a", port, nnodes="2", nproc=1, is_host=True)
-    node_b = _agent(paths, "node_b", port, nnodes="2", nproc=1, is_host=False)
-    agents = [node_a, node_b]
+    node_a = _agent(paths, "node_a", port, nnodes="2", nproc=1, is_host=True, share_store=False)
+    node_b = _agent(paths, "node_b", port, nnodes="2", nproc=1, is_host=False, share_store=False)
+    agents, failed = [node_a, node_b], True
     try:
         both = agents
 
@@ -168,7 +179,7 @@ def test_two_agents_one_killed_whole_and_started_again_resumes_exactly(
             kill(pid)
         node_b.process.wait()
         newest = complete_steps(paths["save"])[-1]
-        node_b2 = _agent(paths, "node_b2", port, nnodes="2", nproc=1, is_host=False)
+        node_b2 = _agent(paths, "node_b2", port, nnodes="2", nproc=1, is_host=False, share_store=False)
         agents = [node_a, node_b2]
         # Rank 0 (which logs) may now be on either node.
         found: list[tuple[str, int, float]] = []
@@ -180,13 +191,14 @@ def test_two_agents_one_killed_whole_and_started_again_resumes_exactly(
                     return True
             return False
 
-        wait_until("the resumed group's first step", resumed, agents, TIMEOUT_S)
+        wait_until("the resumed group's first step", resumed, agents, RESUME_TIMEOUT_S)
         name, step, seconds = found[0]
         assert (name, step) == (f"step_{newest:06d}", newest), logs(agents)
+        failed = False
     finally:
-        _finish(agents)
+        _finish(agents, failed)
     _assert_same_as_reference(paths, reference)
-    assert newest - step == 0 and seconds < KILL_TO_STEP_LIMIT_S, (seconds, newest, step)
+    assert newest - step == 0, (seconds, newest, step)
     with capsys.disabled():
         print(f"\nkilled node B (agent and worker), started B': first resumed step {seconds:.2f} s after the kill, "
               f"{newest - step} steps lost beyond the newest checkpoint (step {newest})")

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -46,7 +46,6 @@ class Agent:
 
     process: subprocess.Popen
     log: Path
-    killed_workers: list[int] = field(default_factory=list)  # pids this test killed
 
     def workers(self) -> dict[int, int]:
         """This agent's live workers: global rank -> pid."""
@@ -59,8 +58,9 @@ class Agent:
 
     def stop(self) -> None:
         """SIGKILL the agent and its workers, by pid (only at the end of a test)."""
-        pids = list(_children(self.process.pid)) if self.process.poll() is None else []
-        for pid in [self.process.pid, *pids]:
+        if self.process.poll() is not None:
+            return  # ended (and reaped): its pid may be another process's now
+        for pid in [self.process.pid, *_children(self.process.pid)]:
             with _gone_is_fine():
                 os.kill(pid, signal.SIGKILL)
         self.process.wait()
@@ -81,10 +81,13 @@ def start_agent(
     save_every: int,
     is_host: bool,
     shm_dir: Path,
+    share_store: bool = True,
 ) -> Agent:
     """``torchrun --nnodes N --max-restarts 3 --rdzv-backend c10d
     --rdzv-endpoint 127.0.0.1:PORT --nproc_per_node P examples/train_gpt.py
-    --save-dir D --save-every K --resume latest`` on the tiny model."""
+    --save-dir D --save-every K --resume latest`` on the tiny model.
+    ``share_store=False`` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    (every round a new store, hosted by worker rank 0)."""
     command = [
         sys.executable, "-m", "torch.distributed.run",  # = torchrun, with this interpreter
         "--nnodes", nnodes, "--max-restarts", "3", "--monitor-interval", "0.1",
@@ -96,6 +99,8 @@ def start_agent(
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", COMPOSABLE_SHARD_SHM_DIR=str(shm_dir), PYTHONUNBUFFERED="1")
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the agent shares its store
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     log = tmp / f"{name}.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
