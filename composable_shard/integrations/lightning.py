@@ -33,6 +33,7 @@ composable_shard function:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -60,11 +61,13 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from composable_shard.checkpoint import load_checkpoint, save_checkpoint
 from composable_shard.controls.unshard_params import clip_grad_norm_
+from composable_shard.fully_shard import is_fully_sharded, register_forward_method
 from composable_shard.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from .lightning_common import (
@@ -83,6 +86,8 @@ __all__ = ["ShardStrategy", "FabricShardStrategy"]
 logger = logging.getLogger(__name__)
 
 _OWNER = "ShardStrategy"
+# The LightningModule's methods that Lightning calls instead of forward.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class _GlobalNormClipping(Precision):
@@ -271,6 +276,7 @@ class ShardStrategy(ParallelStrategy):
         shard_module(self._options, module, hook="configure_model")
         precision.convert_module(module)  # "bf16-true" on a module configure_model sharded: check the dtype
         self.model_to_device()
+        _route_steps_through_forward(module)
         precision.sharded_module = module
         self.barrier("ShardStrategy.setup")
         if trainer.state.fn == TrainerFn.FITTING:
@@ -382,6 +388,26 @@ class ShardStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
+
+
+def _route_steps_through_forward(module: LightningModule) -> None:
+    """Where the LightningModule itself is a unit (the root under a policy),
+    its ``*_step`` methods gather its own parameters as ``forward`` does, so
+    a step may use its layers directly rather than through ``self(...)``
+    (a ``self(...)`` inside a step is then a nested forward, which is fine)."""
+    if not is_fully_sharded(module):
+        return
+    for name in _STEP_METHODS:
+        if name in module.__dict__ or not is_overridden(name, module):
+            continue  # routed by an earlier setup, or not the user's
+        register_forward_method(module, name)
+        gathering = module.__dict__[name]
+        # Lightning asks is_overridden(name) on the instance; it follows
+        # __wrapped__ to the class's method (the core's bound partial has no
+        # __code__ to compare).
+        module.__dict__[name] = functools.wraps(getattr(type(module), name))(
+            lambda *args, _gathering=gathering, **kwargs: _gathering(*args, **kwargs)
+        )
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
