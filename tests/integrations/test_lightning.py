@@ -263,7 +263,7 @@ STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[str]:
     """Epoch 1 with ModelCheckpoint, then trainer.save_checkpoint too."""
     torch.manual_seed(0)
-    checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
+    checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1, save_last=True)
     recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), callbacks=[checkpoints],
                     enable_checkpointing=True)
     assert recorder.trainer is not None
@@ -272,21 +272,27 @@ def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[st
     return sorted(p.name for p in Path(directory).iterdir())
 
 
-def _resume_matches_uninterrupted(rank: int, world_size: int, checkpoint: str) -> None:
+def _resume_matches_uninterrupted(rank: int, world_size: int, directory: str, checkpoint: str) -> None:
     torch.manual_seed(0)
     expected = _reference(Regressor(), epochs=2)[STEPS_PER_EPOCH:]
-    assert Path(checkpoint).is_dir(), checkpoint
+    # "last": Lightning finds last.ckpt through the ModelCheckpoint's directory.
+    options: dict[str, Any] = {"ckpt_path": checkpoint}
+    if checkpoint == "last":
+        options.update(callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)], enable_checkpointing=True)
+    else:
+        options["ckpt_path"] = str(Path(directory) / checkpoint)
+        assert Path(options["ckpt_path"]).is_dir(), checkpoint
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
-    recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), max_epochs=2, ckpt_path=checkpoint)
+    recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), max_epochs=2, **options)
     assert recorder.trainer is not None and recorder.trainer.global_step == 2 * STEPS_PER_EPOCH
     _assert_steps_equal(recorder.steps, expected, TIGHT)
 
 
 def test_checkpoint_resumes_exactly_at_the_same_and_another_world_size(tmp_path: Path) -> None:
     names = run_distributed(_save_after_one_epoch, 2, str(tmp_path), timeout=300)[0]
-    assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "manual.ckpt"], names
-    run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path / names[0]), timeout=300)
-    run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path / "manual.ckpt"), timeout=300)
+    assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "last.ckpt", "manual.ckpt"], names
+    run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path), "manual.ckpt", timeout=300)
+    run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path), "last", timeout=300)
 
 
 # ------------------------------------------------------------------ Fabric
