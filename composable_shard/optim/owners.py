@@ -8,10 +8,13 @@ Knows nothing of: collectives, hooks, the optimizer's update rule.
 Public names: ``OwnedParam``, ``OwnerPlan``, ``param_cost``, ``plan_owners``.
 
 [Note: choosing owners]
-A parameter that lies wholly inside one rank's shard is owned by that rank:
-stepping it moves nothing. Every other parameter goes, largest cost first,
-to the rank with the least work so far (longest processing time first; ties
-to the rank holding the larger piece of it, then the lower rank). The cost
+Parameters go, largest cost first, to the rank with the least work so far
+(longest processing time first; ties to the rank holding the larger piece
+of it, then the lower rank) — except that a parameter lying wholly inside
+one rank's shard stays with that rank, where stepping it moves nothing, as
+long as that rank's work stays within ``HOLDER_SLACK`` of an even share
+(blocks laid out alike would otherwise give one rank every attention
+matrix and another every MLP matrix). The cost
 is what the optimizers this is for spend: a matrix function of a
 ``(rows, cols)`` parameter (Newton-Schulz, a preconditioner's root) costs
 about ``numel * min(rows, cols)``, anything else ``numel``. The inputs are
@@ -97,21 +100,25 @@ def pieces_of(layout: FlatParamLayout, info: ParamInfo) -> tuple[tuple[int, int]
     return tuple(pieces)
 
 
+# How far above an even share of the work a rank may go to keep a parameter
+# it holds whole ([Note: choosing owners]).
+HOLDER_SLACK = 0.1
+
+
 def plan_owners(costs: list[float], pieces: list[tuple[tuple[int, int], ...]], world_size: int) -> list[int]:
     """The owner of each parameter ([Note: choosing owners])."""
     owners = [-1] * len(costs)
     work = [0.0] * world_size
-    spread = []
-    for position, (cost, ranges) in enumerate(zip(costs, pieces)):
-        holders = [rank for rank, (start, stop) in enumerate(ranges) if stop > start]
-        if len(holders) <= 1:
-            owners[position] = holders[0] if holders else 0
-            work[owners[position]] += cost
-        else:
-            spread.append(position)
-    for position in sorted(spread, key=lambda p: (-costs[p], p)):
+    even_share = sum(costs) / world_size
+    for position in sorted(range(len(costs)), key=lambda p: (-costs[p], p)):
         held = pieces[position]
-        owner = min(range(world_size), key=lambda rank: (work[rank], -(held[rank][1] - held[rank][0]), rank))
+        holders = [rank for rank, (start, stop) in enumerate(held) if stop > start]
+        if not holders:  # an empty parameter: nothing to step or move
+            owner = 0
+        elif len(holders) == 1 and work[holders[0]] + costs[position] <= even_share * (1 + HOLDER_SLACK):
+            owner = holders[0]
+        else:
+            owner = min(range(world_size), key=lambda rank: (work[rank], -(held[rank][1] - held[rank][0]), rank))
         owners[position] = owner
         work[owner] += costs[position]
     return owners

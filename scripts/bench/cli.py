@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default="bf16", help="with --mixed-precision bf16")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: torch.optim.Muon on the blocks' matrices, AdamW on the rest (FSDP1 cannot: its "
+                        "parameters are 1-D when Muon is built); composable_shard steps each matrix on one owner rank")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="one AdamW per parameter, stepped in its post-accumulate-grad hook (FSDP1: after its "
                         "reduce-scatter); the sharded modes and single only")
@@ -132,12 +135,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
     if args.optimizer_in_backward:
         default_modes = [m for m in default_modes if m not in ("ddp", "local")]
+    if args.optimizer == "muon":
+        default_modes = [m for m in default_modes if m != "fsdp1"]
     args.modes = [m.strip() for m in (args.modes or ",".join(default_modes)).split(",") if m.strip()]
     unknown = sorted(set(args.modes) - set(available))
     if unknown or not args.modes:
         p.error(f"--modes: {unknown} not available here; choose from {','.join(available)}")
     if args.optimizer_in_backward and set(args.modes) & {"ddp", "local"}:
         p.error("--optimizer-in-backward: ddp and local step before their gradients are reduced; leave them out")
+    if args.optimizer == "muon" and ("fsdp1" in args.modes or args.optimizer_in_backward):
+        p.error("--optimizer muon: not with fsdp1 (its parameters are flat 1-D views) nor --optimizer-in-backward")
     if args.plot is not None and "composable_shard" not in args.modes:
         p.error("--plot draws composable_shard's memory: include it in --modes")
     if args.profile is not None and args.profile not in args.modes:

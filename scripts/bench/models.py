@@ -50,7 +50,37 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
     # parameters only), so wrappers and 1-D shards give the same groups.
     if getattr(args, "optimizer_in_backward", False):
         return StepsInBackward(model, args)  # type: ignore[return-value]
+    if getattr(args, "optimizer", "adamw") == "muon":
+        return MuonAndAdamW(model, args)  # type: ignore[return-value]
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+
+
+class MuonAndAdamW:
+    """``--optimizer muon``: torch's Muon on every block's 2-D weight (built
+    while they are 2-D: before composable_shard shards them, FSDP2's DTensors
+    and DDP's whole tensors are 2-D anyway), AdamW with the usual groups on
+    the rest; stepped one after the other, as torchtitan's optimizer
+    container does."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace) -> None:
+        matrices = [p for name, p in model.named_parameters() if "blocks." in name and p.ndim == 2]
+        chosen = {id(p) for p in matrices}
+        groups = [
+            {**group, "params": [p for p in group["params"] if id(p) not in chosen]}
+            for group in param_groups(model, args.weight_decay)
+        ]
+        self.muon = torch.optim.Muon(matrices, lr=args.lr * 10, weight_decay=args.weight_decay,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
+        self.optimizers = (self.muon, self.adamw)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class StepsInBackward:

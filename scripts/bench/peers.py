@@ -45,10 +45,12 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
     if is_deferred(args):  # each unit materialised on its own, then sharded
         kwargs["param_init_fn"] = init_module
     model = base_model(args, device)
+    # Muon checks at construction that its parameters are 2-D: build it while they are.
+    optimizer = make_optimizer(model, args) if args.optimizer == "muon" else None
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    return model, make_optimizer(model, args)
+    return model, optimizer or make_optimizer(model, args)
 
 
 def build_fsdp1(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:

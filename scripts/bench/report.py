@@ -31,6 +31,7 @@ class ModeResult:
     after_build_mb: float | None  # largest over ranks, median over repeats; None if not measured
     peak_mb: float | None  # largest over ranks, median over repeats; None if not measured
     peak_repeats_mb: list[float] = field(default_factory=list)  # each repeat's peak
+    optimizer_ms: float | None = None  # median optimizer.step(), slowest rank
 
     @property
     def step_ms(self) -> list[float]:
@@ -66,6 +67,7 @@ def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
             ]
             builds.append(_largest([m["after_build_mb"] for m in memory]))
             peaks.append(_largest([m["peak_increase_mb"] for m in memory]))
+        optimizer_steps = [1000 * max(step) for step in zip(*(rec.get("optimizer_times_s", []) for rec in records))]
         results[mode] = ModeResult(
             mode,
             losses,
@@ -73,6 +75,7 @@ def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
             _median_present(builds),
             _median_present(peaks),
             [p for p in peaks if p is not None],
+            statistics.median(optimizer_steps) if optimizer_steps else None,
         )
     return results
 
@@ -117,14 +120,14 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     print(
         f"\n{args.config}: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} "
         f"block={args.block_size} global batch={args.batch_size} | {args.device} {world}, "
-        f"{args.threads} thread(s)/process | {args.mixed_precision}"
+        f"{args.threads} thread(s)/process | {args.optimizer} | {args.mixed_precision}"
         f"{' (reduce ' + args.reduce_dtype + ')' if bf16_enabled(args) else ''} | activation checkpointing "
         f"{'on' if args.activation_checkpointing else 'off'}{' | cpu offload' if args.cpu_offload else ''} "
         f"| {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps/mode | torch {torch.__version__}"
     )
     round_names = [f"r{r + 1}" for r in range(args.rounds)]
-    header = ["mode", *round_names, "median ms", "tok/s", "cs/peer", f"build {memory_unit}", f"peak {memory_unit}",
-              "final loss", f"max|Δloss| vs {reference}", "rel"]
+    header = ["mode", *round_names, "median ms", "opt ms", "tok/s", "cs/peer", f"build {memory_unit}",
+              f"peak {memory_unit}", "final loss", f"max|Δloss| vs {reference}", "rel"]
     rows: list[list[str]] = []
     mismatched: list[bool] = []
     agree = True
@@ -145,6 +148,7 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
             mode,
             *(f"{statistics.median(ms):.1f}" for ms in res.round_ms),
             f"{median_ms:.1f}",
+            f"{res.optimizer_ms:.1f}" if res.optimizer_ms is not None else "-",
             f"{tokens / median_ms * 1000:.0f}",
             f"{cs_ms / median_ms:.2f}" if cs_ms is not None else "-",
             f"{res.after_build_mb:.1f}" if res.after_build_mb is not None else "-",
@@ -159,14 +163,15 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         print(markdown_table(header, marked, right_aligned=set(range(1, len(header)))))
         print()
     else:
-        widths = [17, *(7 for _ in round_names), 9, 8, 7, 15, 14, 10, 24, 8]
+        widths = [17, *(7 for _ in round_names), 9, 7, 8, 7, 15, 14, 10, 24, 8]
         print(" ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(header, widths))))
         for row, flag in zip(rows, mismatched):
             line = " ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths)))
             print(line + ("  MISMATCH" if flag else ""))
     notes = [
-        "r1..rN: median step per round; median ms: over all rounds; cs/peer: composable_shard's median "
-        "divided by the mode's (<1: composable_shard faster).",
+        "r1..rN: median step per round; median ms: over all rounds; opt ms: median optimizer.step() alone "
+        "(every step, slowest rank); cs/peer: composable_shard's median divided by the mode's (<1: "
+        "composable_shard faster).",
         "memory: increase over the level before the mode was built, largest over ranks; build = after "
         "building model and optimizer (sharded), peak = during the memory pass's steps "
         "(composable_shard's on CPU counts its own /dev/shm slots, not its peers' that it maps).",

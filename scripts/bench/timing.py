@@ -79,7 +79,11 @@ def timing_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) 
         if rank == 0:
             Path(out_dir, "overlap.txt").write_text("\n".join(reports) + "\n")
     record = {
-        mode: {"losses": torch.stack(run.losses).float().tolist(), "step_times_s": run.step_times_s}
+        mode: {
+            "losses": torch.stack(run.losses).float().tolist(),
+            "step_times_s": run.step_times_s,
+            "optimizer_times_s": run.optimizer_times_s,
+        }
         for mode, run in runs.items()
     }
     Path(out_dir, f"timing_rank{rank}.json").write_text(json.dumps(record))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class ModeRun:
     steps_done: int = 0  # also picks the batch: every mode sees batch i at its step i
     losses: list[torch.Tensor] = field(default_factory=list)  # 0-d, this rank's slice, every step
     step_times_s: list[list[float]] = field(default_factory=list)  # per round, timed steps only
+    optimizer_times_s: list[float] = field(default_factory=list)  # optimizer.step() of every step
 
 
 def build_run(mode: str, args: argparse.Namespace, device: torch.device) -> ModeRun:
@@ -55,7 +57,11 @@ def train_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.Na
     with autocast_for(run.mode, args, device):
         _, loss = run.model(x, y)
     loss.backward()
+    synchronize(device)
+    start = time.perf_counter()
     run.optimizer.step()
+    synchronize(device)
+    run.optimizer_times_s.append(time.perf_counter() - start)
     run.optimizer.zero_grad(set_to_none=True)
     run.losses.append(loss.detach())
     run.steps_done += 1
