@@ -16,6 +16,8 @@ import contextlib
 import copy
 import os
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -397,6 +399,18 @@ def _misuse_is_refused_at_setup_then_trains(rank: int, world_size: int) -> None:
             assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # untouched
     with pytest.raises(TypeError, match=re.escape("ShardStrategy: unknown keyword argument(s) ['polcy']")):
         ShardStrategy(polcy={Block})
+    with _in_harness_ranks(rank):
+        with pytest.raises(ValueError, match=re.escape("FabricShardStrategy: precision='16-true' is not supported")):
+            Fabric(accelerator="cpu", devices=world_size, precision="16-true", strategy=FabricShardStrategy())
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricShardStrategy())
+        fabric.launch()
+        plain = Regressor()
+        with pytest.raises(ValueError, match=re.escape(
+            "FabricShardStrategy: Regressor has no module that fully_shard made a unit after the code before "
+            "fabric.setup"
+        )):
+            fabric.setup(plain)
+        assert not any(is_fully_sharded(m) for m in plain.modules())
     # The refused (unsharded) module still trains, with a valid setup.
     module = cases[0][0]
     expected = _reference(module, epochs=1)
@@ -405,3 +419,59 @@ def _misuse_is_refused_at_setup_then_trains(rank: int, world_size: int) -> None:
 
 def test_misuse_is_refused_at_setup_with_a_clear_message() -> None:
     run_distributed(_misuse_is_refused_at_setup_then_trains, 2, timeout=300)
+
+
+# ------------------------------------------------------- Lightning's launcher
+_SCRIPT = """
+import warnings
+warnings.simplefilter("ignore")
+import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from composable_shard import unshard_params
+from composable_shard.integrations.lightning import ShardStrategy
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(8, 1)
+    def forward(self, x):
+        return self.head(self.blocks(x))
+    def training_step(self, batch, index):
+        return F.mse_loss(self(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = Model()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(policy={Block}), max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4))
+    with unshard_params(model, writeback=False):
+        total = float(sum(p.double().sum() for p in model.parameters()))
+    print(f"RESULT {dist.get_rank()} {dist.get_world_size()} {trainer.global_step} {total!r}", flush=True)
+"""
+
+
+def test_lightning_launches_the_ranks_and_the_strategy_joins_them(tmp_path: Path) -> None:
+    """The user's path: one ``python train.py``; Lightning starts the second
+    process, the strategy creates the gloo group, both ranks end equal."""
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    results = sorted(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    assert done.returncode == 0 and len(results) == 2, done.stdout[-2000:] + done.stderr[-4000:]
+    assert [r[:3] for r in results] == [["0", "2", "2"], ["1", "2", "2"]], results
+    assert results[0][3] == results[1][3], results
