@@ -47,11 +47,12 @@ def _step(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         optimizer.zero_grad()
 
 
-def _muon_step_is_exact(rank: int, world_size: int, strategy: str) -> float:
+def _muon_step_is_exact(rank: int, world_size: int, strategy: str, built: str = "before fully_shard") -> float:
     torch.manual_seed(0)
     model = TinyGPT()
     reference = copy.deepcopy(model)
-    optimizers = _optimizers(model)  # before fully_shard: Muon checks p.ndim == 2
+    # Muon checks p.ndim == 2: built before fully_shard, or while unshard_params shows whole parameters.
+    optimizers = _optimizers(model) if built == "before fully_shard" else []
     reference_optimizers = _optimizers(reference)
     kwargs = {}
     if strategy == "HYBRID_SHARD":
@@ -59,6 +60,9 @@ def _muon_step_is_exact(rank: int, world_size: int, strategy: str) -> float:
     for block in model.blocks:
         fully_shard(block, strategy=ShardingStrategy[strategy], **kwargs)
     fully_shard(model, strategy=ShardingStrategy[strategy], **kwargs)
+    if not optimizers:
+        with unshard_params(model, writeback=False):
+            optimizers = _optimizers(model)
     reference_params = dict(reference.named_parameters())
     worst = 0.0
     for step in range(STEPS):
@@ -86,6 +90,10 @@ def _muon_step_is_exact(rank: int, world_size: int, strategy: str) -> float:
 )
 def test_torch_muon_steps_exactly_as_one_process(world_size: int, strategy: str) -> None:
     run_distributed(_muon_step_is_exact, world_size, strategy)
+
+
+def test_muon_built_inside_unshard_params_after_sharding() -> None:
+    run_distributed(_muon_step_is_exact, 4, "FULL_SHARD", "inside unshard_params")
 
 
 def _per_shard_newton_schulz_is_far_off(rank: int, world_size: int) -> None:
