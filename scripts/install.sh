@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs composable_shard (editable) and its test dependencies into the current
+# Installs composable_shard (editable), its test dependencies and the pinned lint
+# tools (ruff, mypy: the `lint` extra) into the current
 # python3's environment. Safe to run again: pip leaves satisfied requirements alone.
 #
 # torch is pinned here, not in pyproject.toml: `torch==2.13.0` resolves to the CPU
@@ -23,5 +24,5 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     "${pip_install[@]}" "torch==${TORCH_VERSION}" numpy
 fi
 
-"${pip_install[@]}" -e ".[test]"
+"${pip_install[@]}" -e ".[test,lint]"
 echo "install.sh: $("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), composable_shard installed (editable)"
