@@ -52,7 +52,7 @@ from .runtime.lifecycle import OptimizerStepExtension as _OptimizerStepExtension
 from .runtime.lifecycle import register_optimizer_step_extension as _register_optimizer_step_extension
 from .optim import full_shape
 from .optim import owner_step as _owner_step
-from . import interop
+from . import interop as interop  # the subpackage stays an attribute: composable_shard.interop
 from .interop import (
     autograd_grad as _autograd_inputs,
     install as _torch_wrappers,

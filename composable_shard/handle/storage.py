@@ -396,7 +396,7 @@ class FlatParamHandle:
         if not edits:
             return False
         with torch.no_grad():
-            for info, param, local in edits:
+            for info, _param, local in edits:
                 if local is not None:
                     self.local_shard_view(info).copy_(local)
                 self.show_local_data(self.layout.params.index(info), self.local_shard_view(info))

@@ -14,7 +14,6 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

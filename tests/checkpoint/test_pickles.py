@@ -29,13 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from composable_shard import (
     CheckpointError,
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     load_checkpoint,
     save_checkpoint,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from composable_shard.checkpoint import (
     MANIFEST_NAME,

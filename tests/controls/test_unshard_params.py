@@ -179,7 +179,7 @@ def _errors_inside_forward_or_backward(rank: int, world_size: int) -> None:
         "a submodule's forward hook": lambda: model.blocks[0].fc_in.register_forward_hook(enter),
         "a unit's forward pre-hook": lambda: model.blocks[1].register_forward_pre_hook(enter),
     }
-    for name, register in where.items():
+    for register in where.values():
         handle = register()
         with pytest.raises(RuntimeError, match=r"unshard_params: called inside forward or backward"):
             model(inputs[local])

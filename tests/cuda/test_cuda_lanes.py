@@ -28,7 +28,7 @@ from composable_shard.runtime import lazy_init
 from composable_shard.runtime.scheduler import CudaStreamLane, Scheduler
 from composable_shard.runtime.state import get_state, unit_states_under
 
-from tests.support.fake_cuda import FakeCuda, Op, happens_before
+from tests.support.fake_cuda import FakeCuda, Op
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss
 

@@ -10,14 +10,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import (
     MixedPrecision,
     ShardingStrategy,
     clip_grad_norm_,
-    fully_shard,
     no_sync,
     set_requires_gradient_sync,
     unshard_params,

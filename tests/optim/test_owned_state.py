@@ -7,7 +7,6 @@ never stopped."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest

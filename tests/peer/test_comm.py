@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -116,7 +116,9 @@ def _branches_and_unused_submodules(rank: int, world_size: int) -> None:
             fully_shard(model[1], strategy=strategy)
             fully_shard(model, strategy=strategy)
 
-        build: Callable[[], nn.Module] = lambda: nn.Sequential(_ModuleWithUnusedLinear(), _ModuleWithUnusedLinear(), nn.Linear(8, 8))
+        def build() -> nn.Module:
+            return nn.Sequential(_ModuleWithUnusedLinear(), _ModuleWithUnusedLinear(), nn.Linear(8, 8))
+
         train_in_parity(build, shard, dim=8, when=f"{strategy.name} unused submodule")
 
 

@@ -8,7 +8,6 @@ strategy, activation checkpointing, prefetching, no_sync and CPU offload
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Callable
 

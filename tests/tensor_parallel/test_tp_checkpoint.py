@@ -7,14 +7,11 @@ a (replicate, shard, tp) mesh."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from composable_shard import ShardingStrategy, fully_shard
 from composable_shard.state_dict import (

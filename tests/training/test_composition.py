@@ -9,7 +9,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import fully_shard, unshard_params

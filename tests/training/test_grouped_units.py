@@ -13,7 +13,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +24,7 @@ from composable_shard.runtime.state import get_state
 from tests.support.comm_spies import CommSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import MLP, TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, plain_step, run_parity
+from tests.support.parity import Parity, assert_resharded, run_parity
 
 
 def _untied_gpt() -> nn.Module:
