@@ -77,7 +77,7 @@ from .lightning_common import (
     gradient_sync_disabled,
     has_units,
     shard_module,
-    split_optimizers,
+    checkpoint_optimizers,
 )
 from .lightning_fabric import FabricShardStrategy
 
@@ -240,7 +240,8 @@ class ShardStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # set on the decorator, as Lightning does
+        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         # Refuse an unsupported precision before the process group or the model is touched.
@@ -271,7 +272,7 @@ class ShardStrategy(ParallelStrategy):
         if not isinstance(precision, _GlobalNormClipping):
             raise RuntimeError(f"{_OWNER}: setup ran before setup_environment.")
         if self._options.policy is not None and not has_units(module):
-            module = precision.convert_module(module)  # "bf16-true": convert, then shard
+            precision.convert_module(module)  # "bf16-true": convert (in place), then shard
             self.model_to_device()
         shard_module(self._options, module, hook="configure_model")
         precision.convert_module(module)  # "bf16-true" on a module configure_model sharded: check the dtype
@@ -369,7 +370,7 @@ class ShardStrategy(ParallelStrategy):
         checkpoint.pop("state_dict", None)
         has_optimizer = "optimizer_states" in checkpoint
         checkpoint.pop("optimizer_states", None)
-        optimizer = split_optimizers(_OWNER, [_unwrap(o) for o in self.optimizers]) if has_optimizer else None
+        optimizer = checkpoint_optimizers([_unwrap(o) for o in self.optimizers]) if has_optimizer else None
         save_checkpoint(path, self._module("save_checkpoint"), optimizer, extra_state=checkpoint)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -377,7 +378,7 @@ class ShardStrategy(ParallelStrategy):
         optimizer, while fitting) and return Lightning's part of it."""
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self._module("load_checkpoint")
-        optimizer = split_optimizers(_OWNER, [_unwrap(o) for o in self.optimizers])
+        optimizer = checkpoint_optimizers([_unwrap(o) for o in self.optimizers])
         return load_checkpoint(
             path, module, optimizer, strict=module.strict_loading, safe_globals=self._checkpoint_safe_globals
         )

@@ -10,7 +10,7 @@ lightning_fabric.py); composable_shard's internals (public API only).
 Public names (for the two strategy modules): ``ShardOptions``,
 ``SUPPORTED_PRECISIONS``, ``check_precision``, ``shard_module``,
 ``has_units``, ``check_half_precision_module``, ``gradient_sync_disabled``,
-``split_optimizers``.
+``checkpoint_optimizers``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = [
     "has_units",
     "check_half_precision_module",
     "gradient_sync_disabled",
-    "split_optimizers",
+    "checkpoint_optimizers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ def shard_module(options: ShardOptions, module: nn.Module, *, hook: str) -> None
             f"{options.owner}: policy={options.policy!r} picks no module of {name} (its module classes: "
             f"{classes}). Name the classes of its repeated blocks."
         )
-    fully_shard(module, policy=options.policy, **options.fully_shard_kwargs)
+    policy = set(options.policy) if isinstance(options.policy, frozenset) else options.policy
+    fully_shard(module, policy=policy, **options.fully_shard_kwargs)
     logger.info("%s: applied fully_shard to %s with policy %r", options.owner, name, options.policy)
 
 
@@ -149,11 +150,11 @@ def gradient_sync_disabled(module: nn.Module) -> Iterator[None]:
         set_requires_gradient_sync(module, True)
 
 
-def split_optimizers(owner: str, optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
-    """The one optimizer a checkpoint directory holds (``None`` for none)."""
-    if len(optimizers) > 1:
-        raise ValueError(
-            f"{owner}: checkpoints hold at most one optimizer, got {len(optimizers)}. Use one optimizer "
-            "with several parameter groups."
-        )
-    return optimizers[0] if optimizers else None
+def checkpoint_optimizers(
+    optimizers: list[torch.optim.Optimizer],
+) -> torch.optim.Optimizer | list[torch.optim.Optimizer] | None:
+    """What ``save_checkpoint`` / ``load_checkpoint`` take: ``None``, the one
+    optimizer, or the list (the same order at save and load)."""
+    if not optimizers:
+        return None
+    return optimizers[0] if len(optimizers) == 1 else list(optimizers)

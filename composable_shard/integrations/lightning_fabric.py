@@ -13,6 +13,7 @@ Public names: ``FabricShardStrategy`` (import it from
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -47,6 +48,7 @@ from composable_shard.controls.unshard_params import clip_grad_norm_
 from .lightning_common import (
     ShardOptions,
     check_half_precision_module,
+    checkpoint_optimizers,
     check_precision,
     gradient_sync_disabled,
     has_units,
@@ -54,6 +56,8 @@ from .lightning_common import (
 )
 
 __all__ = ["FabricShardStrategy"]
+
+logger = logging.getLogger(__name__)
 
 _OWNER = "FabricShardStrategy"
 # extra_state key recording which entries of Fabric's state were the model,
@@ -101,7 +105,7 @@ class FabricShardStrategy(ParallelStrategy):
     policy, takes a model the user already gave to ``fully_shard``; a model
     with no unit is refused. ``clip_gradients(..., max_norm=)`` returns the
     global norm; ``save`` / ``load`` write and read a checkpoint directory
-    (one model and at most one optimizer per checkpoint).
+    (one model and its optimizers per checkpoint).
 
     Takes the same arguments as ``ShardStrategy``.
     """
@@ -184,7 +188,8 @@ class FabricShardStrategy(ParallelStrategy):
             raise RuntimeError(f"{_OWNER}: no cluster environment; Fabric sets one when it is built.")
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # set on the decorator, as Lightning does
+        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -262,9 +267,9 @@ class FabricShardStrategy(ParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Write a checkpoint directory: the one model, at most one
-        optimizer, and the other entries (stateful ones by their
-        ``state_dict()``) as ``extra_state``. Collective."""
+        """Write a checkpoint directory: the one model, its optimizers, and
+        the other entries (stateful ones by their ``state_dict()``) as
+        ``extra_state``. Collective."""
         if storage_options is not None or filter is not None:
             raise TypeError(
                 f"{_OWNER}.save: storage_options and filter are not supported (the checkpoint is a directory "
@@ -273,11 +278,14 @@ class FabricShardStrategy(ParallelStrategy):
         layout = _Layout.of(state)
         extra: dict[str, Any] = {_LAYOUT_KEY: layout.as_dict()}
         for key, value in state.items():
-            if key in (layout.module, layout.optimizer):
-                continue
-            extra[key] = value.state_dict() if key in layout.stateful else value
-        optimizer = state[layout.optimizer] if layout.optimizer is not None else None
-        save_checkpoint(Path(self.broadcast(str(path))), state[layout.module], optimizer, extra_state=extra)
+            if key not in layout.owned:
+                extra[key] = value.state_dict() if key in layout.stateful else value
+        save_checkpoint(
+            Path(self.broadcast(str(path))),
+            layout.module_of(state),
+            checkpoint_optimizers(layout.optimizers_of(state)),
+            extra_state=extra,
+        )
 
     def load_checkpoint(
         self,
@@ -286,7 +294,7 @@ class FabricShardStrategy(ParallelStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a directory ``save`` wrote into ``state``'s model, optimizer
+        """Load a directory ``save`` wrote into ``state``'s model, optimizers
         and stateful objects, put its plain entries into ``state``, and
         return the entries ``state`` did not ask for."""
         if isinstance(state, nn.Module):
@@ -297,20 +305,22 @@ class FabricShardStrategy(ParallelStrategy):
                 "'optimizer': optimizer}}) (a checkpoint directory loads into a sharded model)."
             )
         layout = _Layout.of(state)
-        optimizer = state[layout.optimizer] if layout.optimizer is not None else None
         extra = load_checkpoint(
             Path(self.broadcast(str(path))),
-            state[layout.module],
-            optimizer,
+            layout.module_of(state),
+            checkpoint_optimizers(layout.optimizers_of(state)),
             strict=strict,
             safe_globals=self._checkpoint_safe_globals,
         )
-        extra.pop(_LAYOUT_KEY, None)
-        missing = [k for k in state if k not in (layout.module, layout.optimizer) and k not in extra]
+        saved_layout = extra.pop(_LAYOUT_KEY, None)
+        if saved_layout is not None and saved_layout["optimizers"] != layout.optimizers:
+            logger.warning("%s.load: optimizers saved as %s, loaded into %s (in that order)",
+                           _OWNER, saved_layout["optimizers"], layout.optimizers)
+        missing = [k for k in state if k not in layout.owned and k not in extra]
         if strict and missing:
             raise KeyError(f"{_OWNER}.load: the checkpoint at '{path}' has no entries {missing}. Pass strict=False.")
         for key in list(state):
-            if key in (layout.module, layout.optimizer) or key not in extra:
+            if key in layout.owned or key not in extra:
                 continue
             value = extra.pop(key)
             if key in layout.stateful:
@@ -321,30 +331,42 @@ class FabricShardStrategy(ParallelStrategy):
 
 
 class _Layout:
-    """Which entries of a Fabric state dict are the model, the optimizer and
-    other objects with ``state_dict`` / ``load_state_dict``."""
+    """Which entries of a Fabric state dict are the model, the optimizers
+    (in the state's order) and other objects with ``state_dict`` /
+    ``load_state_dict``."""
 
-    def __init__(self, module: str, optimizer: str | None, stateful: list[str]) -> None:
+    def __init__(self, module: str, optimizers: list[str], stateful: list[str]) -> None:
         self.module = module
-        self.optimizer = optimizer
+        self.optimizers = optimizers
         self.stateful = stateful
+        self.owned = {module, *optimizers}  # entries the checkpoint directory itself holds
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> _Layout:
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
         optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-        if len(modules) != 1 or len(optimizers) > 1:
+        if len(modules) != 1:
             raise ValueError(
-                f"{_OWNER}: a checkpoint holds one model and at most one optimizer; the state has models "
-                f"{modules} and optimizers {optimizers}. Save the others in checkpoints of their own."
+                f"{_OWNER}: a checkpoint holds one model; the state has models {modules}. Save the others in "
+                "checkpoints of their own."
             )
         stateful = [
             k
             for k, v in state.items()
-            if k not in modules + optimizers and callable(getattr(v, "state_dict", None))
+            if k not in modules + optimizers
+            and callable(getattr(v, "state_dict", None))
             and callable(getattr(v, "load_state_dict", None))
         ]
-        return cls(modules[0], optimizers[0] if optimizers else None, stateful)
+        return cls(modules[0], optimizers, stateful)
+
+    def module_of(self, state: dict[str, Any]) -> nn.Module:
+        module = state[self.module]
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{_OWNER}: state[{self.module!r}] is not a module.")
+        return module
+
+    def optimizers_of(self, state: dict[str, Any]) -> list[torch.optim.Optimizer]:
+        return [state[key] for key in self.optimizers]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"module": self.module, "optimizer": self.optimizer, "stateful": list(self.stateful)}
+        return {"module": self.module, "optimizers": list(self.optimizers), "stateful": list(self.stateful)}
