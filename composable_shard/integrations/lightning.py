@@ -68,7 +68,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from composable_shard.checkpoint import load_checkpoint, save_checkpoint
 from composable_shard.controls.unshard_params import clip_grad_norm_
 from composable_shard.fully_shard import is_fully_sharded, register_forward_method
-from composable_shard.state_dict import get_model_state_dict, get_optimizer_state_dict
+from composable_shard.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from .lightning_common import (
     ShardOptions,
@@ -382,6 +382,19 @@ class ShardStrategy(ParallelStrategy):
         return load_checkpoint(
             path, module, optimizer, strict=module.strict_loading, safe_globals=self._checkpoint_safe_globals
         )
+
+    def save_full_state_dict(self, filepath: _PATH) -> None:
+        """Export for inference: gather the full model state dict to rank 0
+        (on CPU) and save it there as one ``torch.save`` file, which the
+        unsharded LightningModule loads with ``load_state_dict``. Collective:
+        call ``trainer.strategy.save_full_state_dict(path)`` on every rank."""
+        path = Path(self.broadcast(str(filepath)))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self._module("save_full_state_dict"), options=options)
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(full, path)
+        self.barrier("ShardStrategy.save_full_state_dict")
 
     def teardown(self) -> None:
         if self.cluster_environment is not None:

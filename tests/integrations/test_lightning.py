@@ -271,6 +271,12 @@ def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[st
     assert recorder.trainer is not None
     with _in_harness_ranks(rank):
         recorder.trainer.save_checkpoint(Path(directory) / "manual.ckpt")
+        recorder.trainer.strategy.save_full_state_dict(Path(directory) / "full.pt")
+    # The single-file export loads into the unsharded module (any process).
+    plain = Regressor()
+    plain.load_state_dict(torch.load(Path(directory) / "full.pt", weights_only=True))
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(param, recorder.steps[-1][name], rtol=0, atol=0)
     return sorted(p.name for p in Path(directory).iterdir())
 
 
@@ -292,7 +298,7 @@ def _resume_matches_uninterrupted(rank: int, world_size: int, directory: str, ch
 
 def test_checkpoint_resumes_exactly_at_the_same_and_another_world_size(tmp_path: Path) -> None:
     names = run_distributed(_save_after_one_epoch, 2, str(tmp_path), timeout=300)[0]
-    assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "last.ckpt", "manual.ckpt"], names
+    assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "full.pt", "last.ckpt", "manual.ckpt"], names
     run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path), "manual.ckpt", timeout=300)
     run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path), "last", timeout=300)
 
