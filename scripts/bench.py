@@ -17,7 +17,7 @@ Run::
     python scripts/bench.py --device cuda --world-size 8 --mixed-precision bf16
     python scripts/bench.py --device cuda --simulate-world-size 64 --cpu-offload --mixed-precision bf16
     python scripts/bench.py --device cuda --simulate-world-size 8 --overlap-report   # lanes vs compute, per step
-    python scripts/bench.py comm | checkpoint | tp | scale | runtime-memory | skipped-units | tag-check [--help]
+    python scripts/bench.py comm | checkpoint | tp | scale | runtime-memory | skipped-units | tag-check | overhead [--help]
 
 The subcommands (listed by ``--help``) are other measurements, one module
 of ``bench/`` each; every one takes ``--help``.

@@ -43,6 +43,8 @@ Subcommands (``bench.py NAME ...``), each its own measurement:
                        composable_shard/planning/runtime_memory.py's constants
     skipped_units.py   skipped-units: set_may_be_skipped's memory
     tag_check.py       tag-check: the tag exchange's cost on gloo
+    overhead.py        overhead: the runtime's µs per unit per step against
+                       FSDP2 and FSDP1, one process, fake group of 8 ranks
 
 Modes, each with its own model copy (same seed, so the same initial weights)
 and its own AdamW (same ``param_groups``); every mode sees the same batches:

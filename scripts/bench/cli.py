@@ -39,6 +39,7 @@ SUBCOMMANDS = {
     "runtime-memory": ("runtime_memory", "a rank's memory beyond the plan's tensors; the plan's runtime constants"),
     "skipped-units": ("skipped_units", "peak unsharded bytes with and without set_may_be_skipped"),
     "tag-check": ("tag_check", "the cost of the tag exchange beside a collective on gloo"),
+    "overhead": ("overhead", "the runtime's cost per unit per step without communication (fake group of 8)"),
 }
 
 

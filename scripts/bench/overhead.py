@@ -1,0 +1,153 @@
+"""Owns: ``bench.py overhead``.
+
+The runtime's own cost per unit per training step, without communication:
+one process in PyTorch's fake process group of ``--world-size`` ranks (8 by
+default; collectives do nothing, every rank-dependent size is a rank's of
+that group), the ``many-small`` GPT (64 blocks of width 64, each block one
+unit; ``--n-layer`` / ``--n-embd`` change it), AdamW. Modes, each with its own
+model and optimizer, interleaved step by step in one process (the order
+rotating every turn, as the timing pass does): ``composable_shard``,
+``fsdp2``, ``fsdp1``, and ``local``, the same unwrapped model on one rank's
+slice of the batch (the compute floor). A mode's overhead per unit is its
+step time less ``local``'s, over the number of blocks: µs per unit per
+step. Parameters are never really gathered, so losses are meaningless.
+
+Run: python scripts/bench.py overhead [--rounds 5] [--steps 10] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch.distributed as dist
+from data import ByteCorpus
+
+from .markdown import markdown_table
+from .processes import init_worker, spawn
+from .training import ModeRun, build_run, next_batch, timed_schedule, train_step
+
+MODES = ("composable_shard", "fsdp2", "fsdp1", "local")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .cli import parse_args as bench_args
+
+    p = argparse.ArgumentParser(prog="bench.py overhead", description=__doc__.split("\n\n")[1])
+    p.add_argument("--world-size", type=int, default=8, help="ranks of the fake process group")
+    p.add_argument("--n-layer", type=int, default=64, help="blocks (units besides the root)")
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode first")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier on a shared machine)")
+    p.add_argument("--markdown", action="store_true", help="the table as Markdown")
+    own = p.parse_args(argv)
+    modes = [m.strip() for m in own.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        p.error(f"--modes: {unknown} unknown; choose from {','.join(MODES)}")
+    if "local" not in modes:
+        p.error("--modes must include local: the overhead is measured against it")
+    if min(own.rounds, own.steps, own.world_size, own.n_layer, own.threads) < 1:
+        p.error("--rounds, --steps, --world-size, --n-layer and --threads must be at least 1")
+    # Every other setting (model sizes, optimizer, seed) as the main bench's
+    # many-small configuration under --simulate-world-size.
+    args = bench_args([
+        "--config", "many-small", "--simulate-world-size", str(own.world_size), "--modes", "composable_shard",
+        "--n-layer", str(own.n_layer), "--n-embd", str(own.n_embd), "--threads", str(own.threads),
+        "--rounds", str(own.rounds), "--steps", str(own.steps), "--warmup", str(own.warmup), "--round-steps", "1",
+    ])
+    args.modes = modes
+    args.markdown = own.markdown
+    return args
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
+    device = init_worker(rank, args, port)
+    corpus = ByteCorpus.from_stdlib(args.data_bytes)
+    runs: dict[str, ModeRun] = {mode: build_run(mode, args, device) for mode in args.modes}
+    for run in runs.values():
+        run.step_times_s = [[] for _ in range(args.rounds)]
+    for mode in args.modes:
+        for _ in range(args.warmup):
+            train_step(runs[mode], *next_batch(runs[mode], corpus, args, device), args, device)
+    for round_index, mode in timed_schedule(args.modes, args):
+        x, y = next_batch(runs[mode], corpus, args, device)
+        start = time.perf_counter()
+        train_step(runs[mode], x, y, args, device)
+        runs[mode].step_times_s[round_index].append(time.perf_counter() - start)
+    units = {mode: _units(run) for mode, run in runs.items()}
+    out.update({mode: (run.step_times_s, units[mode]) for mode, run in runs.items()})
+    dist.destroy_process_group()
+
+
+def _units(run: ModeRun) -> int:
+    """Units the mode built (composable_shard: every fully_shard'ed module,
+    the root included); 0 for the unwrapped model."""
+    if run.mode == "composable_shard":
+        from composable_shard.runtime.state import unit_states_under
+
+        return sum(1 for _ in unit_states_under(run.model))
+    if run.mode == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        return sum(isinstance(m, FSDPModule) for m in run.model.modules())
+    if run.mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return sum(isinstance(m, FullyShardedDataParallel) for m in run.model.modules())
+    return 0
+
+
+def report(args: argparse.Namespace, results: dict) -> str:
+    local = [statistics.median(times) for times in results["local"][0]]
+    header = ["mode", "units", *[f"round {r + 1} ms" for r in range(args.rounds)], "median ms",
+              "µs / unit / step", "÷ fsdp2"]
+    per_unit: dict[str, float] = {}
+    rows = []
+    for mode in args.modes:
+        rounds = [statistics.median(times) for times in results[mode][0]]
+        median_s = statistics.median(rounds)
+        cells = [mode, str(results[mode][1]), *[f"{s * 1e3:,.1f}" for s in rounds], f"{median_s * 1e3:,.1f}"]
+        if mode == "local":
+            cells += ["(floor)", ""]
+        else:
+            # Per round, against that round's local step: noise hits both alike.
+            overheads = [(s - floor) / args.n_layer for s, floor in zip(rounds, local)]
+            per_unit[mode] = statistics.median(overheads) * 1e6
+            cells += [f"{per_unit[mode]:,.0f}", ""]
+        rows.append(cells)
+    if "fsdp2" in per_unit:
+        for cells in rows:
+            if cells[0] in per_unit:
+                cells[-1] = f"{per_unit[cells[0]] / per_unit['fsdp2']:.2f}"
+    title = (f"runtime overhead: fake process group of {args.world_size} ranks, {args.n_layer} blocks of width "
+             f"{args.n_embd}, batch {args.batch_size // args.world_size} x {args.block_size} per rank, "
+             f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps (each round's median)")
+    if args.markdown:
+        return f"{title}\n\n{markdown_table(header, rows, set(range(1, len(header))))}"
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn(_worker, args, out)
+        results = dict(out)
+    print(report(args, results))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main())
