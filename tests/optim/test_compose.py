@@ -1,8 +1,8 @@
 """Owner-stepped optimizers composed with what training loops do, each
 against one process on the global batch step by step: gradient accumulation
-(``no_sync`` and ``set_requires_gradient_sync``), clipping before the step
-(ours and torch's), a parameter whose gradient is None on every rank, bf16
-mixed precision with fp32 reduction, and Muon for matrices beside AdamW."""
+(``no_sync`` and ``set_requires_gradient_sync``), clipping before the step,
+a parameter whose gradient is None on every rank, bf16 mixed precision with
+fp32 reduction, and one optimizer per parameter stepped in backward."""
 
 from __future__ import annotations
 
@@ -116,3 +116,35 @@ def _bf16_mixed_precision(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bf16_mixed_precision_with_an_owner_stepped_optimizer(world_size: int) -> None:
     run_distributed(_bf16_mixed_precision, world_size)
+
+
+def _optimizer_in_backward(rank: int, world_size: int) -> None:
+    """One owner-stepped optimizer per parameter, stepped in its
+    post-accumulate-grad hook (after the reduction), against one process
+    stepping the same optimizers after its backward."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    shard_manually(ShardingStrategy.FULL_SHARD)(model)
+    reference_optimizers = {p: NewtonSchulzSGD([p]) for p in reference.parameters()}
+    optimizers = {p: NewtonSchulzSGD([p]) for p in model.parameters()}
+
+    def step_in_backward(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(step_in_backward)
+    for step in range(2):
+        inputs, targets = batch(step)
+        local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+        lm_loss(model(inputs[local]), targets[local]).backward()
+        lm_loss(reference(inputs), targets).backward()
+        for optimizer in reference_optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+        _compare(model, reference, f"optimizer in backward, step {step}")
+
+
+def test_owner_stepped_optimizers_in_backward() -> None:
+    run_distributed(_optimizer_in_backward, 4)
