@@ -46,7 +46,7 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
         kwargs["param_init_fn"] = init_module
     model = base_model(args, device)
     # Muon checks at construction that its parameters are 2-D: build it while they are.
-    optimizer = make_optimizer(model, args) if args.optimizer == "muon" else None
+    optimizer = make_optimizer(model, args) if getattr(args, "optimizer", "adamw") == "muon" else None
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
