@@ -23,7 +23,7 @@ import functools
 import os
 import types
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -88,8 +88,12 @@ def register_before_change(prepare: Callable[[str], None]) -> None:
         _BEFORE_CHANGE.append(prepare)
 
 
+# fully_shard returns the object it was given: a module (of its own class) or a group's list.
+_ModuleOrGroup = TypeVar("_ModuleOrGroup", bound="nn.Module | list[nn.Module]")
+
+
 def fully_shard(
-    module: nn.Module | list[nn.Module],
+    module: _ModuleOrGroup,
     *,
     policy: Policy | set[type[nn.Module]] | None = None,
     process_group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None = None,
@@ -105,7 +109,7 @@ def fully_shard(
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
     use_orig_params: bool = True,
-) -> nn.Module:
+) -> _ModuleOrGroup:
     """Shard ``module``'s parameters over the data-parallel ranks in place.
 
     Returns the same module object: its class and its submodules' classes are
@@ -341,7 +345,8 @@ def _resolve_groups(name: str, kwargs: dict[str, Any]) -> ShardGroups:
     if strategy is ShardingStrategy.NO_SHARD:
         return ShardGroups(None, _drop_singleton(group))
     if strategy.is_hybrid:
-        shard_group, replicate_group = _intra_node_groups(group)
+        # None only without a process group, where hybrid sharding cannot run anyway.
+        shard_group, replicate_group = _intra_node_groups(cast(ProcessGroup, group))
         return ShardGroups(shard_group, _drop_singleton(replicate_group))
     return ShardGroups(group, None)
 

@@ -112,10 +112,10 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         announced = agent.get(ATTEMPT_STORE_KEY).decode()  # waits for rank 0's first announcement
-        own = _connect(host, announced, world_size)
-        if own is not None:
-            own.set_timeout(timeout)
-            return own
+        served = _connect(host, announced, world_size)
+        if served is not None:
+            served.set_timeout(timeout)
+            return served
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"composable_shard.comm.elastic.init_process_group: rank {rank} found no live store of this attempt at "
@@ -125,7 +125,7 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
         time.sleep(_RETRY_PAUSE_S)
 
 
-def _connect(host: str, announced: str, world_size: int) -> dist.Store | None:
+def _connect(host: str, announced: str, world_size: int) -> dist.TCPStore | None:
     """The announced server if it is alive and is the one announced (its
     nonce), else None (a dead attempt's announcement)."""
     port_text, _, nonce = announced.partition(" ")

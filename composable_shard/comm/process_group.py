@@ -15,7 +15,7 @@ Public names: ``all_gather_into``, ``reduce_scatter``, ``message_method``,
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,14 @@ def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | No
     return holder[0]
 
 
-def _source(src_group_rank: int, group: ProcessGroup | None) -> dict[str, int]:
+class _Source(TypedDict, total=False):
+    """A broadcast's source keyword: one of the two."""
+
+    src: int
+    group_src: int
+
+
+def _source(src_group_rank: int, group: ProcessGroup | None) -> _Source:
     """The keyword naming a broadcast's source, for this torch release."""
     if _TAKES_GROUP_SRC:
         return {"group_src": src_group_rank}

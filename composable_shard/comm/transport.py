@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -95,10 +95,16 @@ def host_transport(tensor: torch.Tensor, group: ProcessGroup | None, nbytes: int
     return shared_memory_of(group, nbytes)
 
 
+def _or_world(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, or the default group for None (every caller runs with a
+    process group initialised, where ``dist.group.WORLD`` is not None)."""
+    return group if group is not None else cast(ProcessGroup, dist.group.WORLD)
+
+
 def shared_memory_of(group: ProcessGroup | None, nbytes: int = 0) -> HostSharedMemory | None:
     """``group``'s shared-memory transport (None: the default group), or
     None where it uses its backend; decided at the first call (collective)."""
-    group = group if group is not None else dist.group.WORLD
+    group = _or_world(group)
     try:
         return _decisions[group]
     except KeyError:
@@ -135,7 +141,7 @@ def expect_collective_bytes(group: ProcessGroup | None, nbytes: int) -> None:
     prepare_for_compile()  # handles are built before a model is compiled
     if not dist.is_initialized():
         return
-    group = group if group is not None else dist.group.WORLD
+    group = _or_world(group)
     if nbytes > _announced.get(group, 0):
         _announced[group] = nbytes
 
@@ -150,7 +156,7 @@ def uses_shared_memory(group: ProcessGroup | None, device_type: str) -> bool:
         return False
     if not dist.is_initialized():
         return True
-    group = group if group is not None else dist.group.WORLD
+    group = _or_world(group)
     if group in _decisions:
         return _decisions[group] is not None
     return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group))

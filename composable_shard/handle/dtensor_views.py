@@ -44,10 +44,12 @@ Pinned by tests/tensor_parallel/test_tp_training.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
@@ -59,7 +61,7 @@ __all__ = ["TensorParallelSpec", "tensor_parallel_spec", "local_tensor", "norm_g
 class TensorParallelSpec:
     """How one ``DTensor`` parameter is distributed on its own mesh."""
 
-    mesh: object  # DeviceMesh
+    mesh: DeviceMesh
     placements: tuple[Placement, ...]
     global_shape: torch.Size
     global_stride: tuple[int, ...]
@@ -88,7 +90,7 @@ class TensorParallelSpec:
 
 
 def tensor_parallel_spec(
-    param: nn.Parameter, fqn: str, data_parallel_groups: tuple[object, ...]
+    param: nn.Parameter, fqn: str, data_parallel_groups: tuple[dist.ProcessGroup | None, ...]
 ) -> TensorParallelSpec | None:
     """The spec of a ``DTensor`` parameter (None for a plain tensor). Raises
     for what a flat parameter cannot hold: placements other than ``Shard``
@@ -167,11 +169,12 @@ def full_dtensor(local: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 def show_local(param: nn.Parameter, shell: DTensor) -> None:
     """Make the ``DTensor`` parameter ``param`` show ``shell`` (its local
     tensor and spec), keeping the object (see the note)."""
-    if param._local_tensor is shell._local_tensor and param._spec is shell._spec:
+    tp_param = cast(DTensor, param)  # nn.Parameter(DTensor) is the DTensor itself, flagged as a parameter
+    if tp_param._local_tensor is shell._local_tensor and tp_param._spec is shell._spec:
         return  # already shown (every reshard asks again)
-    param.data = shell
-    param._local_tensor = shell._local_tensor
-    param._spec = shell._spec
+    tp_param.data = shell
+    tp_param._local_tensor = shell._local_tensor
+    tp_param._spec = shell._spec
 
 
 def as_grad_of(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .layout import FlatParamLayout
+from .layout import FlatParamLayout, ParamInfo
 from .dtensor_views import as_grad_of, local_tensor
 
 __all__ = [
@@ -133,8 +133,13 @@ def collect_user_grads(
 def _flat_grad_under_views(layout: FlatParamLayout, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
     """The flat sharded gradient that every non-empty ``.grad`` is still a
     view of, at its layout offset; None if they are not (all) such views."""
-    tiles = [(info, grad) for info, grad in zip(layout.params, grads) if info.local_numel]
-    if not tiles or any(grad is None for _, grad in tiles):
+    tiles: list[tuple[ParamInfo, torch.Tensor]] = []
+    for info, grad in zip(layout.params, grads):
+        if info.local_numel:
+            if grad is None:
+                return None
+            tiles.append((info, grad))
+    if not tiles:
         return None
     first = tiles[0][1]
     storage = first.untyped_storage()
@@ -149,7 +154,7 @@ def _flat_grad_under_views(layout: FlatParamLayout, grads: list[torch.Tensor | N
     if storage.nbytes() < layout.shard_numel * first.element_size():
         return None
     flat = torch.empty(0, dtype=first.dtype, device=first.device)
-    return flat.set_(storage, 0, (layout.shard_numel,))
+    return flat.set_(storage, 0, (layout.shard_numel,), (1,))
 
 
 def accumulate_grad(shard_grad: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor:

@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .. import comm
@@ -144,7 +145,7 @@ class FlatParamHandle:
         # (resharding runs every step for every unit).
         self._shard_views: tuple[torch.Tensor, ...] = ()
         # What DTensor parameters show between steps (None for plain ones).
-        self._shard_shells: tuple[torch.Tensor | None, ...] = ()
+        self._shard_shells: tuple[DTensor | None, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
@@ -263,7 +264,7 @@ class FlatParamHandle:
         post-accumulate-grad hook, which reduces and frees the gradient)
         behind every node of later steps, i.e. at the end of backward."""
         self._check_unsharded("use_unsharded_views")
-        segments = torch.split(self.unsharded_flat_param, self.layout.split_sizes)
+        segments = torch.split(self.unsharded_flat_param, list(self.layout.split_sizes))
         for info, index, requires_grad, spec in zip(
             self.layout.params, self.layout.param_segments, self.param_requires_grad, self.tp_specs
         ):
@@ -275,7 +276,8 @@ class FlatParamHandle:
             if spec is not None:
                 view = dtensor_views.forward_view(view, spec)
             for owner in info.owners:
-                owner.module._parameters[owner.attr] = view
+                # A forward view, not a Parameter: autograd must reach the flat parameter through it.
+                owner.module._parameters[owner.attr] = view  # type: ignore[assignment]  # _parameters holds views here
         self.shows_unsharded_views = True
 
     # ------------------------------------------------------ unshard/reshard
@@ -523,19 +525,21 @@ class FlatParamHandle:
         """Point each original parameter's ``.data`` (and ``.grad``, when
         ``full_grad`` is given) at its view of the full copies."""
         param_views = self._views_of(full_flat)
-        grad_views = self._views_of(full_grad) if full_grad is not None else [None] * len(param_views)
+        grad_views: Sequence[torch.Tensor | None] = (
+            self._views_of(full_grad) if full_grad is not None else [None] * len(param_views)
+        )
         for index, (info, param, view, grad_view) in enumerate(
             zip(self.layout.params, self.orig_params, param_views, grad_views)
         ):
             self.show_local_data(index, view, full=True)
-            if full_grad is not None:
+            if grad_view is not None:  # None exactly when full_grad is None
                 grad = grad_view if grad_view.dtype == param.dtype else grad_view.to(param.dtype)
                 param.grad = dtensor_views.as_grad_of(param, grad)
             for owner in info.owners:
                 owner.module._parameters[owner.attr] = param
 
     def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        segments = torch.split(flat.detach(), self.layout.split_sizes)
+        segments = torch.split(flat.detach(), list(self.layout.split_sizes))
         return [segments[index].view(info.shape) for info, index in zip(self.layout.params, self.layout.param_segments)]
 
     def load_shard_from_full(self, full_flat: torch.Tensor) -> None:

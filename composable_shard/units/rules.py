@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -95,6 +95,14 @@ def unit_skipper(ignored_modules: set[nn.Module]) -> Callable[[nn.Module], bool]
     return skip
 
 
+def _group_modules(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of ``fully_shard``'s argument: a group's (a list or
+    tuple of modules), else ``[module]``."""
+    if isinstance(module, (list, tuple)):
+        return list(module)
+    return [cast(nn.Module, module)]  # not a list or tuple: one module (fully_shard checked it)
+
+
 def choose_units(
     module: nn.Module | Sequence[nn.Module],
     policy: Policy | set[type[nn.Module]] | None,
@@ -104,7 +112,7 @@ def choose_units(
     policy's choices (post-order), then ``module`` itself. For a group
     (a list of modules) the policy's choices under each module, then one
     choice for the group, keyed by its first module."""
-    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    members = _group_modules(module)
     choices = [choice for member in members for choice in select_units(member, policy, unit_skipper(ignored_modules))]
     return choices + [UnitChoice(members[0])]
 
@@ -172,7 +180,7 @@ def assign_param_owners(
     group find the group as their closest common unit. Pinned by
     tests/training/test_grouped_units.py.
     """
-    roots = list(root) if isinstance(root, (list, tuple)) else [root]
+    roots = _group_modules(root)
     name = "+".join(type(r).__name__ for r in roots)
     new_units = {id(choice.module) for choice in choices}
     key_of = {id(choice.module): id(choice.module) for choice in choices}

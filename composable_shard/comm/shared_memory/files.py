@@ -315,11 +315,12 @@ def _check_facts(facts: list[RankFacts], largest_bytes: int, directory: str) -> 
     unwritable = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes is None]
     if unwritable:
         raise SharedMemoryUnavailable(f"{directory} is not writable on ranks {unwritable}", warn=True)
+    free_of = [rank_facts.free_bytes for rank_facts in facts if rank_facts.free_bytes is not None]  # every rank's
     per_slot = slot_reservation(largest_bytes, facts[0].slot_bytes)
     needed = bytes_per_rank(largest_bytes, facts[0].slot_bytes) * len(facts)
-    short = [rank for rank, rank_facts in enumerate(facts) if rank_facts.free_bytes < needed]
+    short = [rank for rank, free_bytes in enumerate(free_of) if free_bytes < needed]
     if short:
-        free = min(facts[rank].free_bytes for rank in short)
+        free = min(free_of[rank] for rank in short)
         raise SharedMemoryUnavailable(
             f"{directory} has {free / 2**20:.1f} MiB free on ranks {short}; the group needs {needed / 2**20:.1f} MiB "
             f"({len(facts)} ranks x {SLOTS} slots x {per_slot / 2**20:.1f} MiB). Free space there (Docker: "

@@ -162,9 +162,11 @@ class SlotRing:
         seq = self._next_seq
         slot = seq % SLOTS
         previous = self._slot_rounds[slot]
-        earlier = previous[0]() if previous is not None else None
-        if earlier is not None:
-            earlier._complete(previous[1], None)  # read our own older round first: see the Note
+        if previous is not None:
+            earlier_ref, earlier_seq = previous
+            earlier = earlier_ref()
+            if earlier is not None:
+                earlier._complete(earlier_seq, None)  # read our own older round first: see the Note
         if seq > SLOTS:
             self.await_peers(slot, seq - SLOTS, written=False, timeout_s=None)
         return slot, seq
