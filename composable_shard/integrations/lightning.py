@@ -190,6 +190,9 @@ class ShardStrategy(ParallelStrategy):
         self._timeout = timeout
         # Lightning's own checkpoint entries (hyper-parameters) plus the user's.
         self._checkpoint_safe_globals = (AttributeDict, *checkpoint_safe_globals)
+        # The module this strategy sharded by its policy (a later setup of the
+        # same Trainer, for validate or test, finds it sharded and goes on).
+        self._sharded_by_policy: nn.Module | None = None
 
     # ------------------------------------------------------------ topology
     @property
@@ -271,10 +274,13 @@ class ShardStrategy(ParallelStrategy):
         precision = self.precision_plugin
         if not isinstance(precision, _GlobalNormClipping):
             raise RuntimeError(f"{_OWNER}: setup ran before setup_environment.")
-        if self._options.policy is not None and not has_units(module):
-            precision.convert_module(module)  # "bf16-true": convert (in place), then shard
-            self.model_to_device()
-        shard_module(self._options, module, hook="configure_model")
+        if module is not self._sharded_by_policy:  # a later fit/validate/test: sharded already
+            if self._options.policy is not None and not has_units(module):
+                precision.convert_module(module)  # "bf16-true": convert (in place), then shard
+                self.model_to_device()
+            shard_module(self._options, module, hook="configure_model")
+            if self._options.policy is not None:
+                self._sharded_by_policy = module
         precision.convert_module(module)  # "bf16-true" on a module configure_model sharded: check the dtype
         self.model_to_device()
         _route_steps_through_forward(module)

@@ -228,6 +228,9 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
         expected_val = F.mse_loss(final(val_x), val_y)
     assert recorder.trainer is not None
     torch.testing.assert_close(recorder.trainer.callback_metrics["val_loss"], expected_val, **TIGHT)
+    with _in_harness_ranks(rank):  # the same Trainer again: setup finds the module sharded
+        (metrics,) = recorder.trainer.validate(module, val_loader, verbose=False)
+    torch.testing.assert_close(torch.tensor(metrics["val_loss"]), expected_val, **TIGHT)
 
     # configure_model shards; accumulate 2 micro-batches; clip the global norm.
     torch.manual_seed(0)
