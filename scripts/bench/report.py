@@ -32,6 +32,7 @@ class ModeResult:
     peak_mb: float | None  # largest over ranks, median over repeats; None if not measured
     peak_repeats_mb: list[float] = field(default_factory=list)  # each repeat's peak
     optimizer_ms: float | None = None  # median optimizer.step(), slowest rank
+    rank_records: list[dict] = field(default_factory=list)  # each rank's raw record (owner-step figures)
 
     @property
     def step_ms(self) -> list[float]:
@@ -76,6 +77,7 @@ def collect(args: argparse.Namespace, out_dir: str) -> dict[str, ModeResult]:
             _median_present(peaks),
             [p for p in peaks if p is not None],
             statistics.median(optimizer_steps) if optimizer_steps else None,
+            records,
         )
     return results
 
@@ -105,6 +107,28 @@ def _plan_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str 
         f"kept heap: planning/runtime_memory.py); measured peak {ours.peak_mb:.1f} MB, plan "
         f"{100 * (plan_mb - ours.peak_mb) / ours.peak_mb:+.1f}%."
     )
+
+
+def _owner_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str | None:
+    """composable_shard's owner step (``--optimizer muon``): per rank, what it
+    sent to owners and back in the last step against what its reduce-scatters
+    send, and the share of Muon's work each rank owns."""
+    if getattr(args, "optimizer", "adamw") != "muon" or "composable_shard" not in args.modes or args.simulated:
+        return None
+    per_rank = results["composable_shard"].rank_records
+    if not per_rank or not all("owner_traffic" in record for record in per_rank):
+        return None
+    world = args.world_size
+    parts = []
+    for rank, record in enumerate(per_rank):
+        traffic = record["owner_traffic"]
+        # A reduce-scatter sends (W - 1) / W of each padded flat gradient.
+        reduce_scatter = record["reduce_scatter_elements"] * (world - 1) // world
+        parts.append(f"rank {rank}: {traffic['to_owners']} elements to owners + {traffic['from_owners']} back "
+                     f"({traffic['bytes_sent'] / 2**20:.2f} MiB) vs {reduce_scatter} by its reduce-scatters")
+    work = per_rank[0]["owner_work"]
+    shares = ", ".join(f"{100 * w / sum(work):.0f}%" for w in work)
+    return f"owner step (composable_shard, last step): {'; '.join(parts)}; Muon work per rank {shares} (ideal {100 / world:.0f}%)."
 
 
 def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
@@ -179,6 +203,9 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     plan_note = _plan_note(args, results)
     if plan_note:
         notes.append(plan_note)
+    owner_note = _owner_note(args, results)
+    if owner_note:
+        notes.append(owner_note)
     if args.memory_repeats > 1 and args.memory_steps > 0:
         notes.append("peak per memory pass: " + "; ".join(
             f"{mode} " + " ".join(f"{p:.1f}" for p in results[mode].peak_repeats_mb) for mode in args.modes

@@ -40,6 +40,37 @@ def profile_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.
     return f"{table}\n\nby total time (hooks are labelled composable_shard::...):\n{hooks}"
 
 
+def owner_step_record(run: ModeRun) -> dict:
+    """What composable_shard's owner step did in the last step (for
+    ``--optimizer muon``): elements this rank sent to owners and back, the
+    elements its reduce-scatters carry per step (its flat gradients' padded
+    sizes), and the optimizer work each rank of the group owns."""
+    from composable_shard.optim import last_step_traffic, owner_plans
+    from composable_shard.runtime.lifecycle import live_units
+    from composable_shard.runtime.state import unit_states_under
+
+    from composable_shard.runtime.optimizer_checks import is_elementwise
+
+    record: dict = {}
+    for optimizer in getattr(run.optimizer, "optimizers", ()):
+        if is_elementwise(optimizer):
+            continue
+        plans = [plan for plan in owner_plans(optimizer, live_units()) if plan.params]
+        if not plans:
+            continue
+        traffic = last_step_traffic(optimizer)
+        record["owner_traffic"] = {"to_owners": traffic.to_owners, "from_owners": traffic.from_owners,
+                                   "bytes_sent": traffic.bytes_sent}
+        record["owner_work"] = [sum(plan.work_per_rank()[r] for plan in plans) for r in range(plans[0].world_size)]
+    record["reduce_scatter_elements"] = sum(
+        handle.layout.padded_unsharded_numel
+        for _, state in unit_states_under(run.model)
+        for handle in state.handles
+        if handle.requires_grad
+    )
+    return record
+
+
 def timing_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
     device = init_worker(rank, args, port)
     corpus = ByteCorpus.from_stdlib(args.data_bytes)
@@ -83,6 +114,7 @@ def timing_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) 
             "losses": torch.stack(run.losses).float().tolist(),
             "step_times_s": run.step_times_s,
             "optimizer_times_s": run.optimizer_times_s,
+            **(owner_step_record(run) if mode == "composable_shard" else {}),
         }
         for mode, run in runs.items()
     }
