@@ -37,7 +37,7 @@ __all__ = ["ChecksummingFileSystem", "file_record", "digest_file", "can_compute"
 try:  # optional: `pip install xxhash` (the "fast" extra)
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - depends on the environment
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]  # absent optional module: checked for None before use
 
 _WINDOW = 1 << 23  # 8 MiB, a multiple of every page size
 

@@ -31,7 +31,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -63,7 +63,7 @@ SAFETENSORS_ALIASES_KEY = "composable_shard.aliases"
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
 
 
-def _read_state(directory: Path, roots: set[str] | None, trust: PickleTrust, skip_model_keys: set[str] = frozenset()) -> dict[str, Any]:
+def _read_state(directory: Path, roots: set[str] | None, trust: PickleTrust, skip_model_keys: AbstractSet[str] = frozenset()) -> dict[str, Any]:
     """The nested state saved in a verified directory (only ``roots``, all
     if None), read whole; model keys in the saved model order, 0-dim
     parameters with their shape back."""

@@ -17,7 +17,7 @@ byte of tensor data is read. Pinned by tests/checkpoint/test_resharding.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -165,7 +165,7 @@ def _reshaped(value: Any, entry: ShardedParamEntry, shape: torch.Size) -> Any:
     return torch.empty(shape, dtype=value.dtype, device=entry.param.device)
 
 
-def _fits(value: Any, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+def _fits(value: Any, numel: int, dtype: torch.dtype, device: torch.device) -> TypeGuard[torch.Tensor]:
     return (
         isinstance(value, torch.Tensor)
         and value.shape == (numel,)

@@ -134,7 +134,11 @@ class DestinationLoadPlanner(DefaultLoadPlanner):
                 if (is_tensor and self._objects_only) or not any(path[: len(p)] == p for p in self._fill):
                     continue
                 if not _holds(state_dict, path):
-                    set_element(state_dict, path, torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None)
+                    set_element(
+                        state_dict,
+                        path,
+                        torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None,
+                    )
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 

@@ -84,7 +84,9 @@ def save_checkpoint(
     what = f"save_checkpoint({target})"
     staging = target.with_name(target.name + ".partial")
     entries = model_entries(module, prepare_units(module, "save_checkpoint"))
-    tied = {(MODEL, alias): (MODEL, entry.keys[0]) for entry in entries.sharded for alias in entry.keys[1:]}
+    tied: dict[tuple[str, ...], tuple[str, ...]] = {
+        (MODEL, alias): (MODEL, entry.keys[0]) for entry in entries.sharded for alias in entry.keys[1:]
+    }
     state: dict[str, Any] = {MODEL: get_model_state_dict(module)}
     for index, each in enumerate(_optimizers(optimizer, what)):
         state[optim_key(index)] = get_optimizer_state_dict(module, each)

@@ -172,7 +172,7 @@ def _check_storage(
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _fail(where, repr(index)[:100], "has a malformed storage key")
-        name = getattr(info, "relative_path", None)
+        name: Any = getattr(info, "relative_path", None)  # untrusted: resolve_inside refuses a non-str
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise _fail(where, index.fqn, f"has a malformed byte range (offset {offset!r:.40}, length {length!r:.40})")
@@ -199,7 +199,8 @@ def _is_shape(value: Any) -> bool:
 
 
 def _check_tensor(fqn: str, md: TensorStorageMetadata, bounds: dict[tuple[str, Any], int | None], where: str) -> None:
-    size, chunks = md.size, md.chunks
+    size: Any = md.size  # untrusted: _is_shape checks it
+    chunks = md.chunks
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     if not _is_shape(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
         raise _fail(where, fqn, "has a malformed size, dtype or chunk list")

@@ -139,7 +139,7 @@ def check_pickle(source: Any, what: str) -> None:
     try:
         for opcode, arg, position in pickletools.genops(stream):
             kind, extra, marked, pushes, header = plans[opcode.code]
-            if header and shaped:
+            if header and shaped and position is not None:  # shaped: a BytesIO, whose positions are never None
                 starts.append(position + header)
                 ends.append(position + header + _payload_length(opcode.name, arg))
             if kind == _GET:

@@ -236,10 +236,13 @@ class DirectFileSystemReader(FileSystemReader):
                     target = planner.resolve_tensor(item).detach()
                     if tuple(target.size()) != tuple(item.lengths):
                         raise self._malformed(path, item, f"its destination has size {tuple(target.size())}, not {tuple(item.lengths)}")
-                    box = None if saved is None else box_span(saved, tuple(item.storage_offsets), tuple(item.lengths))
-                    if saved is not None and box is None:
+                    if saved is None:
+                        staged.temporaries.append((item, self._load_whole(stream, path, item)))
+                        continue
+                    box = box_span(saved, tuple(item.storage_offsets), tuple(item.lengths))
+                    if box is None:
                         raise self._malformed(path, item, "the requested box does not fit the stored tensor")
-                    if saved is None or self._needs_stock(target, saved):
+                    if self._needs_stock(target, saved):
                         staged.temporaries.append((item, self._load_whole(stream, path, item)))
                     else:
                         staged.direct.append((relative_path, item, saved, box, target))
@@ -466,7 +469,11 @@ def _read_exactly(stream: BinaryIO, offset: int, target: memoryview, path: str) 
     if not positioned:
         stream.seek(offset)
     while done < total:
-        count = os.preadv(stream.fileno(), [target[done:]], offset + done) if positioned else stream.readinto(target[done:])
+        count = (
+            os.preadv(stream.fileno(), [target[done:]], offset + done)
+            if positioned
+            else stream.readinto(target[done:])  # type: ignore[attr-defined]  # open_regular's streams are FileIO
+        )
         if not count:
             raise OSError(
                 f"composable_shard DirectFileSystemReader: '{path}' ends at byte {offset + done}, before the "
@@ -477,4 +484,5 @@ def _read_exactly(stream: BinaryIO, offset: int, target: memoryview, path: str) 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The writable memory of a contiguous CPU tensor."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    array = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy types ndarray.__buffer__ from Python 3.12 on

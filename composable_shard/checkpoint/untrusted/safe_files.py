@@ -82,7 +82,7 @@ def open_regular(path: str | os.PathLike[str], where: str) -> tuple[BinaryIO, in
     except BaseException:
         os.close(descriptor)
         raise
-    return stream, info.st_size  # type: ignore[return-value]
+    return stream, info.st_size
 
 
 def regular_file_stat(path: str | os.PathLike[str], where: str) -> os.stat_result:

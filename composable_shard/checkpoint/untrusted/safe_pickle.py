@@ -123,8 +123,8 @@ def _name_of(admitted: Any) -> tuple[str, str] | None:
         return (module, name) if module else None
     if not callable(admitted):
         return None
-    module, name = getattr(admitted, "__module__", None), getattr(admitted, "__qualname__", None)
-    return (module, name) if isinstance(module, str) and isinstance(name, str) else None
+    owner, qualname = getattr(admitted, "__module__", None), getattr(admitted, "__qualname__", None)
+    return (owner, qualname) if isinstance(owner, str) and isinstance(qualname, str) else None
 
 
 def _user_globals(trust: PickleTrust) -> dict[tuple[str, str], Any]:
@@ -280,5 +280,5 @@ def refusal_in(exc: BaseException) -> UnsafeCheckpointError | None:
             found = refusal_in(cause) if isinstance(cause, BaseException) else None
             if found is not None:
                 return found
-    cause = exc.__cause__ or exc.__context__
-    return refusal_in(cause) if isinstance(cause, BaseException) and cause is not exc else None
+    chained = exc.__cause__ or exc.__context__
+    return refusal_in(chained) if isinstance(chained, BaseException) and chained is not exc else None

@@ -155,7 +155,7 @@ def describe_item(view: ItemView) -> SavedTensor:
     ``RuntimeError`` for a zip archive that does not parse."""
     if view.head[:4] != _ZIP_MAGIC:
         raise NotDescribed("not a zip archive (another serialization)")
-    archive = torch._C.PyTorchFileReader(view)
+    archive = torch._C.PyTorchFileReader(view)  # type: ignore[call-overload]  # any file-like object with read/seek/tell
     if not archive.has_record("data.pkl"):
         raise NotDescribed("no data.pkl record")
     if archive.has_record("byteorder"):
@@ -189,7 +189,7 @@ _DESCRIBED_MAX = 4096
 def _describe_pickle(data_pickle: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], tuple[int, ...]]:
     storages = _MetaStorages()
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data_pickle), encoding="utf-8")
-    unpickler.persistent_load = storages  # type: ignore[attr-defined]  # as torch.load sets it
+    unpickler.persistent_load = storages  # type: ignore[method-assign]  # as torch.load sets it
     try:
         tensor = unpickler.load()
     except pickle.UnpicklingError as exc:
@@ -197,7 +197,8 @@ def _describe_pickle(data_pickle: bytes) -> tuple[torch.dtype, str, int, int, tu
     if type(tensor) is not torch.Tensor or tensor.device.type != "meta" or len(storages.keys) != 1:
         raise NotDescribed("a pickle of something other than one plain tensor")
     storage_numel = tensor.untyped_storage().nbytes() // tensor.element_size()
-    return tensor.dtype, storages.keys[0], storage_numel, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride())
+    storage_offset = int(tensor.storage_offset())  # a plain tensor's: an int (not a SymInt)
+    return tensor.dtype, storages.keys[0], storage_numel, storage_offset, tuple(tensor.size()), tuple(tensor.stride())
 
 
 @functools.lru_cache(maxsize=4096)
