@@ -5,6 +5,9 @@ holds at the worst moment of a training step.
 - ``sharding_plan.py``: ``plan`` and ``describe`` (the public entry points)
   and ``ShardingPlan``;
 - ``memory.py``: the per-rank memory arithmetic and the step replay;
+- ``owner_memory.py``: optimizers stepped whole on owner ranks (Muon,
+  Adafactor, a user's own): the runtime's owners on the plan's layouts, the
+  owners' whole state, the step's exchange and temporaries;
 - ``activations.py``: activation memory measured under fake tensors;
 - ``table.py``: the printed table;
 - ``advice.py``: the plan's warnings;

@@ -56,12 +56,13 @@ allocator's bytes and the step's profiled peak).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..api import BackwardPrefetch, ShardingStrategy
+from ..handle.layout import FlatParamLayout
 
 __all__ = [
     "OPTIMIZERS",
@@ -137,6 +138,11 @@ class FlatParamPlan:
     # per parameter: a parameter registered after a unit is used after it in
     # forward, so its gradient exists before that unit's backward.
     last_uses: tuple[tuple[int, int], ...] = ()
+    # The layout it was computed from, and each parameter's position in
+    # ``module.parameters()`` (the order an optimizer built from it sees):
+    # what owner-stepped optimizers are planned from (owner_memory.py).
+    layout: FlatParamLayout | None = field(default=None, compare=False, repr=False)
+    param_positions: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def padding(self) -> int:

@@ -13,8 +13,10 @@ and lays each flat parameter out with ``flat_layout.compute_layout``: the
 functions ``fully_shard`` calls (see [Note: one copy of the unit rules]).
 ``describe`` reads the layouts ``fully_shard`` built. Both feed the same
 ``_assemble``, so ``plan(model, ...) == describe(sharded model)`` whenever the
-arguments match. Pinned by tests/plan/test_plan.py, which compares both with what
-the allocator holds.
+arguments match. An optimizer stepped whole on owner ranks gets its owners
+from ``optim/owners.py``'s functions on those same layouts ([Note:
+owner-stepped optimizers, planned] in owner_memory.py). Pinned by
+tests/plan/test_plan.py, which compares both with what the allocator holds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -47,6 +49,7 @@ from .memory import (
     step_moments,
     worst_moment,
 )
+from .owner_memory import OwnerOptimizer, owner_optimizer, owner_state_bytes, owner_step_bytes
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
 from .runtime_memory import RuntimeMemory, runtime_memory
@@ -157,7 +160,7 @@ def plan(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: CPUOffload | None = None,
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | tuple[str, int] = "adamw",
     **more: Any,
 ) -> ShardingPlan:
     """Plan ``fully_shard(module, policy=..., ...)`` on ``world_size`` ranks
@@ -174,6 +177,20 @@ def plan(
     ``optimizer_in_backward=True`` for a per-parameter ``optimizer`` stepped
     (and its ``.grad`` set to None) in each parameter's post-accumulate-grad
     hook; ``warn=True`` to also emit the plan's warnings.
+
+    ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` step each rank's
+    shards; ``"muon"``, ``"adafactor"`` and ``("owner", k)`` are stepped on
+    whole parameters by owner ranks ([Note: owner computes] in
+    optim/owner_step.py), with the runtime's owners: ``"muon"`` is
+    ``torch.optim.Muon`` over the 2-D parameters (one momentum buffer each)
+    and AdamW over the rest, ``"adafactor"`` is ``torch.optim.Adafactor``
+    over all (row and column factors for a matrix, a variance for a vector,
+    a step), ``("owner", k)`` a user's own optimizer keeping ``k`` tensors
+    shaped like each parameter (its step temporaries are not planned). Their
+    state is whole on the owner, and the step's transients include the
+    whole values and gradients the owner assembles and the exchange's
+    buffers ([Note: owner-stepped optimizers, planned] in
+    planning/owner_memory.py).
     """
     name = type(module).__name__
     rank = _checked_rank(name, world_size, optimizer, more)
@@ -192,6 +209,7 @@ def plan(
     if get_state(module) is not None:
         raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
     # [Note: plan and fully_shard share one copy of the rules]
+    positions = _param_positions(module)
     choices = choose_units(module, policy, ignored_modules)
     sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
     hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -212,13 +230,17 @@ def plan(
             )
             for flat_sources in group_sources(sources[id(choice.module)])
         ]
-        specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order)
+        unit_positions = [
+            tuple(positions.get(id(src.param), -1) for src in flat_sources)
+            for flat_sources in group_sources(sources[id(choice.module)])
+        ]
+        specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order, unit_positions)
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
     members_of = {key: (module_of[key],) for key in specs}
     names = {id(m): n for n, m in module.named_modules()}
     for unit_name, state in unit_states_under(module):
-        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order)
+        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order, positions)
         members_of[id(state.module)] = state.members
         names[id(state.module)] = unit_name  # a group: "norm+output"
     units = sorted(
@@ -236,7 +258,7 @@ def plan(
         units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
         in_backward=bool(more.get("optimizer_in_backward", False)),
     )
-    result.optimizer = optimizer
+    result.optimizer = _optimizer_label(optimizer)
     if more.get("warn", False):
         for message in result.warnings:
             warnings.warn(message, stacklevel=2)
@@ -244,14 +266,19 @@ def plan(
 
 
 def describe(
-    module: nn.Module, *, optimizer: str = "adamw", momentum: float = 0.9, optimizer_in_backward: bool = False
+    module: nn.Module,
+    *,
+    optimizer: str | tuple[str, int] = "adamw",
+    momentum: float = 0.9,
+    optimizer_in_backward: bool = False,
 ) -> ShardingPlan:
     """The plan of a model ``fully_shard`` already sharded, read from its
     real layouts, on this rank (same table and numbers as ``plan``; no
-    activations). ``momentum`` matters for ``optimizer="sgd"`` only;
-    ``optimizer_in_backward`` as for ``plan``."""
+    activations). ``optimizer`` as for ``plan``; ``momentum`` matters for
+    ``optimizer="sgd"`` only; ``optimizer_in_backward`` as for ``plan``."""
     name = type(module).__name__
-    _check_optimizer(name, optimizer)
+    _check_optimizer(name, optimizer, optimizer_in_backward, "describe")
+    positions = _param_positions(module)
     named = list(unit_states_under(module))
     if not named:
         raise ValueError(f"describe({name}): no fully_shard unit in this module. Call fully_shard first, or use plan().")
@@ -272,7 +299,7 @@ def describe(
                 dataclasses.replace(h.layout, requires_grad=h.requires_grad),
                 h.param_dtype, reduce_dtype_of_unit(state) or h.reduce_dtype, h.keep_low_precision_grads,
                 h.offload_params, order, transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type),
-                state.compute_device.type,
+                state.compute_device.type, tuple(positions.get(id(p), -1) for p in h.orig_params),
             )
             for h in state.handles
         ]
@@ -289,12 +316,12 @@ def describe(
         units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
         in_backward=optimizer_in_backward,
     )
-    result.optimizer = optimizer
+    result.optimizer = _optimizer_label(optimizer)
     return result
 
 
 # ---------------------------------------------------------------- helpers
-def _checked_rank(name: str, world_size: int, optimizer: str, more: dict[str, Any]) -> int:
+def _checked_rank(name: str, world_size: int, optimizer: str | tuple[str, int], more: dict[str, Any]) -> int:
     """Validate ``plan``'s arguments before anything is computed; the rank."""
     unknown = set(more) - _MORE
     if unknown:
@@ -304,18 +331,45 @@ def _checked_rank(name: str, world_size: int, optimizer: str, more: dict[str, An
     rank = more.get("rank", 0)
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"plan({name}): rank must be in [0, {world_size}), got {rank!r}.")
-    _check_optimizer(name, optimizer)
+    _check_optimizer(name, optimizer, bool(more.get("optimizer_in_backward", False)), "plan")
     return rank
 
 
-def _check_optimizer(name: str, optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan({name}): optimizer {optimizer!r} is unknown; pick one of {sorted(OPTIMIZERS)}.")
+def _check_optimizer(name: str, optimizer: Any, in_backward: bool, caller: str) -> None:
+    spec = owner_optimizer(optimizer)
+    if spec is None and not (isinstance(optimizer, str) and optimizer in OPTIMIZERS):
+        known = sorted(set(OPTIMIZERS) - {"none"} | {"muon", "adafactor"})
+        raise ValueError(
+            f"{caller}({name}): optimizer {optimizer!r} is unknown; pick one of {known}, or ('owner', k) for an "
+            "optimizer of your own stepped on whole parameters that keeps k tensors shaped like each parameter."
+        )
+    if spec is not None and in_backward:
+        raise ValueError(
+            f"{caller}({name}): optimizer {spec.label!r} with optimizer_in_backward=True: the plan does not model "
+            "owner-stepped optimizers stepped in backward hooks yet (an exchange of whole parameters in each "
+            "hook). Plan it stepped by optimizer.step() (without optimizer_in_backward), or plan an elementwise "
+            "optimizer ('adamw', 'adam', 'sgd') in backward."
+        )
 
 
-def _optimizer_kind(optimizer: str, momentum: float) -> str:
-    """SGD without momentum keeps no state."""
+def _optimizer_kind(optimizer: Any, momentum: float) -> str | OwnerOptimizer:
+    """SGD without momentum keeps no state; an owner-stepped optimizer is
+    planned from its spec."""
+    spec = owner_optimizer(optimizer)
+    if spec is not None:
+        return spec
     return "none" if optimizer == "sgd" and not momentum else optimizer
+
+
+def _optimizer_label(optimizer: Any) -> str:
+    spec = owner_optimizer(optimizer)
+    return spec.label if spec is not None else optimizer
+
+
+def _param_positions(module: nn.Module) -> dict[int, int]:
+    """Parameter id -> position in ``module.parameters()``: the order of an
+    optimizer built from it, which decides owners."""
+    return {id(param): index for index, param in enumerate(module.parameters())}
 
 
 def _device_type(module: nn.Module) -> str:
@@ -349,6 +403,7 @@ def _flat_param_plan(
     module_index: dict[int, int],
     reduction_frees_grad: bool,
     device_type: str,
+    param_positions: tuple[int, ...] = (),
 ) -> FlatParamPlan:
     """What ``FlatParamHandle`` allocates for ``layout`` (see its
     constructor, ``reduce_grad`` and ``finish_grad_reduction``).
@@ -380,6 +435,8 @@ def _flat_param_plan(
         last_uses=tuple(
             (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
         ),
+        layout=layout,
+        param_positions=param_positions,
     )
 
 
@@ -389,18 +446,20 @@ def _new_unit_plan(
     layouts: list[FlatParamLayout],
     compute_device: torch.device,
     order: dict[int, int],
+    positions: list[tuple[int, ...]],
 ) -> UnitPlan:
     """A unit ``fully_shard`` would build from these layouts (dtypes and
-    offload as ``fully_shard._build_unit`` decides them)."""
+    offload as ``fully_shard._build_unit`` decides them); ``positions``: of
+    each layout's parameters in ``module.parameters()``."""
     offload = offloads_params(kwargs["cpu_offload"], compute_device)
     flat_params = []
-    for layout in layouts:
+    for layout, layout_positions in zip(layouts, positions):
         dtypes = flat_param_dtypes(layout.dtype, kwargs["mixed_precision"])
         flat_params.append(
             _flat_param_plan(
                 layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order,
                 transport.uses_shared_memory(None, compute_device.type),
-                compute_device.type,
+                compute_device.type, layout_positions,
             )
         )
     return _unit_plan(module, kwargs, flat_params)
@@ -429,7 +488,8 @@ def _unit_plan_from_state(name: str, state: UnitState, flat_params: list[FlatPar
 
 
 def _replan_existing(
-    name: str, state: UnitState, world: int, rank: int, hybrid_size: int, order: dict[int, int]
+    name: str, state: UnitState, world: int, rank: int, hybrid_size: int, order: dict[int, int],
+    positions: dict[int, int],
 ) -> UnitPlan:
     shard_size, shard_rank = _shard_group(name, state.config.strategy, world, rank, hybrid_size)
     flat_params = []
@@ -447,7 +507,7 @@ def _replan_existing(
             _flat_param_plan(
                 layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order,
                 transport.uses_shared_memory(None, state.compute_device.type),
-                state.compute_device.type,
+                state.compute_device.type, tuple(positions.get(id(p), -1) for p in handle.orig_params),
             )
         )
     return _unit_plan_from_state("", state, flat_params)
@@ -522,7 +582,7 @@ def _assemble(
     units: list[UnitPlan],
     world_size: int,
     rank: int,
-    optimizer: str,
+    optimizer: str | OwnerOptimizer,
     device_type: str,
     activations: ActivationProfile | None,
     shared: list[tuple[str, list[str]]],
@@ -533,7 +593,17 @@ def _assemble(
     in_backward: bool = False,
 ) -> ShardingPlan:
     flat_params = [fp for unit in units for fp in unit.flat_params]
-    by_kind = optimizer_bytes(flat_params, optimizer)
+    offloaded = [fp for fp in flat_params if fp.offload]
+    if isinstance(optimizer, OwnerOptimizer):  # [Note: owner-stepped optimizers, planned]
+        by_kind = owner_state_bytes(units, optimizer)
+        step_bytes = owner_step_bytes(units, optimizer, device_type)
+        offloaded_state = sum(owner_state_bytes(units, optimizer, offloaded_only=True).values())
+        label = optimizer.label
+    else:
+        by_kind = optimizer_bytes(flat_params, optimizer)
+        step_bytes = optimizer_step_bytes(flat_params, optimizer, device_type)
+        offloaded_state = sum(optimizer_bytes(offloaded, optimizer).values())
+        label = optimizer
     params = sum(fp.shard_bytes for fp in flat_params)
     all_grads = sum(fp.grad_bytes for fp in flat_params)
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
@@ -541,7 +611,7 @@ def _assemble(
     optim = sum(by_kind.values())
     moments = step_moments(
         units,
-        optimizer_step=optimizer_step_bytes(flat_params, optimizer, device_type),
+        optimizer_step=step_bytes,
         all_grads=all_grads,
         activations=activations.by_window if activations is not None else {},
         activations_at_open=activations.at_open if activations is not None else {},
@@ -550,15 +620,14 @@ def _assemble(
         holds_freed_buffer=device_type == "cuda",
         # [Note: backward prefetch on CPU] in runtime/prefetch.py
         prefetch_after_reduction=device_type == "cpu",
-        in_backward_steps=[in_backward_step_bytes(u.flat_params, optimizer, device_type) for u in units]
+        in_backward_steps=[in_backward_step_bytes(u.flat_params, label, device_type) for u in units]
         if in_backward
         else None,
         hooks_after_backward=any(fp.offload for fp in flat_params),
     )
     peak: StepPeak = worst_moment(moments)
-    offloaded = [fp for fp in flat_params if fp.offload]
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
-    cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + sum(optimizer_bytes(offloaded, optimizer).values())
+    cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + offloaded_state
     moved = transport_bytes(flat_params) if shared_memory else 0
     largest_activation = [activations.largest] if activations is not None else []
     runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
@@ -584,7 +653,7 @@ def _assemble(
     return ShardingPlan(
         world_size=world_size,
         rank=rank,
-        optimizer=optimizer,
+        optimizer=label,
         units=units,
         rank_bytes=rank_bytes,
         optimizer_by_kind=by_kind,

@@ -253,3 +253,162 @@ def main(world_sizes: list[int]) -> None:
 
 if __name__ == "__main__":
     main([int(arg) for arg in sys.argv[1:]])
+
+
+# ------------------------------------------------- owner-stepped optimizers
+# Optimizers stepped whole on owner ranks ([Note: owner-stepped optimizers,
+# planned] in composable_shard/planning/owner_memory.py), by the plan's name.
+OWNER_CASES: dict[str, Any] = {"muon": "muon", "adafactor": "adafactor", "owner": ("owner", 1)}
+
+
+class TensorNormalizedMomentum(torch.optim.Optimizer):
+    """A user's own optimizer that reads whole tensors: momentum, then a step
+    of length ``lr`` along it (its norm over the whole parameter). One state
+    tensor per parameter, everything in place: what ``("owner", 1)`` plans."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buffer = state["momentum_buffer"]
+                buffer.mul_(group["momentum"]).add_(param.grad)
+                param.add_(buffer, alpha=-group["lr"] / (float(buffer.norm()) + 1e-12))
+
+
+class _Optimizers:
+    """Several optimizers stepped one after the other, as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def owner_optimizer(name: str, model: nn.Module) -> Any:
+    """The optimizer ``plan(optimizer=OWNER_CASES[name])`` plans, over the
+    unsharded ``model`` (Muon's constructor needs 2-D parameters): Muon over
+    the 2-D parameters and AdamW over the rest, Adafactor, or a user's own."""
+    if name == "muon":
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return _Optimizers(torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3))
+    if name == "adafactor":
+        return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    return TensorNormalizedMomentum(model.parameters())
+
+
+def newton_schulz_scratch(shapes: list[tuple[int, ...]]) -> int:
+    """The most bytes torch.optim.Muon's step of one whole fp32 parameter of
+    each shape allocates beyond the tensors its code names — the matrix
+    products' own workspace (oneDNN packs bf16 operands on CPU) — measured
+    in this process, without composable_shard."""
+    from composable_shard.planning.owner_memory import muon_tensor_bytes
+
+    worst = 0
+    for shape in shapes:
+        param = nn.Parameter(torch.randn(shape))
+        param.grad = torch.randn(shape)
+        optimizer = torch.optim.Muon([param], lr=0.02)
+        optimizer.step()  # its momentum buffer exists, as in a later step
+        worst = max(worst, cpu_peak_above_start(optimizer.step) - muon_tensor_bytes(torch.Size(shape)))
+    return worst
+
+
+def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str = "wide") -> dict[str, Any]:
+    """Plan ``OWNER_CASES[name]`` under FULL_SHARD for this rank, shard, train
+    and return the plan's numbers beside the allocated ones: the state after
+    a step, the whole step's peak, and ``optimizer.step()``'s own transient
+    bytes (its peak above what was alive when it started)."""
+    from composable_shard.optim import last_step_traffic, owner_plans
+    from composable_shard.runtime.lifecycle import live_units
+
+    spec = OWNER_CASES[name]
+    gc.collect()  # earlier cases' models are garbage cycles
+    torch.manual_seed(0)
+    model = _wide_gpt()
+    inputs = {"input_shape": (BATCH, SEQ)}
+    planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block}, **inputs)
+    optimizer = owner_optimizer(name, model)
+    cs.fully_shard(model, policy={Block})
+    described = cs.describe(model, optimizer=spec)
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+
+    def backward() -> None:
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+
+    def step() -> None:
+        backward()
+        optimizer.step()
+
+    optimizer.zero_grad(set_to_none=True)
+    step()
+    params = unique_storage_bytes(model.parameters())
+    grads = unique_storage_bytes(p.grad for p in model.parameters())
+    optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    buffers = unique_storage_bytes(model.buffers())
+    stepped = optimizer.optimizers[0] if isinstance(optimizer, _Optimizers) else optimizer
+    owned_shapes = [
+        tuple(owned.shape)
+        for plan in owner_plans(stepped, live_units())
+        for owned in plan.params
+        if owned.owner == plan.rank and owned.param.requires_grad
+    ]
+    gc.collect()
+    gc.disable()
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        peak = params + optim + buffers + cpu_peak_above_start(step)
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        step_transient = cpu_peak_above_start(optimizer.step)
+    finally:
+        gc.enable()
+    step_moment = next(m for m in planned.moments if m.moment == "optimizer.step()")
+    return {
+        "case": f"owner:{name}",
+        "rank": rank,
+        "world_size": world_size,
+        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
+        "planned": dict(planned.rank_bytes),
+        "described": dict(described.rank_bytes),
+        "plan_table": _without_source(str(planned)),
+        "describe_table": _without_source(str(described)),
+        "peak_moment": planned.peak_moment,
+        "peak_comparable": True,
+        "optimizer_by_kind": planned.optimizer_by_kind,
+        "allocated_by_kind": _state_by_kind(optimizer),
+        "sent_to_owners": last_step_traffic(stepped).to_owners,
+        "step_planned": step_moment.optimizer_step,
+        "step_measured": step_transient,
+        "owned_shapes": owned_shapes,
+        "scratch": newton_schulz_scratch([s for s in owned_shapes if len(s) == 2]) if name == "muon" else 0,
+    }
+
+
+def _state_by_kind(optimizer: Any) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for state in optimizer.state.values():
+        for kind, value in state.items():
+            if torch.is_tensor(value):
+                kinds[kind] = kinds.get(kind, 0) + value.untyped_storage().nbytes()
+    return kinds
+

@@ -1,0 +1,152 @@
+"""The plan of optimizers stepped whole on owner ranks ("muon", "adafactor",
+("owner", k)): the runtime's owners, the state each owner keeps whole —
+exactly what torch's Muon (with AdamW on the rest), Adafactor and a user's
+own optimizer allocate — and ``optimizer.step()``'s transients (whole
+values and gradients, the exchange's buffers, the optimizer's own
+temporaries) against the CPU allocator, under FULL_SHARD on 2 and 4 ranks
+(real gloo groups; PyTorch's fake process group refuses the exchange's
+all_to_all where a rank sends nothing). [Note: owner-stepped optimizers, planned] in
+composable_shard/planning/owner_memory.py."""
+
+from __future__ import annotations
+
+
+import pytest
+
+import composable_shard as cs
+from composable_shard.planning.owner_memory import OwnerOptimizer, owner_state_bytes
+
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT
+from tests.support.plan_measure import OWNER_CASES, _wide_gpt, measure_owner_case
+
+PEAK_TOLERANCE = 0.05
+# Scalars of a few bytes the optimizers make (norms, means, clamps), which
+# the plan leaves out: at most this many bytes alive at once.
+SCALAR_BYTES = 512
+
+
+def _check_owner_record(record: dict) -> None:
+    """State exact by kind, plan == describe, the step's transients exact up
+    to scalars and (Muon) the matrix products' own workspace, the whole
+    step's peak within 5%."""
+    where = f"{record['case']} rank {record['rank']}/{record['world_size']}"
+    allocated, planned, described = record["allocated"], record["planned"], record["described"]
+    for key in ("params", "grads", "optimizer", "buffers"):
+        assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != allocated {allocated[key]}"
+        assert described[key] == allocated[key], f"{where}: described {key} {described[key]} != allocated {allocated[key]}"
+    if record["case"] != "owner:owner":  # a user's optimizer names its own state
+        by_kind = {kind: size for kind, size in record["optimizer_by_kind"].items() if size}
+        allocated_by_kind = {kind: size for kind, size in record["allocated_by_kind"].items() if size}
+        assert by_kind == allocated_by_kind, f"{where}: {by_kind} != {allocated_by_kind}"
+    assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
+    step_planned, step_measured = record["step_planned"], record["step_measured"]
+    slack = record["scratch"] + SCALAR_BYTES
+    assert step_planned <= step_measured <= step_planned + slack, (
+        f"{where}: optimizer.step() planned {step_planned} B, measured {step_measured} B "
+        f"(allowed above the plan: {slack} B)"
+    )
+    tensors = planned["total"] - planned["transport"] - planned["runtime"]
+    error = abs(tensors - allocated["peak"]) / allocated["peak"]
+    assert error <= PEAK_TOLERANCE, (
+        f"{where}: planned peak {tensors} vs measured {allocated['peak']} ({100 * error:.1f}% off, "
+        f"worst moment {record['peak_moment']})"
+    )
+
+
+def _measure_owner_cases(rank: int, world_size: int) -> list[dict]:
+    return [measure_owner_case(name, rank, world_size) for name in OWNER_CASES]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owner_optimizer_plan_equals_allocated_bytes_with_gloo(world_size: int) -> None:
+    results = run_distributed(_measure_owner_cases, world_size, timeout=300)
+    records = [record for records in results for record in records]  # type: ignore[union-attr]
+    for record in records:
+        _check_owner_record(record)
+    # Whole parameters live on one rank each: the ranks' Muon buffers add up
+    # to the 2-D parameters, Adafactor's steps to one per parameter.
+    model = _wide_gpt()
+    muon = sum(r["allocated_by_kind"]["momentum_buffer"] for r in records if r["case"] == "owner:muon")
+    assert muon == sum(4 * p.numel() for p in model.parameters() if p.ndim == 2)
+    steps = sum(r["allocated_by_kind"]["step"] for r in records if r["case"] == "owner:adafactor")
+    assert steps == 4 * len(list(model.parameters()))
+    # Pieces moved to owners: the exchange ran (and was planned) in every case.
+    assert all(any(r["sent_to_owners"] for r in records if r["case"] == f"owner:{name}") for name in OWNER_CASES)
+
+
+def test_owner_state_is_whole_on_one_rank_per_parameter() -> None:
+    """Summed over ranks, the planned state is the whole optimizer's state of
+    one process: Muon's buffers over the 2-D parameters (AdamW's over the
+    rest of the shards), Adafactor's factors, k tensors per parameter."""
+    model = TinyGPT(n_blocks=2, dim=32, vocab=64)
+    world = 4
+    plans = {
+        name: [cs.plan(model, world_size=world, rank=r, policy={Block}, optimizer=spec, device="cpu") for r in range(world)]
+        for name, spec in (("muon", "muon"), ("adafactor", "adafactor"), ("owner", ("owner", 3)))
+    }
+    params = list(model.parameters())
+    muon = [p.optimizer_by_kind for p in plans["muon"]]
+    assert sum(k["momentum_buffer"] for k in muon) == sum(4 * p.numel() for p in params if p.ndim == 2)
+    assert sum(k["exp_avg"] for k in muon) == sum(4 * p.numel() for p in params if p.ndim != 2)
+    factors = sum(sum(k.values()) for k in (p.optimizer_by_kind for p in plans["adafactor"]))
+    assert factors == sum(4 * (p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel()) + 4 for p in params)
+    assert sum(p.rank_bytes["optimizer"] for p in plans["owner"]) == sum(3 * 4 * p.numel() for p in params)
+    assert [p.optimizer for p in plans["owner"]] == ["owner x3"] * world
+    assert "optimizer state (muon)" in str(plans["muon"][0]) and "momentum_buffer" in str(plans["muon"][0])
+
+
+def test_owners_in_the_plan_are_the_runtime_rule_on_the_plan_layouts() -> None:
+    """A parameter wholly inside one rank's shard is owned there (no state
+    elsewhere); one rank owning every whole parameter of a one-rank group."""
+    model = TinyGPT(n_blocks=1, dim=32, vocab=64)
+    single = cs.plan(model, world_size=1, policy={Block}, optimizer="adafactor", device="cpu")
+    assert sum(single.optimizer_by_kind.values()) == sum(
+        4 * (p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel()) + 4 for p in model.parameters()
+    )
+    no_shard = [
+        cs.plan(model, world_size=2, rank=r, policy={Block}, optimizer=("owner", 1), device="cpu",
+                strategy=cs.ShardingStrategy.NO_SHARD)
+        for r in range(2)
+    ]
+    # NO_SHARD: every rank holds (and owns) every whole parameter, nothing moves.
+    assert [p.rank_bytes["optimizer"] for p in no_shard] == [4 * sum(p.numel() for p in model.parameters())] * 2
+    unit_bytes = cs.plan(model, world_size=2, policy={Block}, optimizer=("owner", 0), device="cpu")
+    assert unit_bytes.rank_bytes["optimizer"] == 0
+    assert owner_state_bytes(unit_bytes.units, OwnerOptimizer("owner", 0)) == {"state": 0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"optimizer": "shampoo"}, ValueError, r"plan\(TinyGPT\): optimizer 'shampoo' is unknown; pick one of \['adafactor', "
+         r"'adam', 'adamw', 'muon', 'sgd'\], or \('owner', k\)"),
+        ({"optimizer": ("owner", -1)}, ValueError, r"optimizer \('owner', -1\) is unknown"),
+        ({"optimizer": ("owner", 1.5)}, ValueError, r"optimizer \('owner', 1.5\) is unknown"),
+        (
+            {"optimizer": "muon", "optimizer_in_backward": True},
+            ValueError,
+            r"plan\(TinyGPT\): optimizer 'muon' with optimizer_in_backward=True: the plan does not model owner-stepped "
+            r"optimizers stepped in backward hooks yet",
+        ),
+    ],
+)
+def test_plan_rejects_bad_owner_optimizers_by_name(kwargs: dict, error: type, match: str) -> None:
+    model = TinyGPT()
+    with pytest.raises(error, match=match):
+        cs.plan(model, world_size=2, **kwargs)
+    assert cs.plan(model, world_size=2, optimizer="muon").rank_bytes["optimizer"] > 0  # still plannable
+
+
+def _describe_refuses_owner_optimizer_in_backward(rank: int, world_size: int) -> None:
+    model = TinyGPT()
+    cs.fully_shard(model, policy={Block})
+    with pytest.raises(ValueError, match=r"describe\(TinyGPT\): optimizer 'adafactor' with optimizer_in_backward=True"):
+        cs.describe(model, optimizer="adafactor", optimizer_in_backward=True)
+    assert cs.describe(model, optimizer="adafactor").rank_bytes["optimizer"] > 0
+    with pytest.raises(ValueError, match=r"describe\(TinyGPT\): optimizer 'lamb' is unknown"):
+        cs.describe(model, optimizer="lamb")
+
+
+def test_describe_rejects_bad_owner_optimizers_by_name() -> None:
+    run_distributed(_describe_refuses_owner_optimizer_in_backward, 2)
