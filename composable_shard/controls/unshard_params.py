@@ -130,7 +130,7 @@ def _absorb_replaced_data(handle: FlatParamHandle, full_flat: torch.Tensor) -> l
     (same shape) into ``full_flat``, so writeback sees them. Returns the
     names of parameters that got another shape (their change is dropped)."""
     layout = handle.layout
-    segments = torch.split(full_flat.detach(), layout.split_sizes)
+    segments = torch.split(full_flat.detach(), list(layout.split_sizes))
     wrong: list[str] = []
     with torch.no_grad():
         for info, index, param in zip(layout.params, layout.param_segments, handle.orig_params):

@@ -55,7 +55,9 @@ def guard_param_hooks(state: UnitState) -> list[RemovableHandle]:
         for info, param in zip(handle.layout.params, handle.orig_params):
             # Strings only: the attribute travels with the parameter if it is
             # deep-copied or pickled.
-            param.register_hook = functools.partial(_refuse_registration, f"{unit_name}.{info.fqn}")
+            param.register_hook = functools.partial(  # type: ignore[method-assign]  # shadows the method on purpose
+                _refuse_registration, f"{unit_name}.{info.fqn}"
+            )
     check = functools.partial(_refuse_existing_hooks, state)
     return [module.register_forward_pre_hook(check, prepend=True) for module in state.members]
 

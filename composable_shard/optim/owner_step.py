@@ -272,7 +272,7 @@ def _show_whole(owned: OwnedParam, received: list[list[torch.Tensor]], rank: int
 def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:
     plan, rank = exchange.plan, exchange.plan.rank
     sends: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
-    for position, owned in enumerate(exchange.stepped):
+    for owned in exchange.stepped:
         if owned.owner != rank:
             continue
         new_value = owned.param.detach().reshape(-1)

@@ -124,7 +124,8 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any, *, depth
         return fn(value)
     if isinstance(value, _ATOMS) or depth >= MAX_DEPTH:
         return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, Mapping):
+    # (not a class: classes are atoms, returned above; the check narrows for the type checker)
+    if dataclasses.is_dataclass(value) and not isinstance(value, (Mapping, type)):
         changes = {}
         for field in dataclasses.fields(value):
             if field.init and hasattr(value, field.name):

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import cast
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.graph import Node
 
 from ..handle import FlatParamHandle
 from .state import RootContext, TrainingState, UnitState
@@ -65,7 +67,9 @@ def backward_accumulates(unit: UnitState) -> bool:
 def _accumulator_runs(handle: FlatParamHandle) -> bool:
     flat_param = handle.unsharded_flat_param
     with torch.enable_grad():
-        accumulator = flat_param.view_as(flat_param).grad_fn.next_functions[0][0]
+        # It requires grad (the callers' filter): its view's grad_fn exists and leads to its AccumulateGrad.
+        grad_fn = cast(Node, flat_param.view_as(flat_param).grad_fn)
+        accumulator = cast(Node, grad_fn.next_functions[0][0])
     try:
         return torch._C._will_engine_execute_node(accumulator)
     except RuntimeError:

@@ -281,7 +281,7 @@ class UnitState:
             except Exception as error:  # a communication hook's own error: [Note: communication hooks]
                 # __notes__ as add_note keeps it (Python 3.11+ prints it; 3.10 lacks add_note).
                 note = f"composable_shard: raised while unit '{self.fqn}' issued its gradient reduction"
-                error.__notes__ = [*getattr(error, "__notes__", ()), note]
+                error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]  # 3.11+ in typeshed
                 raise
         if not handle.has_frozen_params and self.reshard_after_backward:
             self.reshard_handle(handle)

@@ -166,9 +166,10 @@ def sharding_of(entry: ShardedParamEntry) -> RangeSharding:
     if groups.shard_group is None:
         ranks = [rank]
     else:
-        ranks = _GROUP_RANKS.get(groups.shard_group)
-        if ranks is None:
-            ranks = _GROUP_RANKS[groups.shard_group] = dist.get_process_group_ranks(groups.shard_group)
+        known = _GROUP_RANKS.get(groups.shard_group)
+        if known is None:
+            known = _GROUP_RANKS[groups.shard_group] = dist.get_process_group_ranks(groups.shard_group)
+        ranks = known
     return range_sharding(entry.info, entry.handle.layout, ranks, rank, entry.local_box)
 
 

@@ -230,7 +230,7 @@ def _value_problems(entries: ModelEntries, state_dict: Mapping[str, Any]) -> lis
             info = entry.info
             why = range_source_error(value, info.shape, info.local_start, info.local_numel, entry.local_box)
         else:
-            expected = (entries.plain_params.get(key) if key in entries.plain_params else entries.buffers[key]).shape
+            expected = (entries.plain_params[key] if key in entries.plain_params else entries.buffers[key]).shape
             found = global_shape(value)
             why = None
             if found is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, TypeGuard
 
 import torch
 import torch.nn as nn
@@ -79,8 +79,8 @@ def optimizer_params(optimizer: torch.optim.Optimizer, entries: ModelEntries, wh
     by_id: dict[int, tuple[str, ShardedParamEntry | None]] = {}
     for key, param in entries.plain_params.items():
         by_id.setdefault(id(param), (key, None))
-    for entry in entries.sharded:
-        by_id[id(entry.param)] = (entry.keys[0], entry)
+    for sharded in entries.sharded:
+        by_id[id(sharded.param)] = (sharded.keys[0], sharded)
     params = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -104,7 +104,7 @@ def is_param_shaped(key: str, value: Any, shape: torch.Size) -> bool:
     return value.dim() > 0 or (len(shape) == 0 and key != "step")
 
 
-def _is_local_shaped(value: Any, param: nn.Parameter) -> bool:
+def _is_local_shaped(value: Any, param: nn.Parameter) -> TypeGuard[torch.Tensor]:
     # Local parameters are 1-D, so ``step`` (0-dim) never matches.
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 

@@ -55,7 +55,7 @@ class RangeShardedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, shape: torch.Size, local_start: int, boxes: tuple[Box, ...]) -> "RangeShardedTensor":
-        value = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]  # torch's own API for wrapper subclasses
+        value = torch.Tensor._make_wrapper_subclass(  # torch's own API for wrapper subclasses
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         value.local = local
@@ -64,10 +64,12 @@ class RangeShardedTensor(torch.Tensor):
         return value
 
     # No torch function handling: only metadata (size, dtype, device) is read.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # stub differs from the base's
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # the base's is a plain function; torch calls a classmethod
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
         if func is torch.ops.aten.new_empty.default and list(args[1]) == list(args[0].shape):
@@ -80,7 +82,8 @@ class RangeShardedTensor(torch.Tensor):
             "torch.distributed.checkpoint, read its .local, or ask for StateDictOptions(full_state_dict=True)."
         )
 
-    def __repr__(self) -> str:  # the default would run tensor operations
+    # The default would run tensor operations.
+    def __repr__(self) -> str:  # type: ignore[override]  # takes no tensor_contents: it prints no contents
         return (
             f"RangeShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"local range=[{self.local_start}, {self.local_start + self.local.numel()}), boxes={len(self.boxes)})"

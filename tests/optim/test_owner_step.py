@@ -6,7 +6,6 @@ equals one process on the global batch step by step, under every strategy
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import Callable
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import MixedPrecision, ShardingStrategy, full_shape, fully_shard
+from composable_shard import ShardingStrategy, full_shape
 from composable_shard.optim import owner_plans
 from composable_shard.runtime.lifecycle import live_units
 
