@@ -6,7 +6,8 @@ Knows nothing of: process groups, hooks, the exchange's code (it replays
 what the exchange and the optimizer allocate, from the plan's layouts).
 
 Public names: ``OwnerOptimizer``, ``owner_optimizer``, ``OWNER_OPTIMIZERS``,
-``owner_state_bytes``, ``owner_step_bytes``, ``muon_tensor_bytes``.
+``owner_state_bytes``, ``owner_step_bytes``, ``muon_tensor_bytes``,
+``planned_owners``.
 
 [Note: owner-stepped optimizers, planned]
 The owners are the runtime's: ``optim/owners.py``'s ``pieces_of``,
@@ -61,6 +62,7 @@ __all__ = [
     "owner_state_bytes",
     "owner_step_bytes",
     "muon_tensor_bytes",
+    "planned_owners",
 ]
 
 # Owner-stepped optimizer kinds the plan knows by name, with their state.
@@ -185,6 +187,12 @@ def _owner_groups(units: Sequence[UnitPlan], spec: OwnerOptimizer) -> list[list[
         )
         groups.append([_Owned(p, owner) for p, owner in zip(members, owners)])
     return groups
+
+
+def planned_owners(units: Sequence[UnitPlan], spec: OwnerOptimizer) -> dict[int, int]:
+    """Position in ``module.parameters()`` -> owner (shard group rank) of
+    every parameter ``spec`` steps whole, as the runtime will choose it."""
+    return {owned.param.position: owned.owner for group in _owner_groups(units, spec) for owned in group}
 
 
 def _whole_state(param: _Param, spec: OwnerOptimizer) -> dict[str, int]:

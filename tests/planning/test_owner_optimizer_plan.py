@@ -40,6 +40,7 @@ def _check_owner_record(record: dict) -> None:
         allocated_by_kind = {kind: size for kind, size in record["allocated_by_kind"].items() if size}
         assert by_kind == allocated_by_kind, f"{where}: {by_kind} != {allocated_by_kind}"
     assert record["plan_table"] == record["describe_table"], f"{where}: plan and describe tables differ"
+    assert record["planned_owners"] == record["runtime_owners"], f"{where}: the plan's owners are not the runtime's"
     step_planned, step_measured = record["step_planned"], record["step_measured"]
     slack = record["scratch"] + SCALAR_BYTES
     assert step_planned <= step_measured <= step_planned + slack, (

@@ -338,6 +338,8 @@ def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str
     a step, the whole step's peak, and ``optimizer.step()``'s own transient
     bytes (its peak above what was alive when it started)."""
     from composable_shard.optim import last_step_traffic, owner_plans
+    from composable_shard.planning.owner_memory import owner_optimizer as owner_optimizer_spec
+    from composable_shard.planning.owner_memory import planned_owners
     from composable_shard.runtime.lifecycle import live_units
 
     spec = OWNER_CASES[name]
@@ -347,6 +349,7 @@ def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str
     inputs = {"input_shape": (BATCH, SEQ)}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block}, **inputs)
     optimizer = owner_optimizer(name, model)
+    positions = {id(p): index for index, p in enumerate(model.parameters())}
     cs.fully_shard(model, policy={Block})
     described = cs.describe(model, optimizer=spec)
     generator = torch.Generator().manual_seed(rank)
@@ -366,6 +369,9 @@ def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str
     optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     buffers = unique_storage_bytes(model.buffers())
     stepped = optimizer.optimizers[0] if isinstance(optimizer, _Optimizers) else optimizer
+    runtime_owners = {
+        positions[id(owned.param)]: owned.owner for plan in owner_plans(stepped, live_units()) for owned in plan.params
+    }
     owned_shapes = [
         tuple(owned.shape)
         for plan in owner_plans(stepped, live_units())
@@ -397,6 +403,8 @@ def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str
         "optimizer_by_kind": planned.optimizer_by_kind,
         "allocated_by_kind": _state_by_kind(optimizer),
         "sent_to_owners": last_step_traffic(stepped).to_owners,
+        "runtime_owners": sorted(runtime_owners.items()),
+        "planned_owners": sorted(planned_owners(planned.units, owner_optimizer_spec(spec)).items()),
         "step_planned": step_moment.optimizer_step,
         "step_measured": step_transient,
         "owned_shapes": owned_shapes,
