@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,21 @@ class _GlobalNormClipping(Precision):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sharded_module: nn.Module | None = None  # set by ShardStrategy.setup
+
+    def optimizer_step(  # type: ignore[override]  # Lightning's Steppable/Optimizable protocols
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Forward and backward (the closure, with Lightning's hooks and
+        clipping after it), then ``optimizer.step()`` without a closure: an
+        optimizer that steps whole parameters on owner ranks refuses one
+        ([Note: owner computes] in composable_shard/optim/owner_step.py), and
+        for every other optimizer this is the same order of work. LBFGS calls
+        its closure several times: Lightning's own path."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        optimizer.step(**kwargs)
+        return closure_result
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         if self.sharded_module is None:

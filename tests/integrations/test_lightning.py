@@ -94,6 +94,15 @@ class StepsUseLayers(Regressor):
         self.log("val_loss", F.mse_loss(self.head(self.blocks(self.inp(x))), y), sync_dist=True)
 
 
+class AdafactorRegressor(Regressor):
+    """An optimizer stepped whole on owner ranks (not elementwise)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adafactor(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def _data() -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, DIM, generator=generator)
@@ -161,9 +170,10 @@ def _reference(
     dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, torch.Tensor]]:
     """One process, the unsharded model, the global batch: what Lightning's
-    loop does (loss / accumulate, clip the norm, step, scheduler per step)."""
+    loop does (loss / accumulate, clip the norm, step, scheduler per step)
+    with the module's own optimizer."""
     model = copy.deepcopy(module).to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = model.configure_optimizers()["optimizer"]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     x_all, y_all = _data().tensors
     steps = []
@@ -259,6 +269,20 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trainer_matches_one_process_on_the_global_batch(world_size: int) -> None:
     run_distributed(_trainer_matches_reference, world_size, timeout=300)
+
+
+def _whole_parameter_optimizer_matches_reference(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    module = AdafactorRegressor()
+    expected = _reference(module, epochs=1, clip=CLIP)
+    got = _fit(rank, world_size, module, ShardStrategy(policy={Block}), gradient_clip_val=CLIP).steps
+    _assert_steps_equal(got, expected, TIGHT)
+
+
+def test_an_optimizer_stepped_by_owners_through_configure_optimizers() -> None:
+    """Adafactor (row and column factors: not elementwise) with an LR
+    scheduler and clipping, through configure_optimizers, in parity."""
+    run_distributed(_whole_parameter_optimizer_matches_reference, 2, timeout=300)
 
 
 # ------------------------------------------------------------- checkpoints
