@@ -107,7 +107,8 @@ class _GlobalNormClipping(Precision):
         ([Note: owner computes] in composable_shard/optim/owner_step.py), and
         for every other optimizer this is the same order of work. LBFGS calls
         its closure several times: Lightning's own path."""
-        if isinstance(optimizer, torch.optim.LBFGS):
+        calls_closure_repeatedly = isinstance(optimizer, torch.optim.LBFGS)  # (no narrowing: Lightning's protocols)
+        if calls_closure_repeatedly:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = self._wrap_closure(model, optimizer, closure)
         optimizer.step(**kwargs)
