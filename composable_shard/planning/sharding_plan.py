@@ -237,7 +237,7 @@ def plan(
         specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order, unit_positions)
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
-    members_of = {key: (module_of[key],) for key in specs}
+    members_of: dict[int, tuple[nn.Module, ...]] = {key: (module_of[key],) for key in specs}
     names = {id(m): n for n, m in module.named_modules()}
     for unit_name, state in unit_states_under(module):
         specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order, positions)
@@ -550,9 +550,9 @@ def _activations(
 ) -> ActivationProfile | None:
     args = more.get("example_inputs")
     shape = more.get("input_shape")
-    if args is None and shape is None:
-        return None
     if args is None:
+        if shape is None:
+            return None
         dtype = more.get("input_dtype", torch.long)
         device = next((p.device for p in module.parameters()), torch.device("meta"))
         args = (torch.zeros(tuple(shape), dtype=dtype, device=device),)
@@ -564,8 +564,8 @@ def _activations(
     loss_fn: Callable[[Any], torch.Tensor] | None = more.get("loss_fn")
     # Fake CPU tensors for a model on meta planned for the CPU, whose
     # kernels (attention) keep less than meta's; other devices as given.
-    device = torch.device("cpu") if device_type == "cpu" else None
-    return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn, device=device)
+    fake_device = torch.device("cpu") if device_type == "cpu" else None
+    return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn, device=fake_device)
 
 
 def _buffer_bytes(module: nn.Module, buffer_dtype: torch.dtype | None) -> int:

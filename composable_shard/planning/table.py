@@ -16,7 +16,7 @@ not even for a type hint: ``format_plan`` takes anything with the fields of
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -31,7 +31,7 @@ class PlanFields(Protocol):
     world_size: int
     rank: int
     optimizer: str
-    units: Sequence[UnitPlan]
+    units: list[UnitPlan]  # as ShardingPlan declares it (a protocol's attributes are invariant)
     rank_bytes: dict[str, int]
     optimizer_by_kind: dict[str, int]
     peak_moment: str
