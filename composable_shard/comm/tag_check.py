@@ -11,12 +11,16 @@ collectives are tagged.
 Public names: ``checked``, ``TagCheckedWork``.
 
 CPU tensors only: on CUDA reading the peers' tags would stall the host at
-every collective. Pinned by tests/training/test_skipped_units.py (the gloo
-case).
+every collective. Not in PyTorch's fake process group either (one process
+standing for every rank: no peer can disagree, and the exchange would be
+half of a simulated step's collectives). Pinned by
+tests/controls/test_skipped_units.py (the gloo case) and
+tests/comm/test_tag_check_fake_group.py.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -30,6 +34,10 @@ __all__ = ["checked", "TagCheckedWork"]
 
 _PREFIX = "composable_shard collective:"
 
+# Group -> whether it has peers whose tags could differ (False for PyTorch's
+# fake process group); asked once per group. Weak: a destroyed group goes.
+_has_peers: "weakref.WeakKeyDictionary[ProcessGroup, bool]" = weakref.WeakKeyDictionary()
+
 
 def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Any:
     """Run ``launch`` (a message-path collective over ``group``), preceded
@@ -37,7 +45,7 @@ def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup
     group of two or more ranks): its work, wrapped to check the tags first,
     or, synchronous, after checking them."""
     tag = current_tag()
-    if tag == 0 or tensor.device.type != "cpu" or dist.get_world_size(group) < 2:
+    if tag == 0 or tensor.device.type != "cpu" or not _peers_can_differ(group):
         return launch()
     mine = torch.tensor([tag], dtype=torch.int64)
     gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64)
@@ -46,6 +54,18 @@ def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup
         _check(gathered, tag, group)
         return launch()
     return TagCheckedWork(launch(), tags_work, gathered, tag, group)
+
+
+def _peers_can_differ(group: ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) has other processes that
+    issue their own collectives: two or more ranks, not the fake backend."""
+    key = group if group is not None else dist.group.WORLD
+    known = _has_peers.get(key) if key is not None else None
+    if known is None:
+        known = dist.get_world_size(group) >= 2 and str(dist.get_backend(group)) != "fake"
+        if key is not None:
+            _has_peers[key] = known
+    return known
 
 
 class TagCheckedWork:

@@ -56,6 +56,16 @@ class FlatParamSource(NamedTuple):
     owners: tuple[ParamOwner, ...]
 
 
+class _ForwardViewPlan(NamedTuple):
+    """The layout as ``use_unsharded_views`` reads it (see
+    ``FlatParamHandle._forward_view_plan``)."""
+
+    layout: FlatParamLayout
+    split_sizes: list[int]
+    # Per parameter: (segment index, shape to view it as or None, ((owner module, attribute), ...)).
+    params: tuple[tuple[int, tuple[int, ...] | None, tuple[tuple[nn.Module, str], ...]], ...]
+
+
 class FlatParamHandle:
     """One flat parameter: a group of a unit's parameters sharing a dtype and
     ``requires_grad``. See [Note: flat parameter storage]."""
@@ -147,6 +157,8 @@ class FlatParamHandle:
         # What DTensor parameters show between steps (None for plain ones).
         self._shard_shells: tuple[DTensor | None, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
+        # ``use_unsharded_views``' reading of the layout (``_forward_view_plan``).
+        self._view_plan: _ForwardViewPlan | None = None
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
         # (``set_grad_of_other_dtype``); None until the first one.
@@ -243,9 +255,9 @@ class FlatParamHandle:
     def _register_orig_params(self) -> None:
         """Register the original parameters back on their owners (their
         ``.data`` is left as it is)."""
-        for info, param in zip(self.layout.params, self.orig_params):
-            for owner in info.owners:
-                owner.module._parameters[owner.attr] = param
+        for (_, _, owners), param in zip(self._forward_view_plan().params, self.orig_params):
+            for module, attr in owners:
+                module._parameters[attr] = param
         self.shows_unsharded_views = False
 
     def hide_unsharded_views(self) -> None:
@@ -264,21 +276,42 @@ class FlatParamHandle:
         post-accumulate-grad hook, which reduces and frees the gradient)
         behind every node of later steps, i.e. at the end of backward."""
         self._check_unsharded("use_unsharded_views")
-        segments = torch.split(self.unsharded_flat_param, list(self.layout.split_sizes))
-        for info, index, requires_grad, spec in zip(
-            self.layout.params, self.layout.param_segments, self.param_requires_grad, self.tp_specs
-        ):
+        plan = self._forward_view_plan()
+        # What torch.split does with a list of sizes, without its Python layer.
+        segments = self.unsharded_flat_param.split_with_sizes(plan.split_sizes)
+        for (index, shape, owners), requires_grad, spec in zip(plan.params, self.param_requires_grad, self.tp_specs):
             view = segments[index]
-            if view.shape != info.shape:  # 1-D parameters use their segment as it is
-                view = view.view(info.shape)
+            if shape is not None:  # 1-D parameters use their segment as it is
+                view = view.view(shape)
             if not requires_grad and view.requires_grad:
                 view = view.detach()  # frozen: see [Note: changes to original parameters]
             if spec is not None:
                 view = dtensor_views.forward_view(view, spec)
-            for owner in info.owners:
+            for module, attr in owners:
                 # A forward view, not a Parameter: autograd must reach the flat parameter through it.
-                owner.module._parameters[owner.attr] = view  # type: ignore[assignment]  # _parameters holds views here
+                module._parameters[attr] = view  # type: ignore[assignment]  # _parameters holds views here
         self.shows_unsharded_views = True
+
+    def _forward_view_plan(self) -> _ForwardViewPlan:
+        """What ``use_unsharded_views`` reads of the layout, per parameter:
+        its segment, the shape to view it as (None: its 1-D segment as it
+        is) and its owners; rebuilt when the layout object
+        changes (a dtype change replaces it). A unit's forward and backward
+        each build views and each reshard registers the parameters back,
+        so this is read several times per unit per step."""
+        layout = self.layout
+        plan = self._view_plan
+        if plan is None or plan.layout is not layout:
+            params = tuple(
+                (
+                    index,
+                    None if tuple(info.shape) == (info.numel,) else tuple(info.shape),
+                    tuple((owner.module, owner.attr) for owner in info.owners),
+                )
+                for info, index in zip(layout.params, layout.param_segments)
+            )
+            plan = self._view_plan = _ForwardViewPlan(layout, list(layout.split_sizes), params)
+        return plan
 
     # ------------------------------------------------------ unshard/reshard
     def unshard(self, *, async_op: bool) -> PendingCollective | None:

@@ -10,7 +10,14 @@ rotating every turn, as the timing pass does): ``composable_shard``,
 ``fsdp2``, ``fsdp1``, and ``local``, the same unwrapped model on one rank's
 slice of the batch (the compute floor). A mode's overhead per unit is its
 step time less ``local``'s, over the number of blocks: µs per unit per
-step. Parameters are never really gathered, so losses are meaningless.
+step, from each round's medians (the median over rounds), and from the
+fastest step of each mode over the whole run (``min``: on a shared,
+loaded machine noise only adds, so the fastest steps are the steadiest
+estimate of the code's own cost). Parameters are never really gathered,
+so losses are meaningless. ``--clock cpu`` times steps by the process's
+CPU time instead of the wall clock: on a machine other processes load,
+waiting for a core then does not count (the work itself still slows by
+what they do to caches).
 
 Run: python scripts/bench.py overhead [--rounds 5] [--steps 10] [--threads 1]
 """
@@ -43,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode first")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier on a shared machine)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="time steps by the wall clock or by the process's CPU time (steadier on a loaded machine)")
     p.add_argument("--markdown", action="store_true", help="the table as Markdown")
     own = p.parse_args(argv)
     modes = [m.strip() for m in own.modes.split(",") if m.strip()]
@@ -62,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ])
     args.modes = modes
     args.markdown = own.markdown
+    args.clock = own.clock
     return args
 
 
@@ -74,11 +84,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     for mode in args.modes:
         for _ in range(args.warmup):
             train_step(runs[mode], *next_batch(runs[mode], corpus, args, device), args, device)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for round_index, mode in timed_schedule(args.modes, args):
         x, y = next_batch(runs[mode], corpus, args, device)
-        start = time.perf_counter()
+        start = clock()
         train_step(runs[mode], x, y, args, device)
-        runs[mode].step_times_s[round_index].append(time.perf_counter() - start)
+        runs[mode].step_times_s[round_index].append(clock() - start)
     units = {mode: _units(run) for mode, run in runs.items()}
     out.update({mode: (run.step_times_s, units[mode]) for mode, run in runs.items()})
     dist.destroy_process_group()
@@ -104,29 +115,34 @@ def _units(run: ModeRun) -> int:
 
 def report(args: argparse.Namespace, results: dict) -> str:
     local = [statistics.median(times) for times in results["local"][0]]
-    header = ["mode", "units", *[f"round {r + 1} ms" for r in range(args.rounds)], "median ms",
-              "µs / unit / step", "÷ fsdp2"]
-    per_unit: dict[str, float] = {}
+    local_min = min(min(times) for times in results["local"][0])
+    header = ["mode", "units", *[f"round {r + 1} ms" for r in range(args.rounds)], "median ms", "min ms",
+              "µs/unit/step (median)", "(min)", "÷ fsdp2 (median)", "(min)"]
+    per_unit: dict[str, tuple[float, float]] = {}
     rows = []
     for mode in args.modes:
         rounds = [statistics.median(times) for times in results[mode][0]]
         median_s = statistics.median(rounds)
-        cells = [mode, str(results[mode][1]), *[f"{s * 1e3:,.1f}" for s in rounds], f"{median_s * 1e3:,.1f}"]
+        fastest = min(min(times) for times in results[mode][0])
+        cells = [mode, str(results[mode][1]), *[f"{s * 1e3:,.1f}" for s in rounds], f"{median_s * 1e3:,.1f}",
+                 f"{fastest * 1e3:,.1f}"]
         if mode == "local":
-            cells += ["(floor)", ""]
+            cells += ["(floor)", "", "", ""]
         else:
             # Per round, against that round's local step: noise hits both alike.
             overheads = [(s - floor) / args.n_layer for s, floor in zip(rounds, local)]
-            per_unit[mode] = statistics.median(overheads) * 1e6
-            cells += [f"{per_unit[mode]:,.0f}", ""]
+            per_unit[mode] = (statistics.median(overheads) * 1e6, (fastest - local_min) / args.n_layer * 1e6)
+            cells += [f"{per_unit[mode][0]:,.0f}", f"{per_unit[mode][1]:,.0f}", "", ""]
         rows.append(cells)
     if "fsdp2" in per_unit:
         for cells in rows:
             if cells[0] in per_unit:
-                cells[-1] = f"{per_unit[cells[0]] / per_unit['fsdp2']:.2f}"
+                mine, theirs = per_unit[cells[0]], per_unit["fsdp2"]
+                cells[-2:] = [f"{mine[0] / theirs[0]:.2f}", f"{mine[1] / theirs[1]:.2f}"]
     title = (f"runtime overhead: fake process group of {args.world_size} ranks, {args.n_layer} blocks of width "
              f"{args.n_embd}, batch {args.batch_size // args.world_size} x {args.block_size} per rank, "
-             f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps (each round's median)")
+             f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps (each round's median), "
+             f"{args.clock} clock")
     if args.markdown:
         return f"{title}\n\n{markdown_table(header, rows, set(range(1, len(header))))}"
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
