@@ -4,6 +4,7 @@ holds at the worst moment of a training step.
 
 - ``sharding_plan.py``: ``plan`` and ``describe`` (the public entry points)
   and ``ShardingPlan``;
+- ``arguments.py``: their arguments checked before anything is computed;
 - ``memory.py``: the per-rank memory arithmetic and the step replay;
 - ``owner_memory.py``: optimizers stepped whole on owner ranks (Muon,
   Adafactor, a user's own): the runtime's owners on the plan's layouts, the

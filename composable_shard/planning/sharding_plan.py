@@ -37,7 +37,6 @@ from ..handle.layout import FlatParamLayout, compute_layout
 from ..handle.dtensor_views import local_tensor
 from .activations import ActivationProfile, measure_activations
 from .memory import (
-    OPTIMIZERS,
     FlatParamPlan,
     StepPeak,
     UnitPlan,
@@ -49,7 +48,8 @@ from .memory import (
     step_moments,
     worst_moment,
 )
-from .owner_memory import OwnerOptimizer, owner_optimizer, owner_state_bytes, owner_step_bytes
+from .owner_memory import OwnerOptimizer, owner_state_bytes, owner_step_bytes
+from .arguments import check_optimizer, checked_rank, optimizer_kind, optimizer_label, shard_group
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
 from .runtime_memory import RuntimeMemory, runtime_memory
@@ -67,23 +67,6 @@ from ..units.rules import (
 )
 
 __all__ = ["plan", "describe", "ShardingPlan"]
-
-_MORE = {
-    "rank",
-    "forward_prefetch",
-    "backward_prefetch",
-    "limit_all_gathers",
-    "device",
-    "hybrid_shard_size",
-    "example_inputs",
-    "input_shape",
-    "input_dtype",
-    "loss_fn",
-    "warn",
-    "momentum",
-    "optimizer_in_backward",
-}
-
 
 @dataclass
 class ShardingPlan:
@@ -193,7 +176,7 @@ def plan(
     planning/owner_memory.py).
     """
     name = type(module).__name__
-    rank = _checked_rank(name, world_size, optimizer, more)
+    rank = checked_rank(name, world_size, optimizer, more)
     device_type = more.get("device") or _device_type(module)
     ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base = dict(
@@ -219,7 +202,7 @@ def plan(
     specs: dict[int, UnitPlan] = {}
     for choice in choices:
         kwargs = unit_kwargs(name, base, choice)
-        shard_size, shard_rank = _shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
+        shard_size, shard_rank = shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
         layouts = [
             compute_layout(
                 [(local_tensor(src.param).shape, src.owners) for src in flat_sources],  # DTensor: its local tensor
@@ -250,7 +233,7 @@ def plan(
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
     shared = shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
-    kind = _optimizer_kind(optimizer, more.get("momentum", 0.9))
+    kind = optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     buffers = _buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
@@ -258,7 +241,7 @@ def plan(
         units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
         in_backward=bool(more.get("optimizer_in_backward", False)),
     )
-    result.optimizer = _optimizer_label(optimizer)
+    result.optimizer = optimizer_label(optimizer)
     if more.get("warn", False):
         for message in result.warnings:
             warnings.warn(message, stacklevel=2)
@@ -277,7 +260,7 @@ def describe(
     activations). ``optimizer`` as for ``plan``; ``momentum`` matters for
     ``optimizer="sgd"`` only; ``optimizer_in_backward`` as for ``plan``."""
     name = type(module).__name__
-    _check_optimizer(name, optimizer, optimizer_in_backward, "describe")
+    check_optimizer(name, optimizer, optimizer_in_backward, "describe")
     positions = _param_positions(module)
     named = list(unit_states_under(module))
     if not named:
@@ -310,62 +293,17 @@ def describe(
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     unit_of_member = {id(member): unit_name for unit_name, state in named for member in state.members}
     shared = shared_params_from_states(module, unit_of_member, named)
-    kind = _optimizer_kind(optimizer, momentum)
+    kind = optimizer_kind(optimizer, momentum)
     buffers = _buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
         units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
         in_backward=optimizer_in_backward,
     )
-    result.optimizer = _optimizer_label(optimizer)
+    result.optimizer = optimizer_label(optimizer)
     return result
 
 
 # ---------------------------------------------------------------- helpers
-def _checked_rank(name: str, world_size: int, optimizer: str | tuple[str, int], more: dict[str, Any]) -> int:
-    """Validate ``plan``'s arguments before anything is computed; the rank."""
-    unknown = set(more) - _MORE
-    if unknown:
-        raise TypeError(f"plan({name}): unknown keyword arguments {sorted(unknown)}; known extras: {sorted(_MORE)}.")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"plan({name}): world_size must be a positive int, got {world_size!r}.")
-    rank = more.get("rank", 0)
-    if not (isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"plan({name}): rank must be in [0, {world_size}), got {rank!r}.")
-    _check_optimizer(name, optimizer, bool(more.get("optimizer_in_backward", False)), "plan")
-    return rank
-
-
-def _check_optimizer(name: str, optimizer: Any, in_backward: bool, caller: str) -> None:
-    spec = owner_optimizer(optimizer)
-    if spec is None and not (isinstance(optimizer, str) and optimizer in OPTIMIZERS):
-        known = sorted(set(OPTIMIZERS) - {"none"} | {"muon", "adafactor"})
-        raise ValueError(
-            f"{caller}({name}): optimizer {optimizer!r} is unknown; pick one of {known}, or ('owner', k) for an "
-            "optimizer of your own stepped on whole parameters that keeps k tensors shaped like each parameter."
-        )
-    if spec is not None and in_backward:
-        raise ValueError(
-            f"{caller}({name}): optimizer {spec.label!r} with optimizer_in_backward=True: the plan does not model "
-            "owner-stepped optimizers stepped in backward hooks yet (an exchange of whole parameters in each "
-            "hook). Plan it stepped by optimizer.step() (without optimizer_in_backward), or plan an elementwise "
-            "optimizer ('adamw', 'adam', 'sgd') in backward."
-        )
-
-
-def _optimizer_kind(optimizer: Any, momentum: float) -> str | OwnerOptimizer:
-    """SGD without momentum keeps no state; an owner-stepped optimizer is
-    planned from its spec."""
-    spec = owner_optimizer(optimizer)
-    if spec is not None:
-        return spec
-    return "none" if optimizer == "sgd" and not momentum else optimizer
-
-
-def _optimizer_label(optimizer: Any) -> str:
-    spec = owner_optimizer(optimizer)
-    return spec.label if spec is not None else optimizer
-
-
 def _param_positions(module: nn.Module) -> dict[int, int]:
     """Parameter id -> position in ``module.parameters()``: the order of an
     optimizer built from it, which decides owners."""
@@ -377,21 +315,6 @@ def _device_type(module: nn.Module) -> str:
         if param.device.type != "meta":
             return param.device.type
     return "cuda"
-
-
-def _shard_group(name: str, strategy: ShardingStrategy, world: int, rank: int, hybrid_size: int) -> tuple[int, int]:
-    """(shard world size, shard rank) as ``fully_shard._resolve_groups``
-    builds the groups from the world group."""
-    if strategy is ShardingStrategy.NO_SHARD:
-        return 1, 0
-    if strategy.is_hybrid:
-        if hybrid_size < 1 or world % hybrid_size:
-            raise ValueError(
-                f"plan({name}): hybrid sharding needs world_size ({world}) to be a multiple of "
-                f"hybrid_shard_size ({hybrid_size})."
-            )
-        return hybrid_size, rank % hybrid_size
-    return world, rank
 
 
 def _flat_param_plan(
@@ -491,7 +414,7 @@ def _replan_existing(
     name: str, state: UnitState, world: int, rank: int, hybrid_size: int, order: dict[int, int],
     positions: dict[int, int],
 ) -> UnitPlan:
-    shard_size, shard_rank = _shard_group(name, state.config.strategy, world, rank, hybrid_size)
+    shard_size, shard_rank = shard_group(name, state.config.strategy, world, rank, hybrid_size)
     flat_params = []
     for handle in state.handles:
         old = handle.layout
