@@ -68,7 +68,15 @@ class ReductionOverrides:
 def settings_with(settings: GradReduceSettings, overrides: ReductionOverrides | None) -> GradReduceSettings:
     """``settings`` of one reduction with the unit's overrides applied (a
     snapshot: the reduction finishes with what it was issued with)."""
-    if overrides is None:
+    if overrides is None or (
+        # Nothing to change (the usual case, twice per reduction): the same
+        # frozen settings, without building a copy.
+        settings.all_reduce is overrides.requires_all_reduce
+        and settings.divide_factor == overrides.divide_factor
+        and settings.comm_hook is overrides.comm_hook
+        and settings.all_reduce_hook is overrides.all_reduce_hook
+        and settings.all_reduce_hook_stream is overrides.all_reduce_hook_stream
+    ):
         return settings
     return dataclasses.replace(
         settings,
