@@ -364,6 +364,6 @@ def live_units() -> list[UnitState]:
 
 
 def _updates_tree(optimizer: torch.optim.Optimizer, context: RootContext) -> bool:
-    # By identity (tensors compare by value); both sides live through the call.
-    params = {id(param) for unit in context.units for handle in unit.handles for param in handle.orig_params}
+    # By identity (tensors compare by value): the tree holds its parameters.
+    params = context.param_ids
     return any(id(param) in params for group in optimizer.param_groups for param in group["params"])

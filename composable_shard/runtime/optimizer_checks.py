@@ -171,8 +171,10 @@ def remember_step_while_held(context: RootContext, optimizer: torch.optim.Optimi
     backward ([Note: optimizer step between forward and backward]). Only
     if it changes something: torch's optimizers skip parameters without a
     gradient, and then a single process's backward does not raise either."""
-    stepped = {id(param) for group in optimizer.param_groups for param in group["params"] if param.grad is not None}
-    if any(id(param) in stepped for unit in context.units for handle in unit.handles for param in handle.orig_params):
+    tree = context.param_ids
+    if any(
+        param.grad is not None and id(param) in tree for group in optimizer.param_groups for param in group["params"]
+    ):
         _STEPPED_AFTER[context] = context.forward_serial
 
 

@@ -361,6 +361,15 @@ class RootContext:
             return None
         return order[index] if 0 <= index < len(order) else None
 
+    @functools.cached_property
+    def param_ids(self) -> frozenset[int]:
+        """The ids of every original parameter of the tree's units, to tell
+        by identity whether an optimizer updates the tree (asked before
+        every ``optimizer.step``). Built once: the units, their handles and
+        the handles' parameters are fixed by lazy init, and the handles hold
+        the parameters, so no id can be reused while the context lives."""
+        return frozenset(id(param) for unit in self.units for handle in unit.handles for param in handle.orig_params)
+
     def run_deferred_grad_hooks(self) -> None:
         """End of backward with CPU offload: the gradients reached host
         memory, so the user hooks deferred until now run."""
