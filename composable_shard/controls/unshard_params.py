@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from ..handle import full_views
 from .. import comm
 from ..handle import FlatParamHandle, set_grad_of_other_dtype
 from .per_unit import set_units_gradient_sync
@@ -93,17 +94,17 @@ def unshard_params(
     shown: list[tuple[FlatParamHandle, torch.Tensor, list[torch.Tensor | None]]] = []
     try:
         for handle in handles:
-            full_flat = handle.gather_full_flat_param()
+            full_flat = full_views.gather_full_flat_param(handle)
             # Also a flat parameter frozen after training: it may hold the
             # gradients the user left.
-            full_grad = handle.gather_full_flat_grad() if with_grads and handle.ever_required_grad else None
+            full_grad = full_views.gather_full_flat_grad(handle) if with_grads and handle.ever_required_grad else None
             if rank0_only and not is_rank0:
                 continue
             if offload_to_cpu:
                 full_flat = full_flat.cpu()
                 full_grad = full_grad.cpu() if full_grad is not None else None
             sharded_grads = [param.grad for param in handle.orig_params]
-            handle.show_full_params(full_flat, full_grad)
+            full_views.show_full_params(handle, full_flat, full_grad)
             _ACTIVE_UNSHARDED.add(handle)
             shown.append((handle, full_flat, sharded_grads))
         yield
@@ -113,7 +114,7 @@ def unshard_params(
             _ACTIVE_UNSHARDED.discard(handle)
             if writeback:
                 replaced_wrongly += _absorb_replaced_data(handle, full_flat)
-                handle.load_shard_from_full(full_flat)
+                full_views.load_shard_from_full(handle, full_flat)
             handle.use_sharded_views()
             for param, grad in zip(handle.orig_params, sharded_grads):
                 _restore_grad(param, grad)

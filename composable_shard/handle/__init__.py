@@ -15,7 +15,10 @@ The folder, one noun per module, in import order:
 - ``storage.py``: ``FlatParamHandle``, the buffers and the parameters'
   views into them; it applies write-back, and reduces gradients through
   ``comm.reduce_grad`` (the reduction's arithmetic lives in
-  ``comm/reduction.py``).
+  ``comm/reduction.py``);
+- ``full_views.py``: the parameters shown whole outside a step: full
+  copies for ``unshard_params`` and state dicts, FSDP2's ``unshard()``
+  show and the write-back of edits made there.
 
 Public names: ``FlatParamHandle``, ``FlatParamSource``,
 ``set_grad_of_other_dtype``.

@@ -275,7 +275,7 @@ class FlatParamHandle:
         put their split's backward (and so this flat parameter's
         post-accumulate-grad hook, which reduces and frees the gradient)
         behind every node of later steps, i.e. at the end of backward."""
-        self._check_unsharded("use_unsharded_views")
+        self.check_unsharded("use_unsharded_views")
         plan = self._forward_view_plan()
         # What torch.split does with a list of sizes, without its Python layer.
         segments = self.unsharded_flat_param.split_with_sizes(plan.split_sizes)
@@ -334,14 +334,14 @@ class FlatParamHandle:
             # fenced by the scheduler like one (see [Note: lane fences]).
             shard = self.sharded_flat_param
             if shard.dtype != output.dtype:
-                shard = self._shard_on_compute_device()
+                shard = self.shard_on_compute_device()
             output.copy_(shard, non_blocking=True)
             return None
         source = self._all_gather_source()
         work = comm.all_gather_into(output, source, self.groups.shard_group, async_op=async_op)
         return PendingCollective(work, output, (source,))
 
-    def _shard_on_compute_device(self) -> torch.Tensor:
+    def shard_on_compute_device(self) -> torch.Tensor:
         """The shard in its own dtype on the compute device. With CPU offload,
         a temporary uploaded from the pinned shard without blocking the host
         (see [Note: CPU offload copies] in handle/grads.py); else the shard itself."""
@@ -354,7 +354,7 @@ class FlatParamHandle:
         """The shard as the all-gather reads it: on the compute device, in the
         compute dtype (a temporary when either differs; the cast runs on the
         device, after the upload)."""
-        return self._shard_on_compute_device().to(self.param_dtype)
+        return self.shard_on_compute_device().to(self.param_dtype)
 
     def reshard(self, *, free_storage: bool = True) -> None:
         """Show the shard again and free the unsharded buffer's storage; with
@@ -386,7 +386,7 @@ class FlatParamHandle:
             return 0
         return self.unsharded_flat_param.untyped_storage().nbytes()
 
-    def _check_unsharded(self, what: str) -> None:
+    def check_unsharded(self, what: str) -> None:
         if not self.is_unsharded:
             names = ", ".join(info.fqn for info in self.layout.params[:3])
             raise RuntimeError(f"FlatParamHandle({names}, ...): {what} needs the handle unsharded; call unshard() first")
@@ -474,113 +474,12 @@ class FlatParamHandle:
         self.is_unsharded = not self.needs_unshard_storage
 
 
-    # ------------------------------------- explicit unshard (FSDP2's unshard())
-    def show_unsharded_params(self) -> tuple[nn.Parameter, ...]:
-        """Register on the owners, for each original parameter, a new
-        parameter of its full shape aliasing the gathered buffer (compute
-        dtype; a ``DTensor`` with its tensor-parallel spec where it is one),
-        as FSDP2's ``unshard()`` registers its unsharded parameters. The
-        original parameters keep their shard views; any later registration
-        of them (``reshard``, ``hide_unsharded_views``, a forward's views)
-        ends the show. Returns the shown parameters, for
-        ``write_back_shown_edits``."""
-        self._check_unsharded("show_unsharded_params")
-        shown: list[nn.Parameter] = []
-        for index, (info, view) in enumerate(zip(self.layout.params, self._views_of(self.unsharded_flat_param))):
-            spec = self.tp_specs[index]
-            param = nn.Parameter(
-                dtensor_views.forward_view(view, spec) if spec is not None else view,
-                requires_grad=self.param_requires_grad[index],
-            )
-            for owner in info.owners:
-                owner.module._parameters[owner.attr] = param
-            shown.append(param)
-        return tuple(shown)
-
-    def write_back_shown_edits(self, shown: Sequence[nn.Parameter]) -> list[str]:
-        """Take into this rank's shard what the user changed on the
-        parameters ``show_unsharded_params`` showed: values written in place
-        (through any alias of the buffer) or by assigning ``.data`` of the
-        same shape, and ``requires_grad`` (handed to the original parameter,
-        which the next write-back takes in). Only elements that differ from
-        the shard in the compute dtype are written, so under mixed precision
-        the others keep their full-precision values. The buffer is kept: it
-        holds the edited values. Returns the names of parameters whose
-        ``.data`` got another shape (their change is dropped)."""
-        self._check_unsharded("write_back_shown_edits")
-        wrong: list[str] = []
-        with torch.no_grad():
-            for info, view, param, orig in zip(
-                self.layout.params, self._views_of(self.unsharded_flat_param), shown, self.orig_params
-            ):
-                data = dtensor_views.local_tensor(param.data)
-                if data.shape != info.shape:
-                    wrong.append(info.fqn)
-                elif data.data_ptr() != view.data_ptr():
-                    view.copy_(data)  # .data replaced: into the buffer, then as an in-place edit
-                if param.requires_grad != orig.requires_grad:
-                    orig.requires_grad_(param.requires_grad)
-            start = self.layout.shard_rank * self.layout.shard_numel
-            window = self.unsharded_flat_param.detach()[start : start + self.layout.shard_numel]
-            shard = self.sharded_flat_param
-            if window.data_ptr() != shard.data_ptr():  # else the shown views are the shard's own
-                current = self._shard_on_compute_device().to(window.dtype)
-                edited = (window != current) & ~(window.isnan() & current.isnan())
-                if bool(edited.any()):  # a host-device sync, once per handle per explicit unshard
-                    shard.copy_(torch.where(edited.to(shard.device), window.to(shard.device, shard.dtype), shard))
-        return wrong
-
-    # ---------------------------------------------- full copies (unshard_params)
-    def gather_full_flat_param(self) -> torch.Tensor:
-        """A new padded unsharded copy of the flat parameter in its own dtype
-        (not the compute dtype), gathered synchronously. Collective."""
-        return self.gather_full(self.sharded_flat_param)
-
-    def gather_full_flat_grad(self) -> torch.Tensor:
-        """A new padded unsharded copy of the gradients the parameters hold
-        now (zeros where they hold none). Collective."""
-        sharded_grad = self._collect_user_grads()
-        if sharded_grad is None:
-            sharded_grad = torch.zeros_like(self.sharded_flat_param)
-        return self.gather_full(sharded_grad)
-
-    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new padded unsharded tensor gathered from every rank's
-        ``shard`` (shard_numel each, any dtype). Collective."""
-        shard = shard.to(self.compute_device)
-        if not self.groups.is_sharded:
-            return shard.clone()
-        full = torch.empty(self.layout.padded_unsharded_numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather_into(full, shard, self.groups.shard_group, async_op=False)
-        return full
-
-    def show_full_params(self, full_flat: torch.Tensor, full_grad: torch.Tensor | None) -> None:
-        """Point each original parameter's ``.data`` (and ``.grad``, when
-        ``full_grad`` is given) at its view of the full copies."""
-        param_views = self._views_of(full_flat)
-        grad_views: Sequence[torch.Tensor | None] = (
-            self._views_of(full_grad) if full_grad is not None else [None] * len(param_views)
-        )
-        for index, (info, param, view, grad_view) in enumerate(
-            zip(self.layout.params, self.orig_params, param_views, grad_views)
-        ):
-            self.show_local_data(index, view, full=True)
-            if grad_view is not None:  # None exactly when full_grad is None
-                grad = grad_view if grad_view.dtype == param.dtype else grad_view.to(param.dtype)
-                param.grad = dtensor_views.as_grad_of(param, grad)
-            for owner in info.owners:
-                owner.module._parameters[owner.attr] = param
-
-    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each original parameter's view (original shape) of a padded
+        unsharded flat tensor."""
         segments = torch.split(flat.detach(), list(self.layout.split_sizes))
         return [segments[index].view(info.shape) for info, index in zip(self.layout.params, self.layout.param_segments)]
 
-    def load_shard_from_full(self, full_flat: torch.Tensor) -> None:
-        """Copy this rank's window of a full flat copy into the shard."""
-        start = self.layout.shard_rank * self.layout.shard_numel
-        with torch.no_grad():
-            window = full_flat[start : start + self.layout.shard_numel]
-            self.sharded_flat_param.copy_(window)
 
     # ------------------------------------------------------------- gradients
     def has_unsharded_grad(self) -> bool:
@@ -619,7 +518,7 @@ class FlatParamHandle:
         )
         if shard_grad is None:
             return False
-        existing = self._collect_user_grads()
+        existing = self.collect_user_grads()
         if self.offload_params:
             sharded_flat_grad = self._download_grad(shard_grad, existing)
         else:
@@ -631,7 +530,7 @@ class FlatParamHandle:
         # A method (tests wrap it per handle to see where downloads run).
         return grads.download_grad(shard_grad, existing)
 
-    def _collect_user_grads(self) -> torch.Tensor | None:
+    def collect_user_grads(self) -> torch.Tensor | None:
         device = self.sharded_flat_param.device
         pin = device.type == "cpu" and self.compute_device.type == "cuda"
         return grads.collect_user_grads(self.layout, self.orig_params, device=device, pin=pin)

@@ -71,6 +71,7 @@ import weakref
 
 import torch.nn as nn
 
+from ..handle import full_views
 from ..handle import FlatParamHandle
 from ..handle.writeback import find_user_edits
 from .state import RootContext, TrainingState, UnitState
@@ -224,7 +225,7 @@ def show_unsharded_between_steps(unit: UnitState) -> None:
     for handle in unit.handles:
         scheduler.wait_for_unshard(handle)
         if handle.is_unsharded:  # else dropped since (the gate came between)
-            _SHOWN[handle] = handle.show_unsharded_params()
+            _SHOWN[handle] = full_views.show_unsharded_params(handle)
 
 
 def end_explicit_unshard(unit: UnitState) -> None:
@@ -239,7 +240,7 @@ def end_explicit_unshard(unit: UnitState) -> None:
         shown = _SHOWN.pop(handle, None)
         if shown is None or not handle.is_unsharded:
             continue
-        dropped += [f"{unit.name_prefix}{name}" for name in handle.write_back_shown_edits(shown)]
+        dropped += [f"{unit.name_prefix}{name}" for name in full_views.write_back_shown_edits(handle, shown)]
         handle.hide_unsharded_views()
     if dropped:
         raise ValueError(

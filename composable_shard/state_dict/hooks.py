@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
+from ..handle import full_views
 from ..handle.layout import ParamInfo
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import TensorParallelSpec, as_grad_of, full_dtensor, local_tensor
@@ -97,7 +98,7 @@ def _post_state_dict(
         ]
         if not any(keys_per_param):
             continue  # the same on every rank: the traversal is
-        full_flat = handle.gather_full_flat_param()  # collective over the shard group
+        full_flat = full_views.gather_full_flat_param(handle)  # collective over the shard group
         for info, keys, spec in zip(handle.layout.params, keys_per_param, handle.tp_specs):
             if keys:
                 value = param_view(full_flat, info).clone()

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..handle import full_views
 from .. import comm
 from ..runtime.state import UnitState
 from .checks import StateDictError, checked_options, is_rank0, key_mismatch_message, value_mismatch_message
@@ -97,7 +98,7 @@ def _full_values(units: list[UnitState], entries: ModelEntries, options: StateDi
             handle_entries = by_handle.get(id(handle))
             if not handle_entries:
                 continue
-            full_flat = handle.gather_full_flat_param()  # collective over the shard group
+            full_flat = full_views.gather_full_flat_param(handle)  # collective over the shard group
             if not keep and not any(entry.local_box for entry in handle_entries):
                 continue
             for entry in handle_entries:

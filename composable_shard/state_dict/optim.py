@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
+from ..handle import full_views
 from .. import comm
 from ..handle import FlatParamHandle
 from ..handle.dtensor_views import as_grad_of, local_tensor
@@ -290,7 +291,7 @@ def _gather_state(
         info = op.entry.info  # type: ignore[union-attr]  # ops are sharded
         if info.local_numel and _is_local_shaped(value, op.param):
             shard[info.shard_offset : info.shard_offset + info.local_numel].copy_(local_tensor(value).detach().reshape(-1))
-    return handle.gather_full(shard)
+    return full_views.gather_full(handle, shard)
 
 
 # -------------------------------------------------------------------- set

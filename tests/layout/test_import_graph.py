@@ -164,3 +164,13 @@ def test_every_subpackage_is_importable_as_itself() -> None:
         name = f"composable_shard.{folder.name}"
         module = importlib.import_module(name)
         assert module.__name__ == name and getattr(composable_shard, folder.name, module) is module, name
+
+
+def test_no_module_passes_six_hundred_lines() -> None:
+    """A module that grows past ~600 lines has a second responsibility: split it by noun."""
+    long = sorted(
+        f"{path.relative_to(PACKAGE.parent)} ({count})"
+        for path in PACKAGE.rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > 600
+    )
+    assert long == [], f"modules over 600 lines: {long}"
