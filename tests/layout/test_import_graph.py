@@ -174,3 +174,13 @@ def test_no_module_passes_six_hundred_lines() -> None:
         if (count := len(path.read_text().splitlines())) > 600
     )
     assert long == [], f"modules over 600 lines: {long}"
+
+
+def test_test_files_have_unique_names() -> None:
+    """Two test files of one name are two subjects a reader cannot tell apart
+    in a failure line: name each by what it tests."""
+    tests = PACKAGE.parent / "tests"
+    names: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
