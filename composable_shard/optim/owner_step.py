@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -76,8 +76,6 @@ class _Exchange:
     stepped: list[OwnedParam]
     # The gradient each parameter of the plan showed before the step.
     saved_grads: list[torch.Tensor | None]
-    # The whole values the owner's optimizer steps, by position in ``stepped``.
-    whole_values: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # The owners of each optimizer's parameters, with the key they were made for.
@@ -222,31 +220,31 @@ def _gather_to_owners(plan: OwnerPlan, traffic: StepTraffic) -> _Exchange:
             value, grad = _local_value_and_grad(owned)
             sends[owned.owner] += [value, grad]
     received = _exchange(
-        plan, sends, _sizes_to_owner(plan, stepped, values_and_grads=True), _moves_pieces(stepped), traffic,
+        plan, sends, _sizes_to_owner(plan, stepped), _moves_pieces(stepped), traffic,
         to_owners=True,
     )
-    for position, owned in enumerate(stepped):
+    for owned in stepped:
         if owned.owner != rank:
             owned.param.grad = None  # hidden from this rank's optimizer
-            continue
-        exchange.whole_values[position] = _show_whole(owned, received, rank)
+        else:
+            _show_whole(owned, received, rank)
     return exchange
 
 
-def _sizes_to_owner(plan: OwnerPlan, stepped: list[OwnedParam], *, values_and_grads: bool) -> list[list[int]]:
-    """Sizes of what this rank receives from each source rank, in order."""
-    per_item = 2 if values_and_grads else 1
+def _sizes_to_owner(plan: OwnerPlan, stepped: list[OwnedParam]) -> list[list[int]]:
+    """Sizes of what this rank receives from each source rank, in order: a
+    value piece and a gradient piece per parameter it owns."""
     sizes: list[list[int]] = [[] for _ in range(plan.world_size)]
     for owned in stepped:
         if owned.owner != plan.rank:
             continue
         for source, (start, stop) in enumerate(owned.pieces):
             if source != plan.rank and stop > start:
-                sizes[source] += [stop - start] * per_item
+                sizes[source] += [stop - start] * 2
     return sizes
 
 
-def _show_whole(owned: OwnedParam, received: list[list[torch.Tensor]], rank: int) -> torch.Tensor:
+def _show_whole(owned: OwnedParam, received: list[list[torch.Tensor]], rank: int) -> None:
     """On the owner: point the parameter's data and grad at whole tensors."""
     handle, param = owned.handle, owned.param
     value, grad = _local_value_and_grad(owned)
@@ -266,7 +264,6 @@ def _show_whole(owned: OwnedParam, received: list[list[torch.Tensor]], rank: int
     param.grad = None
     handle.show_local_data(owned.index, whole_value, full=True)
     param.grad = whole_grad.to(_grad_dtype(handle))
-    return whole_value
 
 
 def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:

@@ -57,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
-from .optimizer_checks import refuse_coupling_optimizer, remember_step_after_pending_forward, remember_step_while_held
+from .optimizer_checks import is_elementwise, refuse_coupling_optimizer, remember_step_after_pending_forward, remember_step_while_held
 from .unit_controls import (
     drop_gathered_written_back,
     end_backward_leaving_reductions,
@@ -333,7 +333,9 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     pass the gate (the step writes the shards; with CPU offload an upload
     may still read them). Inside a step (an optimizer in backward) nothing
     is held to end."""
-    units = live_units()
+    # Only an optimizer that is not elementwise is refused or stepped by
+    # owners: the usual AdamW step does not list (and sort) every unit.
+    units = [] if is_elementwise(optimizer) else live_units()
     refuse_coupling_optimizer(optimizer, units)  # [Note: optimizers over shards]
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
