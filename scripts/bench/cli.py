@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "sampled at every hook of its last memory step; --config largest: at its largest size) "
                         "to PATH (a .png; needs matplotlib)")
     p.add_argument("--cpu-offload", action="store_true", help="CUDA only: sharded parameters live on CPU")
+    p.add_argument("--strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], default="FULL_SHARD",
+                   help="composable_shard's sharding strategy for every unit")
     p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, split over ranks")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--n-layer", type=int, default=None)

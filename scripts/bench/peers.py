@@ -35,9 +35,11 @@ def reduce_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from composable_shard import CPUOffload, MixedPrecision, fully_shard
+    from composable_shard import CPUOffload, MixedPrecision, ShardingStrategy, fully_shard
 
     kwargs: dict = {"device_id": device if device.type == "cuda" else None}
+    if getattr(args, "strategy", "FULL_SHARD") != "FULL_SHARD":
+        kwargs["strategy"] = ShardingStrategy[args.strategy]
     if bf16_enabled(args):
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype(args))
     if args.cpu_offload:

@@ -37,7 +37,23 @@ def profile_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.
         sort_by = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=30)
     hooks = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
-    return f"{table}\n\nby total time (hooks are labelled composable_shard::...):\n{hooks}"
+    return f"{table}\n\nby total time (hooks are labelled composable_shard::...):\n{hooks}\n\n{_hooks_by_kind(prof)}"
+
+
+def _hooks_by_kind(prof: torch.profiler.profile) -> str:
+    """composable_shard's hook labels summed over units, per kind of hook
+    (the label before the unit's name): calls and total CPU ms."""
+    kinds: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.key.startswith("composable_shard::"):
+            kind = event.key.split(" ", 1)[0]
+            calls_ms = kinds.setdefault(kind, [0, 0.0])
+            calls_ms[0] += event.count
+            calls_ms[1] += event.cpu_time_total / 1e3
+    lines = ["composable_shard's hooks by kind (summed over units):", f"{'hook':<40} {'calls':>6} {'total ms':>9}"]
+    for kind, (calls, ms) in sorted(kinds.items(), key=lambda item: -item[1][1]):
+        lines.append(f"{kind:<40} {int(calls):>6} {ms:>9.1f}")
+    return "\n".join(lines)
 
 
 def owner_step_record(run: ModeRun) -> dict:
