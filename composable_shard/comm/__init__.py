@@ -174,8 +174,20 @@ def inputs_in_use(work: Any) -> bool:
     return transport.inputs_in_use(work)
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | None:
-    """Sum ``tensor`` in place over the group."""
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | SharedMemoryWork | None:
+    """Sum ``tensor`` in place over the group (every rank gets the same
+    bits). CPU tensors of a group on one host go through shared memory."""
+    if tensor.device.type == "cpu" and torch.compiler.is_compiling():
+        return eagerly(_all_reduce)(tensor, group, async_op=async_op)
+    return _all_reduce(tensor, group, async_op=async_op)
+
+
+@outside_graph
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Work | SharedMemoryWork | None:
+    if tensor.is_contiguous():
+        shared = transport.host_transport(tensor, group, tensor.numel() * tensor.element_size())
+        if shared is not None:
+            return shared.all_reduce(tensor, async_op=async_op)
     return checked(lambda: process_group.all_reduce(tensor, group, async_op=async_op), tensor, group, async_op=async_op)
 
 
@@ -219,6 +231,10 @@ def reduce_grad(
         if carried is not None:
             summed_grad.add_(carried)
         work = all_reduce(summed_grad, groups.replicate_group, async_op=async_op)
+        if not inputs_in_use(work):
+            # Shared memory copied it out: the computed gradient (when the
+            # cast made another) is freed now; the output keeps the sum.
+            return PendingCollective(work, summed_grad, ())
     return PendingCollective(work, summed_grad, (computed_grad,))
 
 

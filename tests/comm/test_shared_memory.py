@@ -97,6 +97,46 @@ def test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers(world_si
     run_distributed(_reduce_scatter_sums_own_chunk_then_peers, world_size)
 
 
+def _all_reduce_sums_in_rank_order_on_every_rank(rank: int, world_size: int) -> None:
+    """Every rank gets the sum in rank order, bit for bit (replicas stay
+    equal), whatever the size, dtype and rounds: one round with the default
+    slots, many with slots of 1000 bytes."""
+    with _slots_of(1000):
+        small = dist.new_group(list(range(world_size)))
+    whole = dist.new_group(list(range(world_size)))
+    for group in (small, whole):
+        assert transport.shared_memory_of(group) is not None
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            for numel in (0, 1, 7, 251, 4099):
+                inputs = _inputs(rank, world_size, numel, dtype, salt=50)
+                expected = inputs[0].clone()
+                for other in inputs[1:]:
+                    expected += other
+                for async_op in (False, True):
+                    tensor = inputs[rank].clone()
+                    work = comm.all_reduce(tensor, group, async_op=async_op)
+                    assert async_op == (work is not None)
+                    if work is not None:
+                        assert not comm.inputs_in_use(work)
+                        work.wait()
+                    assert torch.equal(tensor, expected), (dtype, numel, async_op)
+                    if world_size == 2 and dtype is torch.float32:
+                        gloo = inputs[rank].clone()
+                        dist.all_reduce(gloo, group=group)
+                        assert torch.equal(tensor, gloo), numel
+    # The same bits on every rank: each rank's result gathered and compared.
+    tensor = _inputs(rank, world_size, 3001, torch.float32, salt=51)[rank].mul_(10.0 ** rank)
+    comm.all_reduce(tensor, small, async_op=False)
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(gathered, tensor)
+    assert all(torch.equal(result, gathered[0]) for result in gathered)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_through_shared_memory_sums_in_rank_order_on_every_rank(world_size: int) -> None:
+    run_distributed(_all_reduce_sums_in_rank_order_on_every_rank, world_size)
+
+
 def _many_in_flight_waited_in_any_order(rank: int, world_size: int) -> None:
     """More operations issued than slots, waited newest first, some dropped
     without a wait: slots are reused only once every rank read them, and

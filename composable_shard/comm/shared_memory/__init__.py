@@ -1,5 +1,5 @@
 """Owns: the shared-memory transport between the processes of one host
-(all-gather and reduce-scatter through files in ``/dev/shm``), and its one
+(all-gather, reduce-scatter and all-reduce through files in ``/dev/shm``), and its one
 knob, ``SLOT_BYTES``.
 
 Knows nothing of: the gloo/NCCL collectives, which collectives come here
@@ -16,7 +16,7 @@ The folder, one noun per module, in import order:
   mapping, removal ([Note: shared-memory setup]);
 - ``slots.py``: rounds, slots, waits for peers, liveness and timeouts,
   ``SharedMemoryWork`` ([Note: slots and waits]);
-- ``collectives.py``: ``HostSharedMemory``: all-gather and reduce-scatter
+- ``collectives.py``: ``HostSharedMemory``: all-gather, reduce-scatter and all-reduce
   as rounds ([Note: shared-memory collectives]).
 
 Public names: ``HostSharedMemory``, ``SharedMemoryWork``,

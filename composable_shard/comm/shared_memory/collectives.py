@@ -1,4 +1,4 @@
-"""Owns: all-gather and reduce-scatter between the processes of one host
+"""Owns: all-gather, reduce-scatter and all-reduce between the processes of one host
 through shared memory (``HostSharedMemory``): the group's setup (its files
 and slots), each collective's rounds (which bytes each writes and reads)
 and their checks.
@@ -22,7 +22,10 @@ the same piece of every chunk but this rank's, side by side, so every round
 feeds every rank; an operation that fits one slot (the common case) is one
 round. A reduce-scatter sums this rank's own chunk first, then the peers'
 pieces in rank order, read where they lie, so each element sums in the same
-order whatever the rounds. The measurements behind the transport and the
+order whatever the rounds. An all-reduce's round carries a piece of this
+rank's whole tensor, as an all-gather's does; every rank sums every rank's
+piece in rank order (its own read back from its slot), so every rank gets
+the same bits, as replicas must. The measurements behind the transport and the
 slot size are in docs/design/comm.md. Pinned by
 tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .files import GroupFiles
-from .slots import ALL_GATHER, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
+from .slots import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
 
 __all__ = ["HostSharedMemory"]
 
@@ -136,6 +139,35 @@ class HostSharedMemory:
             rounds = _rounds(chunk_bytes, self._reduce_piece(flat.element_size()))
             signature = signature_of(REDUCE_SCATTER, chunk_bytes * len(peers))
             work = self._stream("a reduce-scatter", signature, rounds, write, read, per_round=len(peers))
+        finally:
+            self.slots.leave()
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
+        """Sum ``tensor`` over the group in place, in rank order on every
+        rank (the same bits everywhere); ``tensor`` holds the sum once the
+        returned work was waited on and must not change before then."""
+        self.slots.enter("an all-reduce")
+        try:
+            tensor_bytes = _bytes_of(tensor)
+            nbytes = tensor_bytes.numel()
+
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                region.copy_(tensor_bytes[start : start + length])
+
+            def read(slot: int, start: int, length: int) -> None:
+                if not _has_storage(tensor):
+                    return  # its owner freed it before waiting: nobody reads the result
+                target = _bytes_of(tensor)[start : start + length].view(tensor.dtype)
+                target.copy_(self.files.region(0, slot, length).view(tensor.dtype))
+                for peer in range(1, self.world_size):
+                    target.add_(self.files.region(peer, slot, length).view(tensor.dtype))
+
+            rounds = _rounds(nbytes, _aligned(self.files.slot_bytes, tensor.element_size()))
+            work = self._stream("an all-reduce", signature_of(ALL_REDUCE, nbytes), rounds, write, read)
         finally:
             self.slots.leave()
         if async_op:

@@ -9,7 +9,7 @@ are made and mapped (``files``), which groups use shared memory
 (``comm.transport``), parameters, modules, streams.
 
 Public names: ``SlotRing``, ``SharedMemoryWork``, ``prepare_for_compile``,
-``signature_of``, ``ALL_GATHER``, ``REDUCE_SCATTER``.
+``signature_of``, ``ALL_GATHER``, ``REDUCE_SCATTER``, ``ALL_REDUCE``.
 
 [Note: slots and waits]
 Every rank's file has ``SLOTS`` slots. A collective moves its bytes in
@@ -87,13 +87,13 @@ from ..tags import current_tag, name_of
 from .eager import build_eager_versions, eagerly, outside_graph
 from .files import HEADER, SLOTS, GroupFiles
 
-__all__ = ["SlotRing", "SharedMemoryWork", "prepare_for_compile", "signature_of", "ALL_GATHER", "REDUCE_SCATTER"]
+__all__ = ["SlotRing", "SharedMemoryWork", "prepare_for_compile", "signature_of", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"]
 
 # One header entry (a round's number), and the published pair (signature,
 # number) of a written round; see ``files.HEADER``.
 _ENTRY = struct.Struct("<q")
 _PUBLISHED = struct.Struct("<2q")
-ALL_GATHER, REDUCE_SCATTER = 1, 2
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 # How often a wait looks whether its peers' processes are still alive: one
 # poll of their pidfds, so the hot path makes no system call for it.
 _LIVENESS_PERIOD_S = 0.05
@@ -357,7 +357,7 @@ def _timeout_s(timeout: Any) -> float | None:
 
 
 def _describe(signature: int) -> str:
-    kind = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter"}.get(signature % 4, "an unknown operation")
+    kind = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}.get(signature % 4, "an unknown operation")
     return f"{kind} writing {_size(signature)} bytes{_of_unit(signature)}"
 
 
@@ -375,5 +375,5 @@ def _operation(seq: int, signature: int, written: bool) -> str:
     wait for a slot's readers names the round that will reuse it)."""
     if not written:
         return f"collective (round {seq + SLOTS}, waiting for its slot to be read)"
-    kind = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}.get(signature % 4, "collective")
+    kind = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter", ALL_REDUCE: "all-reduce"}.get(signature % 4, "collective")
     return f"{kind} (round {seq}, {_size(signature)} bytes per rank{_of_unit(signature)})"
