@@ -12,7 +12,7 @@ import sys as _sys
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
-from .policy import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+from .policy import CustomPolicy, LayoutPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from . import planning
 from .planning import Capacity, MemoryRecorder, ShardingPlan, describe, largest_fitting, plan
 from .controls.unshard_params import clip_grad_norm_, no_sync, unshard_params
@@ -45,6 +45,8 @@ from .state_dict import (
 )
 from .fully_shard import register_before_change as _register_before_change
 from .fully_shard import register_unit_extension as _register_unit_extension
+from .fully_shard import register_layout_planner as _register_layout_planner
+from .planning.sharding_plan import layout_for_budget as _layout_for_budget
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer
 from .runtime.skipped_units import set_may_be_skipped
@@ -74,6 +76,8 @@ _register_unit_extension(_torch_grad_norm.track_unit_grads)
 _register_unit_extension(_autograd_inputs.track_unit_params)
 _register_before_change(_torch_wrappers.before_fully_shard)
 _register_unit_extension(_torch_wrappers.track_unit)
+# fully_shard(..., memory_budget=...) plans the layouts with the planning wing.
+_register_layout_planner(_layout_for_budget)
 
 # ``composable_shard.plan`` is the function (docs/api.md); its subpackage is
 # ``composable_shard.planning``. Code written as ``from composable_shard.plan
@@ -98,6 +102,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "SizeBasedPolicy",
     "CustomPolicy",
+    "LayoutPolicy",
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",

@@ -11,7 +11,9 @@ first change (interop installing torch's wrappers) with
 ``register_before_change``, so the core imports no wing.
 
 Public names: ``fully_shard``, ``is_fully_sharded``, ``register_forward_method``,
-``register_unit_extension``, ``register_before_change``.
+``register_unit_extension``, ``register_before_change``,
+``register_layout_planner`` (how the planning wing chooses the layouts of
+``fully_shard(..., memory_budget=...)`` without the core importing it).
 
 Everything is validated before anything is changed, so a call that raises
 leaves the module as it was.
@@ -58,6 +60,7 @@ __all__ = [
     "register_forward_method",
     "register_unit_extension",
     "register_before_change",
+    "register_layout_planner",
 ]
 
 # What wings attach to every new unit, after the runtime's hooks, in
@@ -88,6 +91,20 @@ def register_before_change(prepare: Callable[[str], None]) -> None:
         _BEFORE_CHANGE.append(prepare)
 
 
+# What chooses the per-unit layouts of fully_shard(..., memory_budget=...):
+# the planning wing registers it (the package's __init__), the last wins.
+_LAYOUT_PLANNERS: list[Callable[..., Policy]] = []
+
+
+def register_layout_planner(planner: Callable[..., Policy]) -> None:
+    """Have ``fully_shard(module, memory_budget=...)`` call
+    ``planner(module, world_size=..., memory_budget=..., policy=...,
+    strategy=..., <the other plan arguments>)`` for the policy (a
+    ``LayoutPolicy``) that applies the chosen layouts (idempotent)."""
+    if planner not in _LAYOUT_PLANNERS:
+        _LAYOUT_PLANNERS.append(planner)
+
+
 # fully_shard returns the object it was given: a module (of its own class) or a group's list.
 _ModuleOrGroup = TypeVar("_ModuleOrGroup", bound="nn.Module | list[nn.Module]")
 
@@ -109,6 +126,7 @@ def fully_shard(
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
     use_orig_params: bool = True,
+    memory_budget: int | None = None,
 ) -> _ModuleOrGroup:
     """Shard ``module``'s parameters over the data-parallel ranks in place.
 
@@ -120,6 +138,15 @@ def fully_shard(
     parameter per dtype and trainability for all of them) and returns the
     same list. [Note: grouped units] in runtime/groups.py says when a
     group gathers, reshards and reduces.
+
+    ``memory_budget`` (bytes per rank): plan the module on the group's world
+    size first (``composable_shard.plan`` with these arguments, rank 0's
+    peak, AdamW state, no activations) and give every unit the policy
+    picks, and the root, the layout that moves the fewest bytes within the
+    budget ([Note: a layout chosen for a memory budget] in
+    planning/budget.py); ``strategy`` is then the most sharded layout
+    allowed. For another optimizer or activations, call ``plan(...,
+    memory_budget=...)`` and pass its ``layout_policy()``.
     """
     if isinstance(module, (list, tuple)):
         members = check_group_members(module)
@@ -144,6 +171,15 @@ def fully_shard(
             f"fully_shard({name}): torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group() first (torchrun sets up the environment)."
         )
+    if memory_budget is not None:
+        ignored_states = list(ignored_states) if ignored_states is not None else None
+        layout_policy = _budgeted_policy(
+            name, members, memory_budget, policy=policy, process_group=process_group, device_mesh=device_mesh,
+            strategy=strategy, mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_states=ignored_states,
+            device_id=device_id, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        policy, strategy = layout_policy, getattr(layout_policy, "root_strategy", strategy)
     ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base_kwargs = dict(
         strategy=strategy,
@@ -195,6 +231,50 @@ def is_fully_sharded(module: nn.Module) -> bool:
     """True for every module that is the root of a unit (each module of a
     group)."""
     return get_state(module) is not None
+
+
+def _budgeted_policy(
+    name: str,
+    members: list[nn.Module],
+    memory_budget: int,
+    *,
+    process_group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None,
+    device_mesh: Any | None,
+    device_id: int | torch.device | None,
+    **plan_kwargs: Any,
+) -> Policy:
+    """The registered planner's policy for ``memory_budget`` over the
+    group's world size (nothing changed yet)."""
+    if not _LAYOUT_PLANNERS:
+        raise RuntimeError(
+            f"fully_shard({name}): memory_budget needs the planning wing, which is registered when the package "
+            "is imported. Import composable_shard (not only composable_shard.fully_shard)."
+        )
+    if len(members) > 1:
+        raise ValueError(
+            f"fully_shard({name}): memory_budget plans one module and its policy's units, not a group of "
+            f"{len(members)} modules. Shard the group without a budget, or pass its parent module."
+        )
+    if device_mesh is not None or isinstance(process_group, tuple):
+        raise ValueError(
+            f"fully_shard({name}): memory_budget chooses among NO_SHARD, SHARD_GRAD_OP and FULL_SHARD over one "
+            "process group; a device mesh or a (shard, replicate) pair of groups is hybrid. Pass one "
+            "process_group (or none: the world), or drop memory_budget."
+        )
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise (ValueError if isinstance(memory_budget, int) and not isinstance(memory_budget, bool) else TypeError)(
+            f"fully_shard({name}): memory_budget must be a positive int number of bytes per rank, got "
+            f"{type(memory_budget).__name__} {memory_budget!r}. Pass, for example, 8 * 2**30 for 8 GiB."
+        )
+    device = None
+    if device_id is not None:
+        device = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
+    world_size = dist.get_world_size(process_group)
+    try:
+        return _LAYOUT_PLANNERS[-1](members[0], world_size=world_size, memory_budget=memory_budget, device=device,
+                                    **plan_kwargs)
+    except (TypeError, ValueError) as exc:  # the plan's message names plan(); say which call it was
+        raise type(exc)(f"fully_shard({name}): choosing the layouts for memory_budget failed: {exc}") from exc
 
 
 # ------------------------------------------------------------------ checks

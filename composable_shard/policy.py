@@ -3,7 +3,7 @@
 Knows nothing of: hooks, tensors' storage, process groups.
 
 Public names: ``Policy``, ``ModuleWrapPolicy``, ``SizeBasedPolicy``,
-``CustomPolicy``, ``UnitChoice``, ``select_units``.
+``CustomPolicy``, ``LayoutPolicy``, ``UnitChoice``, ``select_units``.
 
 A policy is asked about each module of the tree below the root (the root is
 always a unit). Modules already made units by an earlier ``fully_shard`` call,
@@ -17,7 +17,17 @@ from typing import Any, Callable, Iterable
 
 import torch.nn as nn
 
-__all__ = ["Policy", "ModuleWrapPolicy", "SizeBasedPolicy", "CustomPolicy", "UnitChoice", "select_units"]
+from .api import ShardingStrategy
+
+__all__ = [
+    "Policy",
+    "ModuleWrapPolicy",
+    "SizeBasedPolicy",
+    "CustomPolicy",
+    "LayoutPolicy",
+    "UnitChoice",
+    "select_units",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +127,54 @@ class SizeBasedPolicy(Policy):
                     claimed.update(id(p) for p in child.parameters())
 
         visit(root)
+        return chosen
+
+
+class LayoutPolicy(Policy):
+    """The units ``base`` picks, each given the sharding strategy
+    ``layouts`` names for it (by its name under the root, as
+    ``ShardingPlan.layouts`` has it); a strategy ``base`` itself overrides is
+    kept. ``root_strategy``: the layout planned for the root, which a policy
+    cannot set: pass it as ``fully_shard``'s ``strategy``. Made by
+    ``ShardingPlan.layout_policy()`` ([Note: a layout chosen for a memory
+    budget] in planning/budget.py)."""
+
+    def __init__(
+        self,
+        base: Policy | set[type[nn.Module]] | frozenset[type[nn.Module]] | None,
+        layouts: dict[str, ShardingStrategy],
+        *,
+        root_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    ) -> None:
+        for unit_name, strategy in [*layouts.items(), ("<root>", root_strategy)]:
+            if not isinstance(strategy, ShardingStrategy):
+                raise TypeError(
+                    f"LayoutPolicy: the layout of {unit_name!r} is {strategy!r}; give a ShardingStrategy per unit name."
+                )
+        self.base = base
+        self.layouts = dict(layouts)
+        self.root_strategy = root_strategy
+
+    def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
+        names = {id(module): name for name, module in root.named_modules()}
+        chosen: list[UnitChoice] = []
+        for choice in select_units(root, self.base, skip):
+            name = names.get(id(choice.module), "")
+            if "strategy" in choice.overrides:
+                chosen.append(choice)
+                continue
+            if name not in self.layouts:
+                raise ValueError(
+                    f"LayoutPolicy: unit {name!r} ({type(choice.module).__name__}) has no planned layout. Plan this "
+                    "model with the same policy and ignored_states, and use that plan's layout_policy()."
+                )
+            chosen.append(UnitChoice(choice.module, {**choice.overrides, "strategy": self.layouts[name]}))
+        missing = sorted(set(self.layouts) - {names.get(id(c.module), "") for c in chosen})
+        if missing:
+            raise ValueError(
+                f"LayoutPolicy: planned units {missing} are not units of this model under the policy. Plan this "
+                "model with the same policy and ignored_states, and use that plan's layout_policy()."
+            )
         return chosen
 
 

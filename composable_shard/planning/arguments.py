@@ -6,7 +6,8 @@ group a strategy gives a rank).
 Knows nothing of: layouts, memory arithmetic, the table.
 
 Public names: ``checked_rank``, ``check_optimizer``, ``optimizer_kind``,
-``optimizer_label``, ``shard_group``.
+``optimizer_label``, ``shard_group``, ``budget_layouts`` (a memory budget
+checked, and the layouts it may choose among).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..api import ShardingStrategy
 from .memory import OPTIMIZERS
 from .owner_memory import OwnerOptimizer, owner_optimizer
 
-__all__ = ["checked_rank", "check_optimizer", "optimizer_kind", "optimizer_label", "shard_group"]
+__all__ = ["checked_rank", "check_optimizer", "optimizer_kind", "optimizer_label", "shard_group", "budget_layouts"]
 
 _MORE = {
     "rank",
@@ -94,3 +95,41 @@ def shard_group(name: str, strategy: ShardingStrategy, world: int, rank: int, hy
             )
         return hybrid_size, rank % hybrid_size
     return world, rank
+
+
+# The layouts a budget chooses among, least sharded first, by the most
+# sharded one ``strategy=`` allows.
+_BUDGET_LAYOUTS = {
+    ShardingStrategy.NO_SHARD: (ShardingStrategy.NO_SHARD,),
+    ShardingStrategy.SHARD_GRAD_OP: (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP),
+    ShardingStrategy.FULL_SHARD: (
+        ShardingStrategy.NO_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.FULL_SHARD,
+    ),
+}
+
+
+def budget_layouts(name: str, memory_budget: Any, strategy: ShardingStrategy, caller: str = "plan") -> tuple[
+    ShardingStrategy, ...
+]:
+    """Check ``memory_budget`` (bytes per rank) and return the layouts it
+    may choose among, least sharded first: up to ``strategy`` (FULL_SHARD:
+    all three)."""
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+        raise TypeError(
+            f"{caller}({name}): memory_budget must be an int number of bytes per rank, got "
+            f"{type(memory_budget).__name__} {memory_budget!r}. Pass, for example, 8 * 2**30 for 8 GiB."
+        )
+    if memory_budget <= 0:
+        raise ValueError(
+            f"{caller}({name}): memory_budget must be a positive number of bytes per rank, got {memory_budget}."
+        )
+    allowed = _BUDGET_LAYOUTS.get(strategy)
+    if allowed is None:
+        raise ValueError(
+            f"{caller}({name}): memory_budget chooses each unit's layout among NO_SHARD, SHARD_GRAD_OP and "
+            f"FULL_SHARD, up to the one strategy= names; strategy={strategy.name} is not one of them. Pass "
+            "strategy=FULL_SHARD (any of the three), or give hybrid units their strategy in a CustomPolicy."
+        )
+    return allowed

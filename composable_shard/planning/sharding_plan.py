@@ -5,7 +5,8 @@ from a sharded model (``describe``), and its printed table.
 Knows nothing of: hooks, collectives, storage (it reads layouts, and the
 memory arithmetic lives in ``memory.py``).
 
-Public names: ``plan``, ``describe``, ``ShardingPlan``.
+Public names: ``plan``, ``describe``, ``ShardingPlan``, ``layout_for_budget``
+(what ``fully_shard(..., memory_budget=...)`` calls).
 
 [Note: plan and fully_shard share one copy of the rules]
 ``plan`` chooses units, owners and flat-parameter groups with ``units/rules.py``
@@ -33,11 +34,11 @@ import torch.nn as nn
 from ..comm import transport
 from ..comm_hooks import reduce_dtype_of_unit
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from ..handle.layout import FlatParamLayout, compute_layout
+from ..handle.layout import compute_layout
 from ..handle.dtensor_views import local_tensor
 from .activations import ActivationProfile, measure_activations
+from .budget import UnitLayout, choose_layouts
 from .memory import (
-    FlatParamPlan,
     StepPeak,
     UnitPlan,
     freed_allocation_sizes,
@@ -49,24 +50,44 @@ from .memory import (
     worst_moment,
 )
 from .owner_memory import OwnerOptimizer, owner_state_bytes, owner_step_bytes
-from .arguments import check_optimizer, checked_rank, optimizer_kind, optimizer_label, shard_group
+from .arguments import (
+    budget_layouts,
+    check_optimizer,
+    checked_rank,
+    optimizer_kind,
+    optimizer_label,
+    shard_group,
+)
 from .table import format_plan
 from .advice import plan_warnings, shared_params, shared_params_from_states
 from .runtime_memory import RuntimeMemory, runtime_memory
 from .transport_memory import transport_bytes
-from ..policy import Policy
-from ..runtime.state import UnitState, get_state, unit_states_under
+from .unit_plans import (
+    buffer_bytes,
+    default_device_type,
+    flat_param_plan,
+    module_order,
+    new_unit_plan,
+    param_positions,
+    preorder_index,
+    renamed,
+    replan_existing,
+    subtree_last,
+    unit_modules,
+    unit_plan_from_state,
+)
+from ..policy import LayoutPolicy, Policy
+from ..runtime.state import get_state, unit_states_under
 from ..units.rules import (
+    UnitChoice,
     choose_units,
-    flat_param_dtypes,
     group_sources,
-    offloads_params,
     assign_param_owners,
     split_ignored,
     unit_kwargs,
 )
 
-__all__ = ["plan", "describe", "ShardingPlan"]
+__all__ = ["plan", "describe", "ShardingPlan", "layout_for_budget"]
 
 @dataclass
 class ShardingPlan:
@@ -98,6 +119,10 @@ class ShardingPlan:
     step). ``moments``: every moment of the replayed step in order (the
     peak is the worst); ``timeline()`` and ``plot(path)`` show them.
     ``runtime``: the parts of ``rank_bytes["runtime"]``.
+    ``memory_budget``, ``layouts``: the budget a plan was asked to fit and,
+    per unit, the layout chosen with its bytes moved and reason ([Note: a
+    layout chosen for a memory budget] in planning/budget.py); ``None``
+    and empty otherwise. ``layout_policy()`` applies them.
     """
 
     world_size: int
@@ -113,6 +138,25 @@ class ShardingPlan:
     optimizer_in_backward: bool = False
     moments: list[StepPeak] = field(default_factory=list, repr=False)
     runtime: RuntimeMemory = field(default_factory=RuntimeMemory, repr=False)
+    memory_budget: int | None = None
+    layouts: list[UnitLayout] = field(default_factory=list)
+    # The policy the budgeted plan was given (what layout_policy() wraps).
+    base_policy: Policy | set[type[nn.Module]] | None = field(default=None, repr=False, compare=False)
+
+    def layout_policy(self) -> LayoutPolicy:
+        """The policy that applies this plan's chosen layouts:
+        ``fully_shard(model, policy=p, strategy=p.root_strategy)`` with
+        ``p = plan.layout_policy()`` builds the planned units, each with its
+        layout (the policy's own per-unit overrides kept). Only for a plan
+        made with ``memory_budget=``."""
+        if self.memory_budget is None:
+            raise RuntimeError(
+                "ShardingPlan.layout_policy(): this plan chose no layouts. Call "
+                "plan(model, world_size=..., memory_budget=<bytes per rank>) first."
+            )
+        chosen = {layout.name: layout.strategy for layout in self.layouts if layout.chosen and layout.name}
+        root = next(layout.strategy for layout in self.layouts if layout.name == "")
+        return LayoutPolicy(self.base_policy, chosen, root_strategy=root)
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -144,10 +188,20 @@ def plan(
     cpu_offload: CPUOffload | None = None,
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
     optimizer: str | tuple[str, int] = "adamw",
+    memory_budget: int | None = None,
     **more: Any,
 ) -> ShardingPlan:
     """Plan ``fully_shard(module, policy=..., ...)`` on ``world_size`` ranks
     without a process group and without allocating parameters.
+
+    ``memory_budget`` (bytes per rank): choose each unit's layout among
+    NO_SHARD, SHARD_GRAD_OP and FULL_SHARD (up to ``strategy``), the root's
+    too, to move the fewest bytes with a peak (``rank_bytes["total"]``)
+    within the budget; units whose strategy the policy sets, and units of
+    earlier ``fully_shard`` calls, keep theirs. The plan's ``layouts`` say
+    what was chosen and why; ``layout_policy()`` applies it. ``ValueError``
+    when even the most sharded layouts do not fit ([Note: a layout chosen
+    for a memory budget] in planning/budget.py).
 
     ``more``: ``rank`` (0: the rank with the most parameter elements),
     ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers`` as for
@@ -177,7 +231,8 @@ def plan(
     """
     name = type(module).__name__
     rank = checked_rank(name, world_size, optimizer, more)
-    device_type = more.get("device") or _device_type(module)
+    allowed = budget_layouts(name, memory_budget, strategy) if memory_budget is not None else ()
+    device_type = more.get("device") or default_device_type(module)
     ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base = dict(
         strategy=strategy,
@@ -192,16 +247,18 @@ def plan(
     if get_state(module) is not None:
         raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
     # [Note: plan and fully_shard share one copy of the rules]
-    positions = _param_positions(module)
+    positions = param_positions(module)
     choices = choose_units(module, policy, ignored_modules)
     sources = assign_param_owners(module, choices, ignored_modules, ignored_params)
     hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     compute_device = torch.device(device_type)
-    order = _module_order(module)
+    order = module_order(module)
     module_of = {id(m): m for m in module.modules()}
-    specs: dict[int, UnitPlan] = {}
-    for choice in choices:
+
+    def unit_spec(choice: UnitChoice, layout: ShardingStrategy | None = None) -> UnitPlan:
         kwargs = unit_kwargs(name, base, choice)
+        if layout is not None:
+            kwargs = {**kwargs, "strategy": layout}
         shard_size, shard_rank = shard_group(name, kwargs["strategy"], world_size, rank, hybrid_size)
         layouts = [
             compute_layout(
@@ -217,35 +274,85 @@ def plan(
             tuple(positions.get(id(src.param), -1) for src in flat_sources)
             for flat_sources in group_sources(sources[id(choice.module)])
         ]
-        specs[id(choice.module)] = _new_unit_plan(choice.module, kwargs, layouts, compute_device, order, unit_positions)
+        return new_unit_plan(choice.module, kwargs, layouts, compute_device, order, unit_positions)
+
+    specs = {id(choice.module): unit_spec(choice) for choice in choices}
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
     members_of: dict[int, tuple[nn.Module, ...]] = {key: (module_of[key],) for key in specs}
     names = {id(m): n for n, m in module.named_modules()}
     for unit_name, state in unit_states_under(module):
-        specs[id(state.module)] = _replan_existing(name, state, world_size, rank, hybrid_size, order, positions)
+        specs[id(state.module)] = replan_existing(name, state, world_size, rank, hybrid_size, order, positions)
         members_of[id(state.module)] = state.members
         names[id(state.module)] = unit_name  # a group: "norm+output"
     units = sorted(
-        (_renamed(spec, names[key], _subtree_last(members_of[key], order)) for key, spec in specs.items()),
-        key=lambda u: _preorder_index(module, u.name),
+        (renamed(spec, names[key], subtree_last(members_of[key], order)) for key, spec in specs.items()),
+        key=lambda u: preorder_index(module, u.name),
     )
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
-    shared = shared_params(module, {id(m) for m in _unit_modules(module, specs)}, sources)
+    shared = shared_params(module, {id(m) for m in unit_modules(module, specs)}, sources)
     kind = optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
-    buffers = _buffer_bytes(module, buffer_dtype)
+    buffers = buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
-    result = _assemble(
-        units, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
-        in_backward=bool(more.get("optimizer_in_backward", False)),
-    )
+
+    def assemble(planned: list[UnitPlan]) -> ShardingPlan:
+        return _assemble(
+            planned, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
+            in_backward=bool(more.get("optimizer_in_backward", False)),
+        )
+
+    if memory_budget is None:
+        result = assemble(units)
+    else:
+        # The root and the units the policy gave no strategy are chosen.
+        choice_of = {names[id(c.module)]: c for c in choices if "strategy" not in c.overrides or c is choices[-1]}
+        chosen = [u.name for u in units if u.name in choice_of]
+        if not any(u.flat_params for u in units if u.name in choice_of):
+            raise ValueError(
+                f"plan({name}): memory_budget has no unit to lay out: the units it may choose for hold no "
+                "parameter. Drop memory_budget, or plan a module with parameters."
+            )
+        by_layout: dict[tuple[str, ShardingStrategy], UnitPlan] = {}
+
+        def unit_for(unit_name: str, layout: ShardingStrategy) -> UnitPlan:
+            if (unit_name, layout) not in by_layout:
+                choice = choice_of[unit_name]
+                spec = unit_spec(choice, layout)
+                by_layout[(unit_name, layout)] = renamed(spec, unit_name, subtree_last((choice.module,), order))
+            return by_layout[(unit_name, layout)]
+
+        result, chosen_layouts = choose_layouts(
+            units, chosen=chosen, allowed=allowed, unit_for=unit_for, assemble=assemble, world_size=world_size,
+            budget=memory_budget, caller=f"plan({name})",
+        )
+        result.memory_budget, result.layouts, result.base_policy = memory_budget, chosen_layouts, policy
     result.optimizer = optimizer_label(optimizer)
     if more.get("warn", False):
         for message in result.warnings:
             warnings.warn(message, stacklevel=2)
     return result
+
+
+def layout_for_budget(
+    module: nn.Module,
+    *,
+    world_size: int,
+    memory_budget: int,
+    policy: Policy | set[type[nn.Module]] | None,
+    strategy: ShardingStrategy,
+    device: str | None,
+    **plan_kwargs: Any,
+) -> LayoutPolicy:
+    """The ``LayoutPolicy`` of ``plan(module, ..., memory_budget=...)`` for
+    rank 0 (every rank chooses the same), with ``fully_shard``'s
+    arguments; ``fully_shard(..., memory_budget=...)`` applies it."""
+    if device is not None:
+        plan_kwargs["device"] = device
+    budgeted = plan(module, world_size=world_size, policy=policy, strategy=strategy, memory_budget=memory_budget,
+                    **plan_kwargs)
+    return budgeted.layout_policy()
 
 
 def describe(
@@ -261,21 +368,21 @@ def describe(
     ``optimizer="sgd"`` only; ``optimizer_in_backward`` as for ``plan``."""
     name = type(module).__name__
     check_optimizer(name, optimizer, optimizer_in_backward, "describe")
-    positions = _param_positions(module)
+    positions = param_positions(module)
     named = list(unit_states_under(module))
     if not named:
         raise ValueError(f"describe({name}): no fully_shard unit in this module. Call fully_shard first, or use plan().")
     units = []
     device_type = "cpu"
     shared_memory = False
-    order = _module_order(module)
+    order = module_order(module)
     for unit_name, state in named:
         shared_memory |= any(
             h.groups.is_sharded and transport.uses_shared_memory(h.groups.shard_group, state.compute_device.type)
             for h in state.handles
         )
         flat_params = [
-            _flat_param_plan(
+            flat_param_plan(
                 # requires_grad as the flat parameter has it now, not as
                 # fully_shard grouped it ([Note: changes to original
                 # parameters] in handle/writeback.py).
@@ -286,15 +393,15 @@ def describe(
             )
             for h in state.handles
         ]
-        unit = _unit_plan_from_state(unit_name, state, flat_params)
-        units.append(dataclasses.replace(unit, subtree_last=_subtree_last(state.members, order)))
+        unit = unit_plan_from_state(unit_name, state, flat_params)
+        units.append(dataclasses.replace(unit, subtree_last=subtree_last(state.members, order)))
         device_type = state.compute_device.type
     world = named[0][1].groups.data_parallel_world_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     unit_of_member = {id(member): unit_name for unit_name, state in named for member in state.members}
     shared = shared_params_from_states(module, unit_of_member, named)
     kind = optimizer_kind(optimizer, momentum)
-    buffers = _buffer_bytes(module, None)  # already cast by fully_shard
+    buffers = buffer_bytes(module, None)  # already cast by fully_shard
     result = _assemble(
         units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
         in_backward=optimizer_in_backward,
@@ -304,165 +411,6 @@ def describe(
 
 
 # ---------------------------------------------------------------- helpers
-def _param_positions(module: nn.Module) -> dict[int, int]:
-    """Parameter id -> position in ``module.parameters()``: the order of an
-    optimizer built from it, which decides owners."""
-    return {id(param): index for index, param in enumerate(module.parameters())}
-
-
-def _device_type(module: nn.Module) -> str:
-    for param in module.parameters():
-        if param.device.type != "meta":
-            return param.device.type
-    return "cuda"
-
-
-def _flat_param_plan(
-    layout: FlatParamLayout,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    keep_low_precision_grads: bool,
-    offload: bool,
-    module_index: dict[int, int],
-    reduction_frees_grad: bool,
-    device_type: str,
-    param_positions: tuple[int, ...] = (),
-) -> FlatParamPlan:
-    """What ``FlatParamHandle`` allocates for ``layout`` (see its
-    constructor, ``reduce_grad`` and ``finish_grad_reduction``).
-    ``reduction_frees_grad``: the group's collectives go through shared
-    memory; on CPU otherwise through gloo's messages."""
-    compute = param_dtype or layout.dtype
-    reduce = reduce_dtype or compute
-    is_sharded = layout.shard_world_size > 1
-    local = [info.local_numel for info in layout.params if info.local_numel]
-    return FlatParamPlan(
-        dtype=layout.dtype,
-        requires_grad=layout.requires_grad,
-        numel=layout.total_param_numel,
-        padded_numel=layout.padded_unsharded_numel,
-        shard_numel=layout.shard_numel,
-        local_numel=sum(local),
-        local_param_count=len(local),
-        max_local_numel=max(local, default=0),
-        param_dtype=compute,
-        reduce_dtype=reduce,
-        grad_dtype=reduce if keep_low_precision_grads else layout.dtype,
-        needs_unshard_storage=is_sharded or compute != layout.dtype or offload,
-        offload=offload,
-        is_sharded=is_sharded,
-        param_count=len(layout.params),
-        tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
-        reduction_frees_grad=reduction_frees_grad,
-        all_gather_copies_output=device_type == "cpu" and not reduction_frees_grad,
-        last_uses=tuple(
-            (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
-        ),
-        layout=layout,
-        param_positions=param_positions,
-    )
-
-
-def _new_unit_plan(
-    module: nn.Module,
-    kwargs: dict[str, Any],
-    layouts: list[FlatParamLayout],
-    compute_device: torch.device,
-    order: dict[int, int],
-    positions: list[tuple[int, ...]],
-) -> UnitPlan:
-    """A unit ``fully_shard`` would build from these layouts (dtypes and
-    offload as ``fully_shard._build_unit`` decides them); ``positions``: of
-    each layout's parameters in ``module.parameters()``."""
-    offload = offloads_params(kwargs["cpu_offload"], compute_device)
-    flat_params = []
-    for layout, layout_positions in zip(layouts, positions):
-        dtypes = flat_param_dtypes(layout.dtype, kwargs["mixed_precision"])
-        flat_params.append(
-            _flat_param_plan(
-                layout, dtypes.param_dtype, dtypes.reduce_dtype, dtypes.keep_low_precision_grads, offload, order,
-                transport.uses_shared_memory(None, compute_device.type),
-                compute_device.type, layout_positions,
-            )
-        )
-    return _unit_plan(module, kwargs, flat_params)
-
-
-def _unit_plan(module: nn.Module, kwargs: dict[str, Any], flat_params: list[FlatParamPlan]) -> UnitPlan:
-    return UnitPlan(
-        name="",
-        module_type=type(module).__name__,
-        strategy=kwargs["strategy"],
-        flat_params=tuple(flat_params),
-        forward_prefetch=kwargs["forward_prefetch"],
-        backward_prefetch=kwargs["backward_prefetch"],
-    )
-
-
-def _unit_plan_from_state(name: str, state: UnitState, flat_params: list[FlatParamPlan]) -> UnitPlan:
-    return UnitPlan(
-        name=name,
-        module_type="+".join(type(member).__name__ for member in state.members),
-        strategy=state.config.strategy,
-        flat_params=tuple(flat_params),
-        forward_prefetch=state.config.forward_prefetch,
-        backward_prefetch=state.config.backward_prefetch,
-    )
-
-
-def _replan_existing(
-    name: str, state: UnitState, world: int, rank: int, hybrid_size: int, order: dict[int, int],
-    positions: dict[int, int],
-) -> UnitPlan:
-    shard_size, shard_rank = shard_group(name, state.config.strategy, world, rank, hybrid_size)
-    flat_params = []
-    for handle in state.handles:
-        old = handle.layout
-        layout = compute_layout(
-            [(info.shape, info.owners) for info in old.params],
-            dtype=old.dtype,
-            requires_grad=old.requires_grad,
-            shard_rank=shard_rank,
-            shard_world_size=shard_size,
-        )
-        reduce = handle.reduce_dtype if handle.reduce_dtype != handle.param_dtype else None
-        flat_params.append(
-            _flat_param_plan(
-                layout, handle.param_dtype, reduce, handle.keep_low_precision_grads, handle.offload_params, order,
-                transport.uses_shared_memory(None, state.compute_device.type),
-                state.compute_device.type, tuple(positions.get(id(p), -1) for p in handle.orig_params),
-            )
-        )
-    return _unit_plan_from_state("", state, flat_params)
-
-
-def _renamed(unit: UnitPlan, name: str, subtree_last: int) -> UnitPlan:
-    return dataclasses.replace(unit, name=name, subtree_last=subtree_last)
-
-
-def _module_order(module: nn.Module) -> dict[int, int]:
-    """Module id -> pre-order index: the forward order the plan assumes when
-    it decides which gradients exist before a unit's backward."""
-    return {id(m): index for index, m in enumerate(module.modules())}
-
-
-def _subtree_last(members: tuple[nn.Module, ...], order: dict[int, int]) -> int:
-    """The last module (in ``order``) under any of a unit's modules."""
-    return max(order.get(id(m), 0) for member in members for m in member.modules())
-
-
-def _preorder_index(module: nn.Module, name: str) -> int:
-    name = name.split("+")[0]  # a group: where its first module is
-    for index, (candidate, _) in enumerate(module.named_modules()):
-        if candidate == name:
-            return index
-    return -1
-
-
-def _unit_modules(module: nn.Module, specs: dict[int, UnitPlan]) -> list[nn.Module]:
-    return [m for m in module.modules() if id(m) in specs]
-
-
 def _activations(
     name: str,
     module: nn.Module,
@@ -489,16 +437,6 @@ def _activations(
     # kernels (attention) keep less than meta's; other devices as given.
     fake_device = torch.device("cpu") if device_type == "cpu" else None
     return measure_activations(module, args, unit_names, compute_dtype=compute, loss_fn=loss_fn, device=fake_device)
-
-
-def _buffer_bytes(module: nn.Module, buffer_dtype: torch.dtype | None) -> int:
-    """Module buffers: never sharded, every rank holds them whole (floating
-    ones in the mixed-precision ``buffer_dtype``)."""
-    total = 0
-    for buffer in module.buffers():
-        dtype = buffer_dtype if buffer_dtype is not None and buffer.is_floating_point() else buffer.dtype
-        total += buffer.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
-    return total
 
 
 def _assemble(

@@ -148,6 +148,7 @@ def format_plan(plan: PlanFields) -> str:
     lines.append(item("peak total", rb["total"], "parameters + optimizer state + buffers + transport + runtime + the above"))
     if rb["cpu"]:
         lines.append(item("of which on CPU", rb["cpu"], "CPUOffload"))
+    lines += _layout_lines(plan)
     if plan.warnings:
         lines.append("")
         lines.append("warnings:")
@@ -164,3 +165,33 @@ def _runtime_note(plan: PlanFields) -> str:
     arenas = f"{parts.arenas} arenas" if parts.arenas > 1 else "1 arena"
     return (f"code {format_bytes(parts.code)} + glibc's heap tops {format_bytes(parts.heap_tops)} ({arenas}, mmap "
             f"threshold {format_bytes(parts.threshold)}) + rest {format_bytes(parts.rest)}")
+
+
+def _layout_lines(plan: PlanFields) -> list[str]:
+    """A budgeted plan's chosen layouts ([Note: a layout chosen for a memory
+    budget] in budget.py): per unit its layout, the bytes its collectives
+    move per step (modelled) and why; nothing for other plans."""
+    budget = getattr(plan, "memory_budget", None)
+    layouts = getattr(plan, "layouts", [])
+    if budget is None or not layouts:
+        return []
+    header = ["unit", "layout", "moved/step", "reason"]
+    rows = [
+        [layout.name or "<root>", layout.strategy.name, format_bytes(layout.bytes_moved), layout.reason]
+        for layout in layouts
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    moved = sum(layout.bytes_moved for layout in layouts)
+    peak = plan.rank_bytes["total"]
+    return [
+        "",
+        f"layouts for a memory budget of {format_bytes(budget)} per rank: predicted peak {format_bytes(peak)} "
+        f"({budget - peak:,} bytes to spare), {format_bytes(moved)} moved per step",
+        "  " + line(header),
+        "  " + line(["-" * w for w in widths]),
+        *["  " + line(r) for r in rows],
+    ]

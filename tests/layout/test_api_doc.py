@@ -138,7 +138,7 @@ def test_drift_is_named_for_a_renamed_reordered_rekinded_or_redefaulted_paramete
 def test_dotted_names_methods_enums_and_var_keywords_are_read() -> None:
     assert signature_drift(_sig("plan(module, *, world_size, policy=None, strategy=ShardingStrategy.FULL_SHARD,\n"
                                 "     mixed_precision=None, cpu_offload=None, ignored_states=None,\n"
-                                "     optimizer='adamw', **more) -> ShardingPlan")) is None
+                                "     optimizer='adamw', memory_budget=None, **more) -> ShardingPlan")) is None
     assert signature_drift(_sig("plan(module, *, world_size, policy=None, strategy=ShardingStrategy.NO_SHARD,\n"
                                 "     mixed_precision=None, cpu_offload=None, ignored_states=None,\n"
                                 "     optimizer='adamw', **more)")) is not None

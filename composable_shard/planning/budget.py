@@ -1,0 +1,192 @@
+"""Owns: choosing each unit's layout (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD)
+for a memory budget per rank, and the bytes each layout moves per step.
+
+Knows nothing of: modules, policies, how a plan is assembled (``plan``
+hands it a function from per-unit layouts to a finished plan).
+
+Public names: ``UnitLayout``, ``Traffic``, ``unit_traffic``, ``choose_layouts``.
+
+[Note: a layout chosen for a memory budget]
+Every layout is priced twice: the bytes it moves per step per rank (the
+ring model below: an all-gather or reduce-scatter of n bytes over s ranks
+moves n (s - 1) / s, an all-reduce twice that), and the peak the plan
+predicts with it (``rank_bytes["total"]``, the same step replay as any
+plan, so the chosen plan is exactly ``plan(model, policy=<its
+layout_policy()>, strategy=<its root_strategy>)``). Each chosen unit starts
+at its cheapest layout by bytes moved (ties: fewer collectives, then less
+sharded): NO_SHARD for a frozen unit (replicated, kept gathered, moves
+nothing) and for a trainable one in one dtype (an all-reduce moves what
+SHARD_GRAD_OP's all-gather and reduce-scatter move together, in fewer
+collectives). While the peak is over the budget, the move to a more sharded
+layout of one unit that saves the most peak bytes per extra byte moved is
+taken (a move that moves nothing more first; ties: the earlier unit). When
+no single move lowers the peak, the move adding the fewest bytes is taken,
+so the search ends at the most sharded layouts, which are checked to fit
+first (when neither they nor the cheapest layouts fit, ``ValueError`` names
+both peaks). Deterministic, and rank-independent when every rank plans the same
+rank (``fully_shard`` plans rank 0). Pinned by
+tests/planning/test_budget_layout.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, TypeVar
+
+import torch
+
+from ..api import ShardingStrategy
+from .memory import UnitPlan
+from .table import format_bytes
+
+__all__ = ["UnitLayout", "Traffic", "unit_traffic", "choose_layouts"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one unit's collectives move per step on one rank (modelled)."""
+
+    bytes_moved: int
+    collectives: int
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit's layout in a budgeted plan and why it was chosen."""
+
+    name: str  # "" for the root
+    strategy: ShardingStrategy
+    # Modelled bytes this rank's collectives move for the unit per step.
+    bytes_moved: int
+    collectives: int
+    # Whether the budget chose it (False: the policy or an earlier
+    # fully_shard call fixed it).
+    chosen: bool
+    reason: str
+
+
+class _HasPeak(Protocol):
+    rank_bytes: dict[str, int]
+
+
+_Plan = TypeVar("_Plan", bound=_HasPeak)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def unit_traffic(unit: UnitPlan, world_size: int, *, kept_gathered: bool) -> Traffic:
+    """Bytes ``unit``'s collectives move per step on one rank, by the ring
+    model: per flat parameter sharded over s ranks, one all-gather (two
+    where it reshards after forward and is not ``kept_gathered``: the root
+    and the unit that runs last stay gathered for backward), a trainable
+    one's reduce-scatter, and an all-reduce over the r = world / s replicas
+    (of the shard; of the whole gradient under NO_SHARD)."""
+    moved = count = 0
+    for fp in unit.flat_params:
+        shard_size = fp.padded_numel // fp.shard_numel if fp.shard_numel else 1
+        replicas = max(world_size // shard_size, 1)
+        param_size, reduce_size = _itemsize(fp.param_dtype), _itemsize(fp.reduce_dtype)
+        if shard_size > 1:
+            gathers = 2 if unit.strategy.reshards_after_forward and not kept_gathered else 1
+            moved += gathers * fp.padded_numel * param_size * (shard_size - 1) // shard_size
+            count += gathers
+        if not fp.requires_grad:
+            continue
+        if shard_size > 1:
+            moved += fp.padded_numel * reduce_size * (shard_size - 1) // shard_size
+            count += 1
+        if replicas > 1:
+            reduced = fp.shard_numel if shard_size > 1 else fp.padded_numel
+            moved += 2 * reduced * reduce_size * (replicas - 1) // replicas
+            count += 1
+    return Traffic(moved, count)
+
+
+def choose_layouts(
+    units: Sequence[UnitPlan],
+    *,
+    chosen: Sequence[str],
+    allowed: tuple[ShardingStrategy, ...],
+    unit_for: Callable[[str, ShardingStrategy], UnitPlan],
+    assemble: Callable[[list[UnitPlan]], _Plan],
+    world_size: int,
+    budget: int,
+    caller: str,
+) -> tuple[_Plan, list[UnitLayout]]:
+    """The plan whose chosen units' layouts fit ``budget`` while moving the
+    fewest bytes ([Note: a layout chosen for a memory budget]) and every
+    unit's ``UnitLayout``. ``units``: the planned units in order (those not
+    in ``chosen`` keep theirs); ``allowed``: least sharded first;
+    ``unit_for(name, strategy)``: a chosen unit under a layout;
+    ``assemble``: the plan of a list of units."""
+    kept = {units[0].name, units[-1].name} if units else set()
+    rank_of = {strategy: index for index, strategy in enumerate(allowed)}
+
+    def traffic(name: str, strategy: ShardingStrategy) -> Traffic:
+        return unit_traffic(unit_for(name, strategy), world_size, kept_gathered=name in kept)
+
+    def build(layouts: dict[str, ShardingStrategy]) -> _Plan:
+        return assemble([unit_for(u.name, layouts[u.name]) if u.name in layouts else u for u in units])
+
+    def cheapest(name: str) -> ShardingStrategy:
+        return min(allowed, key=lambda s: (traffic(name, s).bytes_moved, traffic(name, s).collectives, rank_of[s]))
+
+    current = {name: cheapest(name) for name in chosen}
+    reasons = {name: _cheapest_reason(unit_for(name, current[name]), current[name]) for name in chosen}
+    result = build(current)
+    if result.rank_bytes["total"] > budget:
+        most = build(dict.fromkeys(chosen, allowed[-1]))
+        if most.rank_bytes["total"] > budget:
+            fitting = min(most.rank_bytes["total"], result.rank_bytes["total"])
+            raise ValueError(
+                f"{caller}: memory_budget {format_bytes(budget)} ({budget} bytes) per rank is below this model's "
+                f"peak on {world_size} ranks with every unit {allowed[-1].name}, {format_bytes(most.rank_bytes['total'])}, "
+                f"and with every unit at its cheapest layout, {format_bytes(result.rank_bytes['total'])}. Raise the "
+                f"budget to at least {fitting} bytes, or lower the peak: more ranks, smaller units (a policy over "
+                "their submodules), mixed precision, CPU offload."
+            )
+    while result.rank_bytes["total"] > budget:
+        best: tuple[tuple[float, float, float], str, ShardingStrategy, _Plan, int, int] | None = None
+        for name in chosen:
+            for strategy in allowed[rank_of[current[name]] + 1:]:
+                trial = build({**current, name: strategy})
+                saved = result.rank_bytes["total"] - trial.rank_bytes["total"]
+                extra = traffic(name, strategy).bytes_moved - traffic(name, current[name]).bytes_moved
+                if saved > 0:
+                    key = (1.0, saved / extra if extra > 0 else math.inf, float(saved))
+                else:
+                    key = (0.0, float(-extra), 0.0)
+                if best is None or key > best[0]:
+                    best = (key, name, strategy, trial, saved, extra)
+        if best is None:  # every chosen unit at the most sharded layout, which fits (checked above)
+            break
+        _, name, strategy, result, saved, extra = best
+        current[name] = strategy
+        reasons[name] = (
+            f"sharded for the budget: {format_bytes(saved)} less peak for {format_bytes(extra)} more moved"
+            if saved > 0
+            else f"sharded on the way to the budget (alone it lowers no peak), {format_bytes(extra)} more moved"
+        )
+    layouts = []
+    for unit in units:
+        is_chosen = unit.name in current
+        strategy = current.get(unit.name, unit.strategy)
+        moved = unit_traffic(unit_for(unit.name, strategy) if is_chosen else unit, world_size,
+                             kept_gathered=unit.name in kept)
+        reason = reasons.get(unit.name, "fixed by the policy or an earlier fully_shard call")
+        layouts.append(UnitLayout(unit.name, strategy, moved.bytes_moved, moved.collectives, is_chosen, reason))
+    return result, layouts
+
+
+def _cheapest_reason(unit: UnitPlan, strategy: ShardingStrategy) -> str:
+    trainable = any(fp.requires_grad for fp in unit.flat_params)
+    if strategy is ShardingStrategy.NO_SHARD:
+        if not unit.flat_params:
+            return "no parameters: nothing to move"
+        if not trainable:
+            return "fits replicated: frozen, kept gathered, moves nothing"
+        return "fits replicated: no all-gather, gradients all-reduced"
+    return f"fits {strategy.name}: the fewest bytes moved of the allowed layouts"

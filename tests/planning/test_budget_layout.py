@@ -1,0 +1,223 @@
+"""A layout chosen for a memory budget ([Note: a layout chosen for a memory
+budget] in composable_shard/planning/budget.py): for a LoRA stack (frozen
+base, trainable adapters) and a GPT, a roomy budget replicates every unit
+and a tight one shards; the chosen plan is the plan of its own
+``layout_policy()``, what the allocator holds matches it, the model trains
+like one process, and bad budgets are refused by name, leaving the model
+as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import composable_shard as cs
+from composable_shard import CustomPolicy, LayoutPolicy, ShardingStrategy, fully_shard, is_fully_sharded
+from tests.support.budget_layout import (
+    MODELS,
+    budget_plan,
+    budgets,
+    lora_stack,
+    measure_budgeted,
+    unit_strategies,
+)
+from tests.support.harness_pool import run_distributed
+from tests.support.models import Block, TinyGPT
+from tests.support.parity import Parity, run_parity
+
+NS, SGO, FS = ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD
+PEAK_TOLERANCE = 0.05  # as tests/planning/test_plan.py: the allocator's profile against the replay
+
+# The layouts chosen without activations (the one-call fully_shard form):
+# root first, then the blocks in order.
+EXPECTED = {
+    ("lora", "roomy"): [NS] * 9,
+    ("lora", "tight"): [SGO] + [FS] * 6 + [SGO] * 2,
+    ("gpt", "roomy"): [NS] * 7,
+    ("gpt", "tight"): [SGO] * 7,
+}
+
+
+@pytest.mark.parametrize(("kind", "which"), list(EXPECTED))
+def test_budget_chooses_the_cheapest_layouts_that_fit(kind: str, which: str) -> None:
+    torch.manual_seed(0)
+    model = MODELS[kind][0]()
+    budget = budgets(model, kind)[which]
+    chosen = budget_plan(model, kind, budget)
+    assert [layout.strategy for layout in chosen.layouts] == EXPECTED[(kind, which)]
+    assert [layout.name for layout in chosen.layouts] == [unit.name for unit in chosen.units]
+    assert [unit.strategy for unit in chosen.units] == EXPECTED[(kind, which)]
+    assert chosen.rank_bytes["total"] <= budget == chosen.memory_budget
+    # One copy of the rules: the chosen plan is its layout policy's plan.
+    policy = chosen.layout_policy()
+    applied = cs.plan(model, world_size=2, policy=policy, strategy=policy.root_strategy, device="cpu")
+    assert applied.rank_bytes == chosen.rank_bytes and applied.units == chosen.units
+    table = str(chosen)
+    assert f"layouts for a memory budget of {cs.planning.table.format_bytes(budget)} per rank" in table
+    for layout in chosen.layouts:
+        assert layout.reason in table
+
+
+def test_roomy_lora_reduces_only_the_adapters() -> None:
+    model = lora_stack()
+    chosen = budget_plan(model, "lora", budgets(model, "lora")["roomy"])
+    block = chosen.layouts[1]
+    adapters = sum(p.numel() for p in model.blocks[0].parameters() if p.requires_grad)  # type: ignore[index]
+    # One all-reduce of the adapters' fp32 gradients over 2 ranks: 2 * (2 - 1) / 2 of their bytes.
+    assert block.strategy is NS and block.bytes_moved == adapters * 4 and block.collectives == 1
+    assert block.reason == "fits replicated: no all-gather, gradients all-reduced"
+    # Sharded, the frozen base would be gathered each step besides.
+    tight = budget_plan(model, "lora", budgets(model, "lora")["tight"])
+    assert tight.layouts[1].strategy is FS and tight.layouts[1].bytes_moved > 40 * block.bytes_moved
+    assert tight.layouts[1].reason.startswith("sharded for the budget: ")
+
+
+def test_a_frozen_unit_is_kept_gathered_and_moves_nothing() -> None:
+    model = TinyGPT(n_blocks=2)
+    model.blocks[1].requires_grad_(False)  # type: ignore[index]
+    roomy = cs.plan(model, world_size=2, policy={Block}, strategy=NS, device="cpu").rank_bytes["total"]
+    chosen = cs.plan(model, world_size=2, policy={Block}, device="cpu", memory_budget=roomy)
+    frozen = chosen.layouts[2]
+    assert (frozen.name, frozen.strategy, frozen.bytes_moved, frozen.collectives) == ("blocks.1", NS, 0, 0)
+    assert frozen.reason == "fits replicated: frozen, kept gathered, moves nothing"
+
+
+def test_strategy_caps_the_layouts_and_policy_strategies_are_kept() -> None:
+    model = MODELS["gpt"][0]()
+    tight = budgets(model, "gpt")["tight"]
+    capped = cs.plan(model, world_size=2, policy={Block}, strategy=SGO, device="cpu", memory_budget=tight)
+    assert {layout.strategy for layout in capped.layouts} <= {NS, SGO}
+    with pytest.raises(ValueError, match=r"with every unit NO_SHARD, .*Raise the budget to at least \d+ bytes"):
+        cs.plan(model, world_size=2, policy={Block}, strategy=NS, device="cpu", memory_budget=tight)
+    fixed = CustomPolicy(lambda m: {"strategy": FS} if m is model.blocks[0] else isinstance(m, Block))  # type: ignore[index]
+    chosen = cs.plan(model, world_size=2, policy=fixed, device="cpu", memory_budget=1 << 40)
+    assert [(layout.strategy, layout.chosen) for layout in chosen.layouts[:3]] == [(NS, True), (FS, False), (NS, True)]
+    assert chosen.layouts[1].reason == "fixed by the policy or an earlier fully_shard call"
+    policy = chosen.layout_policy()
+    assert "blocks.0" not in policy.layouts and policy.root_strategy is NS
+
+
+class _NoParams(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize(
+    ("budget", "kwargs", "error", "match"),
+    [
+        (-1, {}, ValueError, r"plan\(TinyGPT\): memory_budget must be a positive number of bytes per rank, got -1"),
+        (0, {}, ValueError, r"memory_budget must be a positive number of bytes per rank, got 0"),
+        (2.5e9, {}, TypeError, r"plan\(TinyGPT\): memory_budget must be an int number of bytes per rank, got float"),
+        (True, {}, TypeError, r"memory_budget must be an int number of bytes per rank, got bool True"),
+        ("8GiB", {}, TypeError, r"got str '8GiB'. Pass, for example, 8 \* 2\*\*30 for 8 GiB"),
+        (
+            1 << 40,
+            {"strategy": ShardingStrategy.HYBRID_SHARD},
+            ValueError,
+            r"strategy=HYBRID_SHARD is not one of them. Pass strategy=FULL_SHARD",
+        ),
+        (
+            1000,
+            {},
+            ValueError,
+            r"plan\(TinyGPT\): memory_budget 1000 B \(1000 bytes\) per rank is below this model's peak on 2 ranks "
+            r"with every unit FULL_SHARD, .* and with every unit at its cheapest layout, .*Raise the budget",
+        ),
+    ],
+)
+def test_plan_refuses_a_bad_budget_by_name(budget: object, kwargs: dict, error: type, match: str) -> None:
+    model = TinyGPT()
+    with pytest.raises(error, match=match):
+        cs.plan(model, world_size=2, policy={Block}, memory_budget=budget, device="cpu", **kwargs)  # type: ignore[arg-type]
+    assert cs.plan(model, world_size=2, policy={Block}, memory_budget=1 << 40, device="cpu").layouts  # still plannable
+
+
+def test_layouts_need_a_budget_and_a_unit_with_parameters_and_the_same_model() -> None:
+    with pytest.raises(ValueError, match=r"plan\(_NoParams\): memory_budget has no unit to lay out"):
+        cs.plan(_NoParams(), world_size=2, memory_budget=1 << 30)
+    model = TinyGPT(n_blocks=2)
+    with pytest.raises(RuntimeError, match=r"layout_policy\(\): this plan chose no layouts. Call plan\(model"):
+        cs.plan(model, world_size=2, policy={Block}).layout_policy()
+    policy = cs.plan(model, world_size=2, policy={Block}, memory_budget=1 << 40, device="cpu").layout_policy()
+    with pytest.raises(ValueError, match=r"LayoutPolicy: unit 'blocks.2' \(Block\) has no planned layout"):
+        cs.plan(TinyGPT(n_blocks=3), world_size=2, policy=policy)
+    with pytest.raises(ValueError, match=r"LayoutPolicy: planned units \['blocks.1'\] are not units of this model"):
+        cs.plan(TinyGPT(n_blocks=1), world_size=2, policy=policy)
+    with pytest.raises(TypeError, match=r"LayoutPolicy: the layout of 'blocks.0' is 'NO_SHARD'; give a ShardingStrategy"):
+        LayoutPolicy({Block}, {"blocks.0": "NO_SHARD"})  # type: ignore[dict-item]
+    assert cs.plan(model, world_size=2, policy=policy).units  # the right model plans
+
+
+# ---------------------------------------------------------- distributed
+def _measured_against_the_plan(rank: int, world_size: int) -> list[dict]:
+    return [measure_budgeted(kind, which, rank, world_size) for kind in MODELS for which in ("roomy", "tight")]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_budgeted_layouts_hold_what_the_plan_predicts(world_size: int) -> None:
+    """Model state exact, the step's tensors within 5% of the plan's, for
+    every chosen layout (with activations measured, as rank 0 chose)."""
+    for records in run_distributed(_measured_against_the_plan, world_size, timeout=300):
+        for record in records:  # type: ignore[union-attr]
+            where = f"{record['kind']} {record['which']} rank {record['rank']}"
+            assert record["built"] == record["layouts"], where
+            assert record["rank_zero_total"] == record["chosen_total"] <= record["budget"], where
+            if record["which"] == "roomy":
+                assert set(record["layouts"].values()) == {"NO_SHARD"}, where
+            else:
+                assert {"FULL_SHARD", "SHARD_GRAD_OP"} & set(record["layouts"].values()), where
+            planned, allocated = record["planned"], record["allocated"]
+            for key in ("params", "grads", "optimizer", "buffers"):
+                assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != {allocated[key]}"
+            tensors = planned["total"] - planned["transport"] - planned["runtime"]
+            error = abs(tensors - allocated["peak"]) / allocated["peak"]
+            assert error <= PEAK_TOLERANCE, (
+                f"{where}: planned peak {tensors} vs measured {allocated['peak']} ({100 * error:.1f}% off, "
+                f"worst moment {record['peak_moment']})"
+            )
+
+
+def _refused_then_trained(kind: str, which: str) -> None:
+    build, unit = MODELS[kind]
+    torch.manual_seed(0)
+    budget = budgets(build(), kind)[which]
+    expected = {layout.name: layout.strategy for layout in budget_plan(build(), kind, budget).layouts}
+    assert [expected[name] for name in expected] == EXPECTED[(kind, which)]
+    world = dist.group.WORLD
+    bad: list[tuple[dict, type, str]] = [
+        ({"memory_budget": -5}, ValueError,
+         r"fully_shard\(TinyGPT\): memory_budget must be a positive int number of bytes per rank, got int -5"),
+        ({"memory_budget": 1.0}, TypeError, r"memory_budget must be a positive int number of bytes per rank, got float"),
+        ({"memory_budget": 1000}, ValueError, r"fully_shard\(TinyGPT\): choosing the layouts for memory_budget failed: "
+         r"plan\(TinyGPT\): memory_budget 1000 B \(1000 bytes\) per rank is below this model's"),
+        ({"memory_budget": budget, "strategy": ShardingStrategy.HYBRID_SHARD_ZERO2}, ValueError,
+         r"fully_shard\(TinyGPT\): choosing .*strategy=HYBRID_SHARD_ZERO2 is not one of them"),
+        ({"memory_budget": budget, "process_group": (world, world)}, ValueError,
+         r"fully_shard\(TinyGPT\): memory_budget chooses among .* over one process group"),
+    ]
+
+    def shard(model: nn.Module) -> None:
+        before = {name: param.shape for name, param in model.named_parameters()}
+        for kwargs, error, match in bad:
+            with pytest.raises(error, match=match):
+                fully_shard(model, policy={unit}, **kwargs)
+            assert not any(is_fully_sharded(m) for m in model.modules()), kwargs
+            assert {name: param.shape for name, param in model.named_parameters()} == before, kwargs
+        with pytest.raises(ValueError, match=r"fully_shard\((LoRA)?Block\+(LoRA)?Block\): memory_budget plans one module"):
+            fully_shard([model.blocks[0], model.blocks[1]], memory_budget=budget)  # type: ignore[index]
+        fully_shard(model, policy={unit}, memory_budget=budget)
+        assert unit_strategies(model) == expected
+
+    run_parity(Parity(build=build, shard=shard, steps=3))
+
+
+def _budgeted_models_train_like_one_process(rank: int, world_size: int) -> None:
+    for kind, which in EXPECTED:
+        _refused_then_trained(kind, which)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_budgeted_layouts_train_like_one_process(world_size: int) -> None:
+    run_distributed(_budgeted_models_train_like_one_process, world_size, timeout=300)
