@@ -32,7 +32,11 @@ their shard group, NO_SHARD units none). Per rank it counts:
   all_to_all back (send and receive buffers) — each beside the whole values
   and gradients this rank assembled for parameters it does not hold whole
   (made fresh each step, freed as the pieces are shown again) — and,
-  for ``"muon"``, AdamW's step afterwards.
+  for ``"muon"``, AdamW's step afterwards. Each exchange buffer is counted
+  from its making to its last use, where the exchange frees it itself,
+  whatever still references it ([Note: the exchange frees its buffers
+  itself] in optim/owner_step.py: gloo's worker thread can hold them past
+  ``wait()``, which once made a warm worker's step measure up to 1.6x this).
 
 Not counted: the scratch a matrix product allocates inside its library
 (oneDNN's packed operands for Newton-Schulz's bf16 products on CPU: one to

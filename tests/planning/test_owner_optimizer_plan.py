@@ -20,23 +20,32 @@ from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT
 from tests.support.plan_measure import OWNER_CASES, _wide_gpt, measure_owner_case
 
-# The owner step's transient bytes are bounded, not predicted: measured in
-# the suite's warm workers (after other tests) optimizer.step() allocated up
-# to 1.6x what the plan counts, and the whole step's peak came out up to 21%
-# above the plan; alone, in fresh workers, within a few hundred bytes and 2.4%
-# (cause not identified: issue 40 stays open on it). State bytes are exact.
-STEP_BOUND = 2.0
-PEAK_TOLERANCE = 0.30
-# Scalars of a few bytes the optimizers make (norms, means, clamps), which
-# the plan leaves out: at most this many bytes alive at once.
+# optimizer.step()'s transient bytes are the plan's, in fresh or warm workers
+# and in any test order. They once came out up to 1.6x the plan in the
+# suite's warm workers: gloo's worker thread dropped its references to the
+# exchange's buffers after wait() returned, at a moment the scheduler chose
+# (more often on a busy machine), so the buffers outlived their use; the
+# exchange now frees them itself ([Note: the exchange frees its buffers
+# itself] in composable_shard/optim/owner_step.py). What the plan leaves out,
+# so what the measurement may add: scalars of a few bytes the optimizers make
+# (norms, means, clamps; measured: 0 or 16 B alive at once) ...
 SCALAR_BYTES = 512
+# ... and, for Muon, the matrix products' own workspace (oneDNN's packed bf16
+# operands: measured in the same process by newton_schulz_scratch, without
+# composable_shard; all of it shows on the rank whose step peaks inside
+# Newton-Schulz, none on the others).
+# The whole step's peak (forward, backward, step) within 5%, as the plan's
+# other cases (tests/planning/test_plan.py): measured, the plan stays 33,792 B
+# (2-3%) above it at the backward of the root, as in test_plan's FULL_SHARD
+# case with a fake process group, or under it by Muon's workspace.
+PEAK_TOLERANCE = 0.05
 
 
 def _check_owner_record(record: dict) -> None:
     """State exact by kind, plan == describe, the plan's owners the
-    runtime's; the step's transients at least what the plan counts and at
-    most STEP_BOUND times it (plus scalars and Muon's matrix workspace), the
-    whole step's peak within PEAK_TOLERANCE."""
+    runtime's; the step's transients what the plan counts, plus at most the
+    scalars and Muon's matrix workspace; the whole step's peak within
+    PEAK_TOLERANCE."""
     where = f"{record['case']} rank {record['rank']}/{record['world_size']}"
     allocated, planned, described = record["allocated"], record["planned"], record["described"]
     for key in ("params", "grads", "optimizer", "buffers"):
@@ -50,9 +59,9 @@ def _check_owner_record(record: dict) -> None:
     assert record["planned_owners"] == record["runtime_owners"], f"{where}: the plan's owners are not the runtime's"
     step_planned, step_measured = record["step_planned"], record["step_measured"]
     slack = record["scratch"] + SCALAR_BYTES
-    assert step_planned <= step_measured <= STEP_BOUND * step_planned + slack, (
+    assert step_planned <= step_measured <= step_planned + slack, (
         f"{where}: optimizer.step() planned {step_planned} B, measured {step_measured} B "
-        f"(allowed: the plan to {STEP_BOUND} x the plan + {slack} B)"
+        f"({step_measured - step_planned:+d} B; allowed: 0 to {slack} B of scalars and matrix-product workspace)"
     )
     tensors = planned["total"] - planned["transport"] - planned["runtime"]
     error = abs(tensors - allocated["peak"]) / allocated["peak"]
@@ -81,6 +90,21 @@ def test_owner_optimizer_plan_equals_allocated_bytes_with_gloo(world_size: int) 
     assert steps == 4 * len(list(model.parameters()))
     # Pieces moved to owners: the exchange ran (and was planned) in every case.
     assert all(any(r["sent_to_owners"] for r in records if r["case"] == f"owner:{name}") for name in OWNER_CASES)
+
+
+def _measure_owner_cases_holding(rank: int, world_size: int) -> list[dict]:
+    return [measure_owner_case(name, rank, world_size, hold_collective_tensors=True) for name in OWNER_CASES]
+
+
+def test_owner_step_transients_do_not_wait_for_the_collectives_to_let_go() -> None:
+    """[Note: the exchange frees its buffers itself]: with every tensor the
+    step gives its collectives still referenced after they return (as gloo's
+    worker thread may hold them, for as long as the scheduler decides),
+    optimizer.step() allocates what the plan counts, and the peak holds."""
+    results = run_distributed(_measure_owner_cases_holding, 2, timeout=300)
+    for records in results:
+        for record in records:  # type: ignore[union-attr]
+            _check_owner_record(record)
 
 
 def test_owner_state_is_whole_on_one_rank_per_parameter() -> None:

@@ -14,11 +14,12 @@ not), printing one JSON line per (world size, rank, case).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -332,11 +333,43 @@ def newton_schulz_scratch(shapes: list[tuple[int, ...]]) -> int:
     return worst
 
 
-def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str = "wide") -> dict[str, Any]:
+@contextlib.contextmanager
+def holding_collective_tensors() -> Iterator[list[torch.Tensor]]:
+    """Keep a reference to every tensor given to ``composable_shard.comm``'s
+    ``all_to_all`` and ``all_reduce_max`` (the owner step's collectives)
+    until the block ends, as a collective's work object may on gloo's worker
+    thread after ``wait()`` returns; the real collectives run."""
+    from composable_shard import comm
+
+    held: list[torch.Tensor] = []
+    originals = {name: getattr(comm, name) for name in ("all_to_all", "all_reduce_max")}
+
+    def holding(function: Callable[..., None]) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            held.extend(arg for arg in args if isinstance(arg, torch.Tensor))
+            function(*args)
+
+        return call
+
+    for name, function in originals.items():
+        setattr(comm, name, holding(function))
+    try:
+        yield held
+    finally:
+        for name, function in originals.items():
+            setattr(comm, name, function)
+        held.clear()
+
+
+def measure_owner_case(
+    name: str, rank: int, world_size: int, *, hold_collective_tensors: bool = False
+) -> dict[str, Any]:
     """Plan ``OWNER_CASES[name]`` under FULL_SHARD for this rank, shard, train
     and return the plan's numbers beside the allocated ones: the state after
     a step, the whole step's peak, and ``optimizer.step()``'s own transient
-    bytes (its peak above what was alive when it started)."""
+    bytes (its peak above what was alive when it started).
+    ``hold_collective_tensors``: measured while every tensor the step gives
+    its collectives stays referenced (``holding_collective_tensors``)."""
     from composable_shard.optim import last_step_traffic, owner_plans
     from composable_shard.planning.owner_memory import owner_optimizer as owner_optimizer_spec
     from composable_shard.planning.owner_memory import planned_owners
@@ -380,12 +413,14 @@ def measure_owner_case(name: str, rank: int, world_size: int, *, model_kind: str
     ]
     gc.collect()
     gc.disable()
+    holding = holding_collective_tensors() if hold_collective_tensors else contextlib.nullcontext()
     try:
-        optimizer.zero_grad(set_to_none=True)
-        peak = params + optim + buffers + cpu_peak_above_start(step)
-        optimizer.zero_grad(set_to_none=True)
-        backward()
-        step_transient = cpu_peak_above_start(optimizer.step)
+        with holding:
+            optimizer.zero_grad(set_to_none=True)
+            peak = params + optim + buffers + cpu_peak_above_start(step)
+            optimizer.zero_grad(set_to_none=True)
+            backward()
+            step_transient = cpu_peak_above_start(optimizer.step)
     finally:
         gc.enable()
     step_moment = next(m for m in planned.moments if m.moment == "optimizer.step()")
