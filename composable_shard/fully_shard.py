@@ -266,9 +266,12 @@ def _budgeted_policy(
             f"fully_shard({name}): memory_budget must be a positive int number of bytes per rank, got "
             f"{type(memory_budget).__name__} {memory_budget!r}. Pass, for example, 8 * 2**30 for 8 GiB."
         )
-    device = None
     if device_id is not None:
         device = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
+    else:  # where _compute_device will put the units: the parameters' device, or for meta the backend's
+        real = [p.device.type for p in members[0].parameters() if p.device.type != "meta"]
+        on_cuda = "nccl" in str(dist.get_backend(process_group)) and torch.cuda.is_available()
+        device = real[0] if real else ("cuda" if on_cuda else "cpu")
     world_size = dist.get_world_size(process_group)
     try:
         return _LAYOUT_PLANNERS[-1](members[0], world_size=world_size, memory_budget=memory_budget, device=device,

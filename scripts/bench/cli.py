@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-offload", action="store_true", help="CUDA only: sharded parameters live on CPU")
     p.add_argument("--strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], default="FULL_SHARD",
                    help="composable_shard's sharding strategy for every unit")
+    p.add_argument("--layout-budget", type=float, default=None, metavar="MIB",
+                   help="composable_shard: fully_shard(model, policy={Block}, memory_budget=MIB MiB) chooses each "
+                        "unit's layout (NO_SHARD / SHARD_GRAD_OP / FULL_SHARD, up to --strategy) for this budget "
+                        "per rank, instead of sharding every block by hand")
     p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, split over ranks")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--n-layer", type=int, default=None)

@@ -49,9 +49,13 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
     model = base_model(args, device)
     # Muon checks at construction that its parameters are 2-D: build it while they are.
     optimizer = make_optimizer(model, args) if getattr(args, "optimizer", "adamw") == "muon" else None
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    if getattr(args, "layout_budget", None) is not None:
+        # One call: the plan chooses each unit's layout for the budget (the root's too).
+        fully_shard(model, policy={Block}, memory_budget=int(args.layout_budget * 2**20), **kwargs)
+    else:
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     return model, optimizer or make_optimizer(model, args)
 
 
