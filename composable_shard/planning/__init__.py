@@ -12,6 +12,9 @@ holds at the worst moment of a training step.
 - ``activations.py``: activation memory measured under fake tensors;
 - ``table.py``: the printed table;
 - ``advice.py``: the plan's warnings;
+- ``unit_plans.py``: the per-unit descriptions the plan is assembled from;
+- ``budget.py``: each unit's layout chosen for a memory budget
+  (``plan(..., memory_budget=...)``, ``ShardingPlan.layout_policy()``);
 - ``capacity.py``: ``largest_fitting``, the largest model size whose plan
   fits a memory budget;
 - ``timeline.py``: the step's memory moment by moment (``plan.timeline()``);
