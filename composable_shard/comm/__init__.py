@@ -29,7 +29,9 @@ its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``all_reduce``, ``all_reduce_max``, ``all_to_all``, ``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
-``finish_grad_reduction``, ``ReductionOverrides``, ``settings_with``,
+``finish_grad_reduction``, several at once: ``REDUCE_BUCKET_BYTES``,
+``bucketable_bytes``, ``collective_bytes_per_group``, ``can_reduce_together``,
+``reduce_grads_together``, ``split_reduced``; ``ReductionOverrides``, ``settings_with``,
 ``check_overrides``; a gradient norm from per-group parts:
 ``total_norm_of_parts``; for state dicts and checkpoints,
 ``broadcast_object`` and ``all_gather_object``.
@@ -73,6 +75,12 @@ __all__ = [
     "expect_collective_bytes",
     "GradReduceSettings",
     "reduce_grad",
+    "REDUCE_BUCKET_BYTES",
+    "bucketable_bytes",
+    "collective_bytes_per_group",
+    "can_reduce_together",
+    "reduce_grads_together",
+    "split_reduced",
     "finish_grad_reduction",
     "ReductionOverrides",
     "settings_with",
@@ -236,6 +244,97 @@ def reduce_grad(
             # cast made another) is freed now; the output keeps the sum.
             return PendingCollective(work, summed_grad, ())
     return PendingCollective(work, summed_grad, (computed_grad,))
+
+
+# Gradients of at most this many padded bytes are reduced together, up to
+# this many bytes per collective ([Note: coalesced reductions] in
+# runtime/grad_buckets.py; measured in docs/benchmarks.md, "Small units").
+# Read when a root's tree is initialised (its first forward) and when a
+# flat parameter reserves shared memory (``fully_shard``): set it before
+# both; 0 reduces every flat parameter alone.
+REDUCE_BUCKET_BYTES = 1 << 20
+
+
+def bucketable_bytes(padded_numel: int, reduce_dtype: torch.dtype, bucket_bytes: int) -> int:
+    """A gradient's padded bytes in the reduce dtype where it may join a
+    bucket of ``bucket_bytes`` (size only), else 0."""
+    nbytes = padded_numel * reduce_dtype.itemsize
+    return nbytes if 0 < nbytes <= bucket_bytes else 0
+
+
+def collective_bytes_per_group(
+    *,
+    shard_world_size: int,
+    has_replicas: bool,
+    shard_numel: int,
+    dtypes: tuple[torch.dtype, ...],
+    reduce_dtype: torch.dtype,
+    requires_grad: bool,
+    offload: bool,
+) -> dict[str, int]:
+    """The most one rank writes per collective of a flat parameter, by group
+    (``"shard"``, ``"replicate"``): its all-gathers and reductions (alone,
+    or in a bucket of ``REDUCE_BUCKET_BYTES``), and the replica all-reduce
+    (hybrid: of the shard; unsharded: of the whole gradient). For the
+    shared memory ``fully_shard`` reserves and ``plan`` counts."""
+    bucket = REDUCE_BUCKET_BYTES if requires_grad and not offload else 0
+    reduce_size = reduce_dtype.itemsize
+    most: dict[str, int] = {}
+    if shard_world_size > 1:
+        itemsize = max(dtype.itemsize for dtype in (*dtypes, reduce_dtype))
+        most["shard"] = shard_numel * itemsize * (shard_world_size - 1)
+        if bucketable_bytes(shard_numel * shard_world_size, reduce_dtype, bucket):
+            most["shard"] = max(most["shard"], bucket // shard_world_size * (shard_world_size - 1))
+        if has_replicas and requires_grad:
+            most["replicate"] = shard_numel * reduce_size
+    elif has_replicas and requires_grad:
+        most["replicate"] = shard_numel * reduce_size
+        if bucketable_bytes(shard_numel, reduce_dtype, bucket):
+            most["replicate"] = max(most["replicate"], bucket)
+    return most
+
+
+def can_reduce_together(settings: GradReduceSettings, carried: torch.Tensor | None) -> bool:
+    """Whether a gradient with these settings may share one collective with
+    others of the same group and reduce dtype (``reduce_grads_together``):
+    not with a communication hook (it replaces the whole reduction), nor a
+    partial sum to add before an unsharded all-reduce, nor an unsharded one
+    that skips its all-reduce (no collective at all)."""
+    if settings.comm_hook is not None or carried is not None:
+        return False
+    return settings.groups.is_sharded or (settings.groups.replicate_group is not None and settings.all_reduce)
+
+
+def reduce_grads_together(
+    unsharded_grads: list[torch.Tensor], settings: list[GradReduceSettings], *, async_op: bool
+) -> tuple[PendingCollective, list[int]]:
+    """``reduce_grad`` for several padded gradients of one group and reduce
+    dtype (each ``can_reduce_together``) in one collective: each cast and
+    pre-divided by its own settings, then laid side by side per rank's
+    chunk (a reduce-scatter's rank ``r`` gets every gradient's chunk ``r``,
+    in order) or one after another (an all-reduce). Returns the collective,
+    whose output holds the summed shards in order, and each shard's numel
+    (``split_reduced`` hands each gradient its own)."""
+    summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
+    groups = settings[0].groups
+    if groups.is_sharded:
+        world_size = groups.shard_world_size
+        combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
+        output = combined.new_empty(combined.numel() // world_size)
+        work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
+        inputs: tuple[torch.Tensor, ...] = (combined,) if inputs_in_use(work) else ()
+        return PendingCollective(work, output, inputs), [grad.numel() // world_size for grad in summed]
+    combined = torch.cat(summed)
+    work = all_reduce(combined, groups.replicate_group, async_op=async_op)
+    return PendingCollective(work, combined, ()), [grad.numel() for grad in summed]
+
+
+def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingCollective]:
+    """The finished collective of ``reduce_grads_together`` as one
+    reduction per gradient (``sizes``: their shards' numels, in order), for
+    ``finish_grad_reduction``: each its own tensor, as a sharded gradient's
+    storage must be (parameters' ``.grad`` are views of it)."""
+    return [PendingCollective(None, piece.clone(), ()) for piece in reduced.output.split(sizes)]
 
 
 def _reduce_with_comm_hook(unsharded_grad: torch.Tensor, settings: GradReduceSettings) -> PendingCollective:

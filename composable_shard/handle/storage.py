@@ -105,15 +105,25 @@ class FlatParamHandle:
             shard_rank=groups.shard_rank,
             shard_world_size=groups.shard_world_size,
         )
-        if groups.is_sharded:
-            # The most one rank writes for this handle's collectives (a
-            # reduce-scatter writes every chunk but its own): the shared
-            # memory of the group is checked and reserved for it (see
-            # [Note: one transport per group] in comm/transport.py).
-            itemsize = max(dtype.itemsize for dtype in (first.dtype, param_dtype or first.dtype, reduce_dtype or first.dtype))
-            comm.expect_collective_bytes(
-                groups.shard_group, self.layout.shard_numel * itemsize * max(1, groups.shard_world_size - 1)
-            )
+        # The most one rank writes for this handle's collectives in each
+        # group (a reduce-scatter writes every chunk but its own, an
+        # all-reduce the whole tensor, a bucket of reductions up to
+        # ``comm.REDUCE_BUCKET_BYTES``: [Note: coalesced reductions] in
+        # runtime/grad_buckets.py): the shared memory of the group is checked
+        # and reserved for it (see [Note: one transport per group] in
+        # comm/transport.py). ``plan`` counts the same (planning/transport_memory.py).
+        most = comm.collective_bytes_per_group(
+            shard_world_size=groups.shard_world_size if groups.is_sharded else 1,
+            has_replicas=groups.replicate_group is not None,
+            shard_numel=self.layout.shard_numel,
+            dtypes=(first.dtype, param_dtype or first.dtype),
+            reduce_dtype=reduce_dtype or first.dtype,
+            requires_grad=first.requires_grad,
+            offload=offload_params,
+        )
+        for kind, group in (("shard", groups.shard_group), ("replicate", groups.replicate_group)):
+            if kind in most:
+                comm.expect_collective_bytes(group, most[kind])
         # The user's parameter objects, in layout order; identity is kept.
         self.orig_params: tuple[nn.Parameter, ...] = tuple(src.param for src in sources)
         # Device forward and backward run on (where the unsharded buffer lives).
@@ -498,12 +508,24 @@ class FlatParamHandle:
         (all-reduce): ``comm.reduce_grad``. The unsharded gradient is
         released from the flat parameter; the returned pending collective
         keeps it alive."""
+        taken = self.take_grad_for_reduction()
+        if taken is None:
+            return None
+        unsharded_grad, settings = taken
+        return comm.reduce_grad(unsharded_grad, settings, async_op=async_op, carried=self.partial_reduced_grad)
+
+    def take_grad_for_reduction(self) -> tuple[torch.Tensor, GradReduceSettings] | None:
+        """The padded unsharded gradient, released from the flat parameter,
+        and how to reduce it (kept for ``finish_grad_reduction``); None when
+        there is none. ``reduce_grad`` runs it; a coalesced reduction
+        ([Note: coalesced reductions] in runtime/grad_buckets.py) takes
+        several handles' and reduces them in one collective."""
         unsharded_grad = self.unsharded_flat_param.grad
         if unsharded_grad is None:
             return None
         self.unsharded_flat_param.grad = None
         settings = self._settings_in_flight = self.reduction_settings()
-        return comm.reduce_grad(unsharded_grad, settings, async_op=async_op, carried=self.partial_reduced_grad)
+        return unsharded_grad, settings
 
     def finish_grad_reduction(self, reduced: PendingCollective) -> bool:
         """Complete a reduction whose work was waited on: the mean shard

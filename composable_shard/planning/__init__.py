@@ -5,7 +5,8 @@ holds at the worst moment of a training step.
 - ``sharding_plan.py``: ``plan`` and ``describe`` (the public entry points)
   and ``ShardingPlan``;
 - ``arguments.py``: their arguments checked before anything is computed;
-- ``memory.py``: the per-rank memory arithmetic and the step replay;
+- ``memory.py``: the per-rank memory arithmetic;
+- ``step_replay.py``: the replay of one step and its worst moment;
 - ``owner_memory.py``: optimizers stepped whole on owner ranks (Muon,
   Adafactor, a user's own): the runtime's owners on the plan's layouts, the
   owners' whole state, the step's exchange and temporaries;

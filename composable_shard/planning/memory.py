@@ -1,52 +1,14 @@
 """Owns: the per-rank memory arithmetic of a sharding plan — what one flat
-parameter costs in each state, the optimizer state per kind, the worst moment
-of a training step (replaying the order in which the runtime gathers, frees
-and reduces), and activations measured under fake tensors.
+parameter costs in each state, the optimizer state per kind, the sizes the
+allocator and gloo see. The step's replay is ``step_replay.py``;
+activations are measured in ``activations.py``.
 
 Knows nothing of: process groups, hooks, how units are chosen (``sharding_plan.py``
 gives it finished ``FlatParamPlan``/``UnitPlan`` descriptions).
 
-Public names: ``FlatParamPlan``, ``UnitPlan``, ``StepPeak``,
-``optimizer_bytes``, ``optimizer_step_bytes``, ``in_backward_step_bytes``,
-``step_moments``, ``step_peak``, ``worst_moment``, ``OPTIMIZERS``,
-``OPTIMIZER_STEP``, ``freed_allocation_sizes``, ``gloo_buffer_sizes``. Activations are measured in ``activations.py``.
-
-[Note: the step the plan replays]
-The plan assumes the usual loop (``zero_grad(set_to_none=True)``, forward,
-backward, ``optimizer.step()``, optimizer state already there) and replays
-the runtime's order; its worst moment is the plan's peak.
-
-- Forward: units in module pre-order (taken to be registration order), each
-  with its ancestors gathered; the root and the last unit stay gathered
-  until their backward, ``SHARD_GRAD_OP`` units too; forward prefetch
-  gathers the next unit early. On CUDA a unit's freed buffer is held until
-  the next all-gather allocated its own (``holds_freed_buffer``), so an
-  unprefetched next unit briefly has both.
-- Backward, in reverse: the unit's and its ancestors' gathered parameters,
-  the ``BACKWARD_PRE`` prefetch (on CPU it comes after the unit's reduction
-  is issued, as ``BACKWARD_POST``), the unit's per-parameter and padded flat
-  gradients together for a moment, ancestors' gradients autograd holds
-  until their flat gradient completes, one reduction in flight
-  (``Scheduler.MAX_REDUCTIONS_IN_FLIGHT``; through shared memory only its
-  output), gloo's flat copy of an all-gather's output (CPU without shared
-  memory), and the sharded gradients reduced so far.
-- ``optimizer.step()``: every sharded gradient plus the optimizer's
-  temporaries.
-
-[Note: optimizer in backward, planned]
-With ``optimizer_in_backward`` the user steps a per-parameter optimizer in
-each parameter's post-accumulate-grad hook and sets its ``.grad`` to None
-([Note: user post-accumulate-grad hooks] in runtime/state.py). A unit's hooks run
-where its reduction finishes (the next unit's post-backward, on CPU through
-gloo its pre-backward, the root's at the end of backward); then its sharded
-gradient, the rest of its reduction (a padded gradient gloo still holds)
-and one parameter's step temporaries are alive, and the gradient is freed
-once its last parameter stepped. No sharded gradient outlives its hooks, so
-the model state after a step has none (fp32 AdamW: 12 bytes a parameter,
-not 16) and there is no ``optimizer.step()`` moment. With CPU offload the
-hooks are deferred to the end of backward, where every gradient is alive
-until its unit's hooks ran. Pinned by tests/plan/test_plan.py (the
-``*_in_backward`` cases of tests/support/plan_measure.py).
+Public names: ``FlatParamPlan``, ``UnitPlan``, ``optimizer_bytes``,
+``optimizer_step_bytes``, ``in_backward_step_bytes``, ``OPTIMIZERS``,
+``freed_allocation_sizes``, ``gloo_buffer_sizes``.
 
 The plan counts live tensors; on CPU the resident set follows them because
 the backward trims the C heap ([Note: trimming the host heap in backward]
@@ -57,7 +19,7 @@ allocator's bytes and the step's profiled peak).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -68,14 +30,9 @@ __all__ = [
     "OPTIMIZERS",
     "FlatParamPlan",
     "UnitPlan",
-    "StepPeak",
     "optimizer_bytes",
     "optimizer_step_bytes",
     "in_backward_step_bytes",
-    "step_moments",
-    "step_peak",
-    "worst_moment",
-    "OPTIMIZER_STEP",
     "freed_allocation_sizes",
     "gloo_buffer_sizes",
 ]
@@ -251,6 +208,16 @@ class FlatParamPlan:
             kept += self.shard_numel * reduce
         return kept
 
+    def bucket_key(self, bucket_bytes: int) -> tuple | None:
+        """The bucket its reduction joins ([Note: coalesced reductions] in
+        runtime/grad_buckets.py; ``bucket_bytes`` 0: none), or None where it
+        is reduced alone."""
+        if not self.requires_grad or self.offload or bucket_bytes <= 0:
+            return None
+        if self.padded_numel * _itemsize(self.reduce_dtype) > bucket_bytes:
+            return None
+        return (self.is_sharded, self.reduce_dtype)
+
     @property
     def reduction_bytes(self) -> int:
         """Buffers of this flat parameter's reduction while it is in flight
@@ -296,6 +263,16 @@ class UnitPlan:
 
     def bytes_of(self, attr: str) -> int:
         return sum(getattr(fp, attr) for fp in self.flat_params)
+
+    def bucket_key(self, bucket_bytes: int) -> tuple | None:
+        """The bucket the unit's reductions join, or None where they run
+        alone: the plan holds a unit's trainable flat parameters together,
+        so a unit is bucketed when all of them share one key."""
+        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        keys = {fp.bucket_key(bucket_bytes) for fp in trainable}
+        if len(keys) != 1 or None in keys:
+            return None
+        return keys.pop()
 
     def is_ancestor_of(self, other: UnitPlan) -> bool:
         return other is not self and (self.name == "" or other.name.startswith(self.name + "."))
@@ -378,203 +355,3 @@ def gloo_buffer_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
             if fp.requires_grad:
                 sizes.append(fp.padded_numel * _itemsize(fp.reduce_dtype))
     return sizes
-
-
-# The label of the usual loop's optimizer step in the replay.
-OPTIMIZER_STEP = "optimizer.step()"
-
-
-@dataclass(frozen=True)
-class StepPeak:
-    """One moment of a step (the worst one, from ``step_peak``) and what is
-    alive then, besides the sharded parameters and optimizer state (always
-    alive)."""
-
-    moment: str
-    sharded_grads: int
-    unsharded_params: int
-    unsharded_grads: int
-    comm: int
-    optimizer_step: int
-    activations: int = 0
-
-    @property
-    def transient(self) -> int:
-        return (
-            self.sharded_grads
-            + self.unsharded_params
-            + self.unsharded_grads
-            + self.comm
-            + self.optimizer_step
-            + self.activations
-        )
-
-
-def step_peak(units: Sequence[UnitPlan], **kwargs: Any) -> StepPeak:
-    """The worst moment of ``step_moments(units, **kwargs)``."""
-    return worst_moment(step_moments(units, **kwargs))
-
-
-def worst_moment(moments: Sequence[StepPeak]) -> StepPeak:
-    """The moment with the most transient bytes; on a tie the optimizer
-    step, else the earliest."""
-    return max(moments, key=lambda m: (m.transient, m.moment == OPTIMIZER_STEP))
-
-
-def step_moments(
-    units: Sequence[UnitPlan],
-    *,
-    optimizer_step: int,
-    all_grads: int,
-    activations: Mapping[str, int],
-    activations_at_open: Mapping[str, int] | None = None,
-    holds_freed_buffer: bool = False,
-    prefetch_after_reduction: bool = False,
-    in_backward_steps: Sequence[int] | None = None,
-    hooks_after_backward: bool = False,
-) -> list[StepPeak]:
-    """Replay one step over ``units`` (module pre-order, root first; see
-    [Note: the step the plan replays]) and return its moments in order.
-    ``activations``: measured activation bytes by moment label (``"forward
-    of 'name'"``, ``"backward of 'name'"``), absent when not measured;
-    ``activations_at_open``: the bytes live when each of those windows
-    opened. ``holds_freed_buffer``: the lanes hold the buffer a post-forward
-    freed until the next all-gather allocated its own (CUDA).
-    ``prefetch_after_reduction``: ``BACKWARD_PRE`` prefetches at the
-    ``BACKWARD_POST`` point, as on CPU ([Note: backward prefetch on CPU] in
-    runtime/prefetch.py). ``in_backward_steps``: per unit, the temporaries of its
-    hooks' optimizer steps ([Note: optimizer in backward, planned]); None for
-    the usual loop. ``hooks_after_backward``: those hooks are deferred to the
-    end of backward (CPU offload)."""
-    opening = activations_at_open or {}
-    moments: list[StepPeak] = []
-    gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
-    stepped_in_hooks = in_backward_steps is not None and not hooks_after_backward
-    reduced = 0  # sharded gradients finished (and not yet stepped in hooks)
-    in_flight = 0  # the one reduction the scheduler keeps in flight
-
-    def gather(index: int) -> int:
-        """Unshard units[index]; returns its all-gather source temporaries."""
-        # gloo's copy only where an all-gather really runs (not for a unit
-        # still gathered: the root, the unit kept, a prefetched one).
-        copy = 0 if index in gathered else units[index].bytes_of("all_gather_copy_bytes")
-        gathered[index] = units[index].bytes_of("unsharded_bytes")
-        return units[index].bytes_of("gather_source_bytes") + copy
-
-    def moment(
-        label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None, acts: int | None = None
-    ) -> None:
-        if acts is None:
-            acts = activations.get(window or label, 0)
-        moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0, acts))
-
-    def finish(index: int, unsharded_grads: int, comm: int, acts: int) -> None:
-        """units[index]'s reduction finished: its sharded gradient exists
-        until the end of the step, or, stepped in its hooks, until they ran
-        ([Note: optimizer in backward, planned])."""
-        nonlocal reduced
-        grad = units[index].bytes_of("grad_bytes")
-        if not stepped_in_hooks:
-            reduced += grad
-            return
-        assert in_backward_steps is not None
-        label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
-        kept = units[index].bytes_of("reduction_kept_at_finish_bytes")
-        moments.append(
-            StepPeak(label, grad, sum(gathered.values()), unsharded_grads, kept + comm, in_backward_steps[index], acts)
-        )
-
-    def reshard_finished(running: UnitPlan | None) -> list[int]:
-        """Post-forward of every unit that finished: free unless the root or
-        kept until backward (SHARD_GRAD_OP). Returns the freed indices."""
-        freed = []
-        for index in list(gathered):
-            unit = units[index]
-            still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
-            # The root and the unit that runs last stay gathered for backward
-            # ([Note: the last unit stays gathered] in runtime/prefetch.py).
-            kept = index in (0, len(units) - 1)
-            if not kept and not still_running and unit.strategy.reshards_after_forward:
-                del gathered[index]
-                freed.append(index)
-        return freed
-
-    for index, unit in enumerate(units):  # forward
-        freed = reshard_finished(unit)
-        source = gather(index)
-        name = unit.name or "<root>"
-        prefetched = index > 0 and units[index - 1].forward_prefetch
-        if holds_freed_buffer and freed and not prefetched:
-            # The units freed since the last gather are nested: the
-            # outermost ran its post-forward last, and is the one held.
-            held = min(freed)
-            gathered[held] = units[held].bytes_of("unsharded_bytes")
-            moment(f"all-gather of '{name}'", 0, 0, source, acts=opening.get(f"forward of '{name}'", 0))
-            del gathered[held]
-        if unit.forward_prefetch and index + 1 < len(units):
-            source += gather(index + 1)
-        moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)
-    reshard_finished(None)
-    moment("start of backward", 0, 0, 0)
-
-    for index in range(len(units) - 1, -1, -1):  # backward
-        unit = units[index]
-        prefetch = unit.backward_prefetch
-        if prefetch is BackwardPrefetch.BACKWARD_PRE and prefetch_after_reduction:
-            prefetch = BackwardPrefetch.BACKWARD_POST
-        source = gather(index)
-        # On CPU a reduction that holds its padded gradient is finished at
-        # this pre-backward ([Note: backward prefetch on CPU]); an ancestor's
-        # pre-backward ran before its descendants' backward, not after.
-        finished_early = (
-            prefetch_after_reduction
-            and index + 1 < len(units)
-            and not unit.is_ancestor_of(units[index + 1])
-            and units[index + 1].bytes_of("reduction_holds_grad_bytes") > 0
-        )
-        held = sum(
-            fp.grad_bytes_used_after(unit.subtree_last)
-            for u in units
-            if u.is_ancestor_of(unit)
-            for fp in u.flat_params
-        )
-        name = unit.name or "<root>"
-        if finished_early:
-            finish(index + 1, held, source, opening.get(f"backward of '{name}'", 0))
-            in_flight = 0
-        if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
-            source += gather(index - 1)
-        pieces = unit.bytes_of("grad_pieces_bytes")
-        # The tied sums come before the concatenation into the flat gradient.
-        pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
-        # Activations peak as the unit's backward starts; its gradient pieces
-        # and the flat gradient exist at its end, when most are freed: what
-        # is live then is what the next unit's backward opens with.
-        closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else None
-        moment(f"start of backward of '{name}'", reduced, held, in_flight + source, f"backward of '{name}'")
-        moment(f"backward of '{name}'", reduced, held + pieces, in_flight + source, acts=closing)
-        # Post-backward: the previous reduction finishes (its output becomes
-        # a sharded gradient), this one is issued, the unit reshards.
-        if index + 1 < len(units) and not finished_early:
-            window = activations.get(f"backward of '{name}'", 0)
-            finish(index + 1, held + unit.bytes_of("unsharded_grad_bytes"), 0, window)
-        converting = unit.bytes_of("conversion_bytes")
-        issuing = unit.bytes_of("reduction_issue_bytes")
-        moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, f"backward of '{name}'")
-        in_flight = unit.bytes_of("reduction_bytes")
-        gathered.pop(index, None)
-        if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
-            source = gather(index - 1)
-            # This unit's backward is over: what is live as the next opens.
-            moment(f"prefetch after '{name}'", reduced, held, in_flight + source, f"backward of '{name}'", acts=closing)
-    if units:  # end of backward: the root's reduction finishes
-        finish(0, 0, 0, 0)
-    if in_backward_steps is None:
-        moments.append(StepPeak(OPTIMIZER_STEP, all_grads, 0, 0, 0, optimizer_step))
-    elif hooks_after_backward:
-        # Offloaded: every hook deferred to here, units in backward order.
-        for index in range(len(units) - 1, -1, -1):
-            label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
-            moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index]))
-            reduced -= units[index].bytes_of("grad_bytes")
-    return moments

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from .. import comm
 from ..comm import transport
 from ..comm_hooks import reduce_dtype_of_unit
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -39,16 +40,14 @@ from ..handle.dtensor_views import local_tensor
 from .activations import ActivationProfile, measure_activations
 from .budget import UnitLayout, choose_layouts
 from .memory import (
-    StepPeak,
     UnitPlan,
     freed_allocation_sizes,
     gloo_buffer_sizes,
     in_backward_step_bytes,
     optimizer_bytes,
     optimizer_step_bytes,
-    step_moments,
-    worst_moment,
 )
+from .step_replay import StepPeak, step_moments, worst_moment
 from .owner_memory import OwnerOptimizer, owner_state_bytes, owner_step_bytes
 from .arguments import (
     budget_layouts,
@@ -470,6 +469,7 @@ def _assemble(
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
     grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
+    bucket_bytes = comm.REDUCE_BUCKET_BYTES if world_size > 1 else 0
     moments = step_moments(
         units,
         optimizer_step=step_bytes,
@@ -485,11 +485,13 @@ def _assemble(
         if in_backward
         else None,
         hooks_after_backward=any(fp.offload for fp in flat_params),
+        # [Note: coalesced reductions] in runtime/grad_buckets.py: none on one rank.
+        bucket_bytes=bucket_bytes,
     )
     peak: StepPeak = worst_moment(moments)
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
     cpu = sum(fp.shard_bytes for fp in offloaded) + offloaded_grads + offloaded_state
-    moved = transport_bytes(flat_params) if shared_memory else 0
+    moved = transport_bytes(units) if shared_memory else 0
     largest_activation = [activations.largest] if activations is not None else []
     runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
                              gloo_buffers=gloo_buffer_sizes(flat_params), units=len(units))

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from .memory import StepPeak, worst_moment
+from .step_replay import StepPeak, worst_moment
 
 __all__ = ["MemoryTimeline", "CATEGORIES", "plan_timeline", "moment_positions"]
 
@@ -132,7 +132,8 @@ def plan_timeline(plan: _PlanLike) -> MemoryTimeline:
 def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[float]:
     """Where each measured sample's ``labels`` (``"pre_forward (blocks.0)"``
     as the runtime's hooks name them) falls on the plan's moment axis: at
-    the moment the hook opens (forward, start of backward, reduce-scatter),
+    the moment the hook opens (forward, start of backward, reduce-scatter,
+    a gradient held for a bucket),
     half a moment after the one it closes, else just after the previous
     sample."""
     index: dict[str, int] = {}
@@ -149,7 +150,11 @@ def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[floa
             "post_forward": [("start of backward", -0.2)] if unit == "<root>" else [(f"forward of '{unit}'", 0.5)],
             "pre_forward": [(f"forward of '{unit}'", 0.0)],
             "pre_backward": [("start of backward", 0.2)] if unit == "<root>" else [(f"start of backward of '{unit}'", 0.0)],
-            "post_backward": [(f"reduce-scatter of '{unit}'", 0.0)],
+            "post_backward": [
+                (f"reduce-scatter of '{unit}'", 0.0),
+                (f"gradient of '{unit}' held for a bucket", 0.0),
+                (f"reduction of the bucket of {unit!r}", 0.0),
+            ],
             "finalize_backward": [(moments[-1], -0.3)] if moments else [],
             "end of step": [(moments[-1], 0.5)] if moments else [],
         }.get(hook, [])

@@ -1,35 +1,51 @@
 """Owns: the shared memory a rank's collectives keep in ``/dev/shm`` for
 the whole run, counted by the plan as ``rank_bytes["transport"]``.
 
-Knows nothing of: the step's replay (memory.py), units.
+Knows nothing of: the step's replay (step_replay.py), units.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
+from .. import comm
 from ..comm import transport
-from .memory import FlatParamPlan
+from ..api import ShardingStrategy
+from .memory import UnitPlan
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
 __all__ = ["transport_bytes"]
 
 
-def transport_bytes(flat_params: Sequence[FlatParamPlan]) -> int:
+def transport_bytes(units: Sequence[UnitPlan]) -> int:
     """Shared memory one rank's collectives hold for the whole run (CPU, a
-    gloo group on one host): its slots, each reserving the largest
-    collective of any flat parameter up to the slot's fixed size, plus a
-    header page (``shared_memory.bytes_per_rank``). The largest collective is
-    what ``FlatParamHandle`` announces: the shard in the widest of its
-    dtypes, times the peers a reduce-scatter writes for. Counted once, for
-    this rank: RSS also shows the pages of the peers' slots this rank read
-    (``scripts/bench.py`` counts each page for its owner only)."""
-    largest = 0
-    for fp in flat_params:
-        if not fp.is_sharded or not fp.shard_numel:
-            continue
-        world = fp.padded_numel // fp.shard_numel
-        itemsize = max(torch.empty((), dtype=d, device="meta").element_size() for d in (fp.dtype, fp.param_dtype, fp.reduce_dtype))
-        largest = max(largest, fp.shard_numel * itemsize * max(1, world - 1))
-    return transport.shared_bytes_per_rank(largest) if largest else 0
+    gloo group on one host): per group its slots, each reserving the
+    largest collective this rank writes in it up to the slot's fixed size,
+    plus a header page (``shared_memory.bytes_per_rank``). What each flat
+    parameter reserves is ``comm.collective_bytes_per_group``, as
+    ``FlatParamHandle`` announces it; a NO_SHARD unit's replica group is the
+    data-parallel group the others shard over, a hybrid unit's its own.
+    Counted once, for this rank: RSS also shows the pages of the peers'
+    slots this rank read (``scripts/bench.py`` counts each page for its
+    owner only)."""
+    largest = {"data_parallel": 0, "replicate": 0}
+    for unit in units:
+        hybrid = unit.strategy in _HYBRID
+        for fp in unit.flat_params:
+            if not fp.shard_numel:
+                continue
+            world = fp.padded_numel // fp.shard_numel
+            most = comm.collective_bytes_per_group(
+                shard_world_size=world if fp.is_sharded else 1,
+                has_replicas=hybrid or not fp.is_sharded,
+                shard_numel=fp.shard_numel,
+                dtypes=(fp.dtype, fp.param_dtype),
+                reduce_dtype=fp.reduce_dtype,
+                requires_grad=fp.requires_grad,
+                offload=fp.offload,
+            )
+            for kind, nbytes in most.items():
+                group = "replicate" if kind == "replicate" and hybrid else "data_parallel"
+                largest[group] = max(largest[group], nbytes)
+    return sum(transport.shared_bytes_per_rank(nbytes) for nbytes in largest.values() if nbytes)

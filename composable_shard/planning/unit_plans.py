@@ -3,7 +3,7 @@
 handles ``fully_shard`` built — and the model facts they need (module order,
 parameter positions, buffers).
 
-Knows nothing of: hooks, collectives, storage, the step replay (``memory.py``),
+Knows nothing of: hooks, collectives, storage, the step replay (``step_replay.py``),
 how units are chosen (``units/rules.py``).
 
 Public names: ``param_positions``, ``default_device_type``,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from .. import comm
 from .scheduler import Scheduler
 from .state import RootContext, UnitState, unit_states_under
 from .lifecycle import track_root
@@ -35,7 +36,9 @@ def lazy_init(state: UnitState) -> RootContext:
     context = RootContext(
         state,
         units,
-        Scheduler(state.compute_device, limit_all_gathers=state.config.limit_all_gathers),
+        Scheduler(
+            state.compute_device, limit_all_gathers=state.config.limit_all_gathers, bucket_bytes=comm.REDUCE_BUCKET_BYTES
+        ),
     )
     for name, unit in named_units:
         unit.root_context = context

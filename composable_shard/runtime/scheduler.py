@@ -192,7 +192,7 @@ class Scheduler:
     # instead of the whole model until the end of backward.
     MAX_REDUCTIONS_IN_FLIGHT = 1
 
-    def __init__(self, device: torch.device, *, limit_all_gathers: bool) -> None:
+    def __init__(self, device: torch.device, *, limit_all_gathers: bool, bucket_bytes: int = 0) -> None:
         self.device = device
         self.limit_all_gathers = limit_all_gathers
         if device.type == "cuda":
@@ -215,6 +215,11 @@ class Scheduler:
         self._deferred_free: _DeferredFree | None = None
         # Issued reductions with what to do once each is done, in issue order.
         self._reductions: list[_Reduction] = []
+        # Reductions held to share one collective, and the most bytes a
+        # bucket holds (0: none held; [Note: coalesced reductions] in
+        # runtime/grad_buckets.py).
+        self._bucket: _Bucket | None = None
+        self.bucket_bytes = bucket_bytes
         # The fence of the latest finish run on the reduction lane, with the
         # reduction it read (kept referenced until compute waited on the
         # fence: see "The host is a third party" in [Note: lane fences]).
@@ -299,6 +304,7 @@ class Scheduler:
         with ``finish_on_lane``, on the reduction lane after it (for work only
         the host reads, after ``synchronize_host``: the offloaded gradient
         downloads; see [Note: lane fences])."""
+        self.issue_bucket()  # held reductions go first: every rank issues in one order
         while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
             self._finish_reduction(self._reductions.pop(0))
         # Issued from the post-accumulate-grad hook: compute has just queued
@@ -309,9 +315,44 @@ class Scheduler:
         )
         self._reductions.append(_Reduction(in_flight, on_done, finish_on_lane))
 
+    def reduce_together(
+        self,
+        key: Hashable,
+        nbytes: int,
+        item: object,
+        launch: Callable[[list, bool], PendingCollective | None],
+        on_done: Callable[[list, PendingCollective], None],
+    ) -> None:
+        """Hold a reduction of ``nbytes`` that may share one collective with
+        the next ones of the same ``key``; the bucket is issued as one
+        ``reduce`` (``launch(items, async_op)``, ``on_done(items,
+        pending)``) before it would exceed ``bucket_bytes``, once it is
+        full, before any other reduction, and at every wait for reductions
+        ([Note: coalesced reductions] in runtime/grad_buckets.py)."""
+        bucket = self._bucket
+        if bucket is not None and (bucket.key != key or bucket.nbytes + nbytes > self.bucket_bytes):
+            self.issue_bucket()
+        if self._bucket is None:
+            self._bucket = _Bucket(key, [], 0, launch, on_done)
+        self._bucket.items.append(item)
+        self._bucket.nbytes += nbytes
+        if self._bucket.nbytes >= self.bucket_bytes:
+            self.issue_bucket()
+
+    def issue_bucket(self) -> None:
+        """Issue the held reductions' collective (no-op when none is held)."""
+        bucket, self._bucket = self._bucket, None
+        if bucket is not None:
+            items = bucket.items
+            self.reduce(lambda async_op: bucket.launch(items, async_op), lambda pending: bucket.on_done(items, pending))
+
     def wait_for_reductions(self) -> None:
         """Wait for every issued reduction, oldest first, and finish each;
         compute is then ordered after all of the reduction lane's work."""
+        self.issue_bucket()
+        self._finish_issued_reductions()
+
+    def _finish_issued_reductions(self) -> None:
         reductions, self._reductions = self._reductions, []
         for reduction in reductions:
             self._finish_reduction(reduction)
@@ -321,7 +362,9 @@ class Scheduler:
         """Wait for every issued reduction's collective, but run none of
         their ``on_done``: a backward that raised left them, and their
         results must not reach ``.grad`` after the user cleared it (the
-        collectives still complete, as every rank issued them)."""
+        collectives still complete, as every rank issued them). Held
+        reductions are dropped: no rank issued them."""
+        self._bucket = None
         reductions, self._reductions = self._reductions, []
         for reduction in reductions:
             self.reduce_scatter_lane.wait(reduction.in_flight)
@@ -348,7 +391,7 @@ class Scheduler:
         """Finish the reductions in flight (oldest first) if one of them
         still holds buffers compute allocated."""
         if any(r.in_flight.pending is not None and r.in_flight.pending.inputs for r in self._reductions):
-            self.wait_for_reductions()
+            self._finish_issued_reductions()  # held ones stay held: they hold no backend's buffer
 
     def _finish_reduction(self, reduction: _Reduction) -> None:
         # The fence first, also when nothing was returned: the launch may
@@ -404,6 +447,21 @@ class _Reduction(NamedTuple):
     on_done: Callable[[PendingCollective], None]
     # Whether ``on_done`` runs on the reduction lane (downloads for the host).
     finish_on_lane: bool
+
+
+class _Bucket:
+    """Reductions held to share one collective (see ``reduce_together``)."""
+
+    def __init__(
+        self,
+        key: Hashable,
+        items: list,
+        nbytes: int,
+        launch: Callable[[list, bool], PendingCollective | None],
+        on_done: Callable[[list, PendingCollective], None],
+    ) -> None:
+        self.key, self.items, self.nbytes = key, items, nbytes
+        self.launch, self.on_done = launch, on_done
 
 
 class _DeferredFree(NamedTuple):

@@ -29,6 +29,7 @@ from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
 from ..comm.tags import collective_of
 from ..handle import FlatParamHandle
+from .grad_buckets import bucket_key, hold_for_bucket
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
 if TYPE_CHECKING:
@@ -273,11 +274,15 @@ class UnitState:
             # Refuses what a communication hook cannot honour ([Note: communication hooks]).
             check_overrides(handle.reduction_settings(), handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
             try:
-                context.scheduler.reduce(
-                    functools.partial(_launch_reduce, handle),
-                    functools.partial(_finish_reduction, context, handle),
-                    finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
-                )
+                key = bucket_key(handle, context.scheduler.bucket_bytes)
+                if key is not None:  # [Note: coalesced reductions] in runtime/grad_buckets.py
+                    hold_for_bucket(context.scheduler, handle, key, functools.partial(_finish_reduction, context))
+                else:
+                    context.scheduler.reduce(
+                        functools.partial(_launch_reduce, handle),
+                        functools.partial(_finish_reduction, context, handle),
+                        finish_on_lane=handle.offload_params,  # downloads off compute: [Note: lane fences]
+                    )
             except Exception as error:  # a communication hook's own error: [Note: communication hooks]
                 # __notes__ as add_note keeps it (Python 3.11+ prints it; 3.10 lacks add_note).
                 note = f"composable_shard: raised while unit '{self.fqn}' issued its gradient reduction"

@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.probe_layers < 1 or args.memory_steps < 1:
             p.error("--config largest needs --probe-layers and --memory-steps of at least 1")
     default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
+    default_modes = [m for m in default_modes if m != "cs_unbucketed"]  # on request: before/after coalescing
     if args.optimizer_in_backward:
         default_modes = [m for m in default_modes if m not in ("ddp", "local")]
     if args.optimizer == "muon":

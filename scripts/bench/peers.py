@@ -59,6 +59,26 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
     return model, optimizer or make_optimizer(model, args)
 
 
+def build_composable_shard_unbucketed(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """composable_shard with every flat parameter reduced alone ([Note:
+    coalesced reductions] off): the bucket size is read when a flat
+    parameter reserves shared memory and when the tree initialises, at its
+    first forward, run here (no grad, so nothing changes) while it is 0."""
+    from composable_shard import comm
+
+    saved = comm.REDUCE_BUCKET_BYTES
+    comm.REDUCE_BUCKET_BYTES = 0
+    try:
+        model, optimizer = build_composable_shard(args, device)
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    finally:
+        comm.REDUCE_BUCKET_BYTES = saved
+    return model, optimizer
+
+
 def build_fsdp1(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -141,6 +161,8 @@ class Peer:
 
 PEERS: dict[str, Peer] = {
     "composable_shard": Peer(build_composable_shard),
+    # The same with every gradient reduced in a collective of its own (before coalescing).
+    "cs_unbucketed": Peer(build_composable_shard_unbucketed),
     "fsdp1": Peer(build_fsdp1),
     "fsdp2": Peer(build_fsdp2),
     "ddp": Peer(build_ddp, simulated=False, autocast=True),

@@ -35,7 +35,7 @@ from composable_shard import unshard
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime.state import get_state, unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, run_parity, step_and_compare
@@ -163,6 +163,7 @@ def _trainable_handles(model: nn.Module) -> int:
     return sum(len(state.trainable_handles) for _, state in unit_states_under(model))
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _hybrid_micro_batches(rank: int, world_size: int) -> None:
     """Three micro-batches per step on HYBRID_SHARD (2 x 2): the first
     without gradient sync (on every unit, or on blocks.0 only), the second
@@ -301,6 +302,7 @@ def _expert_loss(model: nn.Module, step: int, micro: int, rows: slice) -> torch.
     return ((model(inputs[rows], routes[rows]) - targets[rows]) ** 2).mean()
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _skipped_experts_next_to_unsynced_units(rank: int, world_size: int) -> None:
     """Two micro-batches per step, the first with gradient sync off on the
     experts (units some ranks skip, each rank keeping what it ran) or on

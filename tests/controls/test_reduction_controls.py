@@ -27,7 +27,7 @@ from composable_shard import (
 from composable_shard.comm.reduction import predivide_factor
 from composable_shard.runtime.state import unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, run_parity, shard_manually
@@ -39,6 +39,7 @@ def _trainable_handles(model: nn.Module, names: set[str] | None = None) -> int:
     )
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _hybrid_accumulation(rank: int, world_size: int) -> None:
     """k micro-batches per step, the replica all-reduce only on the last:
     on every unit, or (FSDP2's "some modules" case) skipped on blocks.0

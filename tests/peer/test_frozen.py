@@ -19,7 +19,7 @@ from torch.distributed._composable import checkpoint
 from composable_shard import ShardingStrategy, fully_shard
 from composable_shard.runtime.state import unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import MLP
 from tests.support.parity import Parity, assert_resharded, compare_full
@@ -36,6 +36,7 @@ def _biases_only() -> nn.Module:
     return model
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _train_biases_only(rank: int, world_size: int) -> None:
     for strategy in STRATEGIES:
         for use_checkpoint in (False, True):

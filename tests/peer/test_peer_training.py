@@ -22,7 +22,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from composable_shard import ShardingStrategy, comm, fully_shard, no_sync, register_forward_method
 from composable_shard.runtime.state import get_state
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import MLP
 from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups
@@ -224,6 +224,7 @@ def test_forward_through_a_non_root_unit_matches_reference() -> None:
     run_distributed(_non_root_and_first_forward_scenarios, 2)
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _gradient_accumulation_modes(rank: int, world_size: int) -> None:
     """Three micro-batches; no_sync over the whole model, over some units
     only, or not at all; gradients compared after each step's last

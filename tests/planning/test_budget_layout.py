@@ -36,7 +36,7 @@ EXPECTED = {
     ("lora", "roomy"): [NS] * 9,
     ("lora", "tight"): [SGO] + [FS] * 6 + [SGO] * 2,
     ("gpt", "roomy"): [NS] * 7,
-    ("gpt", "tight"): [SGO] * 7,
+    ("gpt", "tight"): [FS] + [SGO] * 6,
 }
 
 

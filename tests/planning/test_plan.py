@@ -20,7 +20,8 @@ from expecttest import assert_expected_inline
 
 import composable_shard as cs
 from composable_shard import ShardingStrategy
-from composable_shard.planning.memory import FlatParamPlan, StepPeak, UnitPlan, step_peak
+from composable_shard.planning.memory import FlatParamPlan, UnitPlan
+from composable_shard.planning.step_replay import StepPeak, step_peak
 
 from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
 from tests.support.models import Block, LoRABlock, LoRAGPT, TinyGPT
@@ -162,13 +163,13 @@ per rank (rank 0):
   shared-memory transport             0 B  none: collectives through the backend
   runtime (not tensors)               0 B  not measured on this device
   worst moment: backward of '<root>'
-    sharded gradients                96 B  reduced so far
+    sharded gradients                 0 B  reduced so far
     unsharded parameters         2.50 KiB  gathered units
-    unsharded gradients          6.50 KiB  before reduce-scatter
-    communication buffers           480 B  reduction in flight, all-gather sources
+    unsharded gradients          7.25 KiB  before reduce-scatter
+    communication buffers             0 B  reduction in flight, all-gather sources
     optimizer step temporaries        0 B
     activations: not measured (pass input_shape= or example_inputs= to plan)
-  peak total                    12.58 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
+  peak total                    12.77 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
     )
 
 

@@ -17,6 +17,7 @@ from composable_shard import BackwardPrefetch, fully_shard
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime.state import unit_states_under
 
+from tests.support.comm_spies import with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 
@@ -120,6 +121,7 @@ def _counting_collectives(counts: dict[str, int]) -> Iterator[None]:
             setattr(comm, name, real[name])
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _collective_counts(rank: int, world_size: int) -> None:
     from composable_shard import ShardingStrategy
 

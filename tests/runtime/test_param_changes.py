@@ -37,7 +37,7 @@ from composable_shard import (
 )
 from composable_shard.runtime.state import get_state, unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
 from tests.support.harness_pool import run_distributed, world_sizes
 from tests.support.harness_worker import run_subtests
 from tests.support.mixed_precision import PrecisionCase, reference_step
@@ -253,6 +253,7 @@ def _state_dict_round_trip(
     _check_params(fresh, reference.model, reference.tolerance, "after loading, optimizer step")
 
 
+@with_reductions_alone  # counts reductions per flat parameter
 def _requires_grad_changes(rank: int, world_size: int) -> None:
     # One rank shards nothing: one strategy stands for all. Mixed precision
     # and checkpointing at two ranks; four ranks add empty local parts.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -83,3 +84,31 @@ class CommSpy:
     def __exit__(self, *exc: object) -> None:
         for name, original in self.saved.items():
             setattr(comm, name, original)
+
+
+@contextlib.contextmanager
+def reductions_alone() -> Iterator[None]:
+    """Trees initialised inside reduce every flat parameter in a collective
+    of its own ([Note: coalesced reductions] off), for tests that count
+    reductions per flat parameter; restored after (the worker serves other
+    tests). tests/runtime/test_coalesced_reductions.py counts the buckets."""
+    saved = comm.REDUCE_BUCKET_BYTES
+    comm.REDUCE_BUCKET_BYTES = 0
+    try:
+        yield
+    finally:
+        comm.REDUCE_BUCKET_BYTES = saved
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def with_reductions_alone(fn: _Fn) -> _Fn:
+    """A worker function run under ``reductions_alone``."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with reductions_alone():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -1,0 +1,116 @@
+"""Owns: coalescing the gradient reductions of small flat parameters —
+which reductions may share one collective (their key), holding each until
+its bucket is issued, and handing every flat parameter its own reduced
+shard afterwards.
+
+Knows nothing of: units, hooks, when a bucket is issued (the scheduler's
+``reduce_together``), streams.
+
+Public names: ``bucket_key``, ``hold_for_bucket``.
+
+[Note: coalesced reductions]
+Every reduction is a collective, and a collective has a cost of its own
+whatever its size: on CPU a wait for the slowest peer and a round through
+shared memory, on NCCL a kernel launch. Units of a few hundred KB (many
+narrow blocks, LoRA adapters) pay it once per unit, where DDP pays it once
+per 25 MB bucket. So the reduction of a flat parameter whose padded
+gradient is at most ``bucket_bytes`` (the scheduler's, from
+``comm.REDUCE_BUCKET_BYTES`` when the tree is initialised; 0 switches this
+off) and that has nothing of its own to run (no communication hook, no
+partial sum to add, not offloaded) is held: its gradient is taken from the
+flat parameter at once (as the reduction would) and kept with the others
+of the same key (group, reduce dtype, device), in backward order. The
+bucket is issued as one ``reduce`` when the next gradient would overflow
+it, when a reduction of another key or one not held is issued (order is
+kept: the bucket goes first), and at every wait for reductions (a unit's
+backward never waits for a gradient still held; the end of backward, a
+partial backward's end and every state change issue it). One collective
+then reduces all of them: a reduce-scatter of the gradients laid side by
+side per rank's chunk, or one all-reduce (``comm.reduce_grads_together``);
+each flat parameter gets a copy of its shard of the result and finishes as
+if reduced alone (division, hybrid all-reduce, accumulation, ``.grad``,
+user hooks). The sum of each element is the same as alone: the same
+elements, the same ranks, the same order. Memory: the held gradients and
+the bucket's side-by-side copy, at most two buckets' bytes (``plan``
+counts them). Pinned by tests/runtime/test_coalesced_reductions.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+from .. import comm
+from ..comm import GradReduceSettings, PendingCollective
+from ..comm.tags import collective_of
+from ..handle import FlatParamHandle
+from .scheduler import Scheduler
+
+__all__ = ["bucket_key", "hold_for_bucket"]
+
+
+
+@dataclass(eq=False)
+class _Held:
+    """A flat parameter's gradient held for its bucket."""
+
+    handle: FlatParamHandle
+    # Dropped once the bucket's collective copied it (or read it, on NCCL).
+    grad: torch.Tensor | None
+    settings: GradReduceSettings
+    # Elements of its reduced shard in the bucket's output.
+    shard_numel: int
+
+
+def bucket_key(handle: FlatParamHandle, bucket_bytes: int) -> Hashable | None:
+    """The bucket ``handle``'s reduction may join now, or None where it is
+    reduced alone (see [Note: coalesced reductions])."""
+    grad = handle.unsharded_flat_param.grad
+    if bucket_bytes <= 0 or grad is None or handle.offload_params:
+        return None
+    settings = handle.reduction_settings()
+    if not comm.bucketable_bytes(grad.numel(), settings.reduce_dtype, bucket_bytes):
+        return None
+    if not comm.can_reduce_together(settings, handle.partial_reduced_grad):
+        return None
+    groups = settings.groups
+    group = groups.shard_group if groups.is_sharded else groups.replicate_group
+    return (group, groups.is_sharded, settings.reduce_dtype, grad.device)
+
+
+def hold_for_bucket(
+    scheduler: Scheduler,
+    handle: FlatParamHandle,
+    key: Hashable,
+    finish: Callable[[FlatParamHandle, PendingCollective], None],
+) -> None:
+    """Take ``handle``'s gradient and hold it in the scheduler's bucket of
+    ``key`` (from ``bucket_key``); ``finish(handle, reduced)`` runs once the
+    bucket's collective is done, as for a reduction of its own."""
+    taken = handle.take_grad_for_reduction()
+    if taken is None:
+        return
+    grad, settings = taken
+    shard_numel = grad.numel() // settings.groups.shard_world_size if settings.groups.is_sharded else grad.numel()
+    nbytes = grad.numel() * settings.reduce_dtype.itemsize
+    held = _Held(handle, grad, settings, shard_numel)
+    scheduler.reduce_together(key, nbytes, held, _launch_bucket, functools.partial(_finish_bucket, finish))
+
+
+def _launch_bucket(held: list[_Held], async_op: bool) -> PendingCollective | None:
+    grads = [item.grad for item in held]
+    for item in held:
+        item.grad = None  # the collective (or its pending inputs) keeps what it needs
+    with collective_of(held[0].handle):  # [Note: tagged collectives] in comm/tags.py
+        reduced, _ = comm.reduce_grads_together(grads, [item.settings for item in held], async_op=async_op)  # type: ignore[arg-type]
+    return reduced
+
+
+def _finish_bucket(
+    finish: Callable[[FlatParamHandle, PendingCollective], None], held: list[_Held], reduced: PendingCollective
+) -> None:
+    for item, piece in zip(held, comm.split_reduced(reduced, [item.shard_numel for item in held])):
+        finish(item.handle, piece)
