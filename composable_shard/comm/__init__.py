@@ -317,16 +317,22 @@ def reduce_grads_together(
     (``split_reduced`` hands each gradient its own)."""
     summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
     groups = settings[0].groups
+    # On CUDA the casts and the concatenation run on the reduction lane:
+    # the gradients compute allocated stay referenced until compute waited
+    # on its fence ([Note: buffer lifetimes across lanes] in
+    # runtime/scheduler.py); on CPU they ran here, and only what the backend
+    # still reads is kept (nothing, through shared memory).
+    read_on_lane = (*summed, *unsharded_grads) if unsharded_grads[0].device.type == "cuda" else ()
     if groups.is_sharded:
         world_size = groups.shard_world_size
         combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
-        inputs: tuple[torch.Tensor, ...] = (combined,) if inputs_in_use(work) else ()
+        inputs = (combined, *read_on_lane) if inputs_in_use(work) else read_on_lane
         return PendingCollective(work, output, inputs), [grad.numel() // world_size for grad in summed]
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
-    return PendingCollective(work, combined, ()), [grad.numel() for grad in summed]
+    return PendingCollective(work, combined, read_on_lane), [grad.numel() for grad in summed]
 
 
 def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingCollective]:

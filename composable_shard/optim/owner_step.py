@@ -15,16 +15,17 @@ a norm) is exact only over whole parameters, so around its step:
 1. ``before_step`` (after the lifecycle's gate): one ``all_reduce`` (max) of
    a flag per parameter says which have a gradient on some rank (a single
    process skips a parameter whose ``.grad`` is None); one ``all_to_all``
-   per dtype sends every piece of those parameters' values and reduced
-   gradients to their owners ([Note: choosing owners] in owners.py). The
+   per shard group, in the widest floating dtype of its flat parameters,
+   sends every piece of those parameters' values and reduced gradients to
+   their owners ([Note: choosing owners] in owners.py). The
    owner points the parameter's ``.data`` and ``.grad`` at whole tensors of
    the original shape; every other rank hides the parameter from the
    optimizer by setting its ``.grad`` to None (torch's optimizers, and any
    that follows their convention, skip such parameters).
 2. The optimizer's own ``step`` runs unchanged; its state for a parameter
    is created with the whole shape, on the owner only.
-3. ``after_step``: one ``all_to_all`` per dtype sends the new values from the
-   owners to the ranks holding pieces; every parameter shows its 1-D piece
+3. ``after_step``: one ``all_to_all`` per shard group sends the new values
+   from the owners to the ranks holding pieces; every parameter shows its 1-D piece
    of the shard again, with the gradient it had.
 
 A parameter the owner holds whole is stepped in place on a view of the

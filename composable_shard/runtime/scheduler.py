@@ -297,6 +297,7 @@ class Scheduler:
         on_done: Callable[[PendingCollective], None],
         *,
         finish_on_lane: bool = False,
+        written: torch.cuda.Event | None = None,
     ) -> None:
         """Issue a gradient reduction; ``on_done`` runs once it finished
         (when a later reduction pushes it out, or in ``wait_for_reductions``),
@@ -308,8 +309,10 @@ class Scheduler:
         while len(self._reductions) >= self.MAX_REDUCTIONS_IN_FLIGHT:
             self._finish_reduction(self._reductions.pop(0))
         # Issued from the post-accumulate-grad hook: compute has just queued
-        # the write of the gradient it reads (see [Note: what a lane waits for]).
-        written = self.reduce_scatter_lane.mark_compute()
+        # the write of the gradient it reads (see [Note: what a lane waits
+        # for]); a bucket's held gradients were written at its last hold.
+        if written is None:
+            written = self.reduce_scatter_lane.mark_compute()
         in_flight = self.reduce_scatter_lane.issue(
             lambda: launch(self.reduce_scatter_lane.async_op), after=() if written is None else (written,)
         )
@@ -336,6 +339,9 @@ class Scheduler:
             self._bucket = _Bucket(key, [], 0, launch, on_done)
         self._bucket.items.append(item)
         self._bucket.nbytes += nbytes
+        # Its gradient is written now: the bucket's collective waits for the
+        # last such write only, not for compute enqueued after it.
+        self._bucket.written = self.reduce_scatter_lane.mark_compute()
         if self._bucket.nbytes >= self.bucket_bytes:
             self.issue_bucket()
 
@@ -344,7 +350,11 @@ class Scheduler:
         bucket, self._bucket = self._bucket, None
         if bucket is not None:
             items = bucket.items
-            self.reduce(lambda async_op: bucket.launch(items, async_op), lambda pending: bucket.on_done(items, pending))
+            self.reduce(
+                lambda async_op: bucket.launch(items, async_op),
+                lambda pending: bucket.on_done(items, pending),
+                written=bucket.written,
+            )
 
     def wait_for_reductions(self) -> None:
         """Wait for every issued reduction, oldest first, and finish each;
@@ -462,6 +472,8 @@ class _Bucket:
     ) -> None:
         self.key, self.items, self.nbytes = key, items, nbytes
         self.launch, self.on_done = launch, on_done
+        # Compute's event at the latest hold (None on CPU).
+        self.written: torch.cuda.Event | None = None
 
 
 class _DeferredFree(NamedTuple):

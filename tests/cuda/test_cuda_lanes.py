@@ -17,14 +17,16 @@ where the real code enqueues it; the tensors stay on CPU.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.comm import PendingCollective
 from composable_shard.handle import FlatParamHandle
-from composable_shard.runtime import lazy_init
+from composable_shard.runtime import grad_buckets, lazy_init
 from composable_shard.runtime.scheduler import CudaStreamLane, Scheduler
 from composable_shard.runtime.state import get_state, unit_states_under
 
@@ -258,6 +260,19 @@ class _Recorder:
         handle.reduce_grad = recorded_reduce_grad  # type: ignore[method-assign]
         handle.finish_grad_reduction = recorded_finish  # type: ignore[method-assign]
 
+    def bucket_issued(self, handles: list[FlatParamHandle]) -> None:
+        """A bucket of held gradients was issued: one lane op reads them all
+        and writes each one's reduced shard ([Note: coalesced reductions])."""
+        names = [self.names[id(handle)] for handle in handles]
+        op = self.cuda.launch(f"reduce bucket of {', '.join(names)}")
+        for name in names:
+            self.cuda.memory.access(f"gradient {name}", op, write=False)
+            self.cuda.memory.allocate(f"reduced {name}", op)
+        # One issue for the bucket: it needs the latest of its gradients' writes.
+        pool = [previous.seq for previous, _ in self.cuda.memory.pools[self.reduce_stream] if previous.stream == "compute"]
+        needed = max([*pool, *(self.gradient_writes[name] for name in names)])
+        self.issues.append(_Issue(self.reduce_stream, names[-1], self.phase, op, needed))
+
     def gradient_written(self, handle: FlatParamHandle) -> None:
         """Backward wrote the handle's unsharded gradient (on compute)."""
         name = self.names[id(handle)]
@@ -282,6 +297,24 @@ class _Issue(NamedTuple):
     needed: int
 
 
+@contextlib.contextmanager
+def _recorded_buckets(recorder: _Recorder) -> Iterator[None]:
+    """Bucket launches ([Note: coalesced reductions]) described to the fake."""
+    launch = grad_buckets._launch_bucket
+
+    def recorded(held: list, async_op: bool) -> PendingCollective | None:
+        handles = [item.handle for item in held]
+        pending = launch(held, async_op)
+        recorder.bucket_issued(handles)
+        return pending
+
+    grad_buckets._launch_bucket = recorded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        grad_buckets._launch_bucket = launch  # type: ignore[assignment]
+
+
 def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
     context = lazy_init(get_state(model))
     scheduler = context.scheduler
@@ -297,10 +330,17 @@ def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
     reduce = scheduler.reduce
 
     def recorded_reduce(launch: Callable, on_done: Callable, **kwargs: bool) -> None:
-        recorder.gradient_written(launch.args[0])  # functools.partial(_launch_reduce, handle)
-        reduce(launch, on_done, **kwargs)
+        if isinstance(launch, functools.partial):  # functools.partial(_launch_reduce, handle)
+            recorder.gradient_written(launch.args[0])
+        reduce(launch, on_done, **kwargs)  # else a bucket's: its gradients were written when held
 
+    def recorded_reduce_together(key: object, nbytes: int, item: Any, launch: Callable, on_done: Callable) -> None:
+        recorder.gradient_written(item.handle)  # held at its post-backward ([Note: coalesced reductions])
+        reduce_together(key, nbytes, item, launch, on_done)
+
+    reduce_together = scheduler.reduce_together
     scheduler.reduce = recorded_reduce  # type: ignore[method-assign]
+    scheduler.reduce_together = recorded_reduce_together  # type: ignore[method-assign]
     for fqn, state in unit_states_under(model):
         for index, handle in enumerate(state.handles):
             recorder.instrument(handle, f"{fqn or '<root>'}#{index}")
@@ -349,26 +389,36 @@ def _train_under_fake_cuda(rank: int, world_size: int, cases: list[tuple[str, st
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
             per_rank = 8 // world_size
             local = slice(rank * per_rank, (rank + 1) * per_rank)
-            for step in range(3):
-                inputs, targets = batch(step)
-                recorder.phase, recorder.shards_written = "forward", cuda.compute.count
-                output = model(inputs[local])
-                recorder.phase, recorder.shards_written = "backward", cuda.compute.count
-                lm_loss(output.float(), targets[local]).backward()
-                # The optimizer reads the downloaded gradients and writes
-                # the shards the next step's all-gathers read.
-                op = cuda.host_op(f"optimizer step {step}") if optimizer_on == "host" else cuda.launch(f"optimizer step {step}")
-                for name in recorder.names.values():
-                    cuda.memory.access(f"host gradient {name}", op, write=False)
-                    cuda.memory.access(f"shard {name}", op, write=True)
-                optimizer.step()
-                optimizer.zero_grad()
+            with _recorded_buckets(recorder):
+                _train_three_steps(cuda, model, recorder, optimizer, local, optimizer_on)
         problems = list(cuda.memory.races)
         if not recorder.issues:
             problems.append("no lane issue was recorded")
         problems += _contract_violations(recorder)
         found[f"{case}, optimizer on {optimizer_on}"] = problems
     return found
+
+
+def _train_three_steps(
+    cuda: FakeCuda, model: torch.nn.Module, recorder: _Recorder, optimizer: torch.optim.Optimizer, local: slice,
+    optimizer_on: str,
+) -> None:
+    """Three steps, each forward, backward and an optimizer step (on
+    compute or on the host) described to the fake."""
+    for step in range(3):
+        inputs, targets = batch(step)
+        recorder.phase, recorder.shards_written = "forward", cuda.compute.count
+        output = model(inputs[local])
+        recorder.phase, recorder.shards_written = "backward", cuda.compute.count
+        lm_loss(output.float(), targets[local]).backward()
+        # The optimizer reads the downloaded gradients and writes
+        # the shards the next step's all-gathers read.
+        op = cuda.host_op(f"optimizer step {step}") if optimizer_on == "host" else cuda.launch(f"optimizer step {step}")
+        for name in recorder.names.values():
+            cuda.memory.access(f"host gradient {name}", op, write=False)
+            cuda.memory.access(f"shard {name}", op, write=True)
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def _contract_violations(recorder: _Recorder) -> list[str]:
