@@ -26,6 +26,7 @@ from composable_shard import (
     fully_shard,
     no_sync,
     set_may_be_skipped,
+    set_requires_all_reduce,
     set_requires_gradient_sync,
 )
 from composable_shard.planning.step_replay import buckets_in_backward
@@ -125,6 +126,18 @@ def _part_unsynced(model: nn.Module, step: int, rank: int, world_size: int) -> N
     lm_loss(model(local_inputs[half:]), local_targets[half:]).backward()
 
 
+def _replica_sum_kept(model: nn.Module, step: int, rank: int, world_size: int) -> None:
+    """Hybrid: two micro-batches, the first keeping its partial sum instead
+    of the replica all-reduce (set_requires_all_reduce(False))."""
+    inputs, targets = batch(step, global_batch=16)
+    local_inputs, local_targets = inputs[rank::world_size], targets[rank::world_size]
+    half = local_inputs.shape[0] // 2
+    set_requires_all_reduce(model, False)
+    lm_loss(model(local_inputs[:half]), local_targets[:half]).backward()
+    set_requires_all_reduce(model, True)
+    lm_loss(model(local_inputs[half:]), local_targets[half:]).backward()
+
+
 class _SkippableGPT(TinyGPT):
     """Block 3 runs only on rank 0 (as an expert some ranks skip)."""
 
@@ -155,6 +168,12 @@ CASES: dict[str, tuple[int, Callable[[int], Callable], Callable, Callable[[], nn
     "shard_grad_op": (2, lambda w: _shard(ShardingStrategy.SHARD_GRAD_OP), _plain, _model),
     "no_shard": (2, lambda w: _shard(ShardingStrategy.NO_SHARD), _plain, _model),
     "hybrid 2x2": (4, lambda w: _shard(ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(w)), _plain, _model),
+    "hybrid 2x2, replica sum kept": (
+        4,
+        lambda w: _shard(ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(w)),
+        _replica_sum_kept,
+        _model,
+    ),
     "activation checkpointing": (2, lambda w: _shard(ShardingStrategy.FULL_SHARD, ac=True), _plain, _model),
     "no_sync accumulation": (2, lambda w: _shard(ShardingStrategy.FULL_SHARD), _accumulating, _model),
     "part of the model unsynced": (2, lambda w: _shard(ShardingStrategy.SHARD_GRAD_OP), _part_unsynced, _model),
