@@ -307,14 +307,13 @@ def can_reduce_together(settings: GradReduceSettings, carried: torch.Tensor | No
 
 def reduce_grads_together(
     unsharded_grads: list[torch.Tensor], settings: list[GradReduceSettings], *, async_op: bool
-) -> tuple[PendingCollective, list[int]]:
+) -> PendingCollective:
     """``reduce_grad`` for several padded gradients of one group and reduce
     dtype (each ``can_reduce_together``) in one collective: each cast and
     pre-divided by its own settings, then laid side by side per rank's
     chunk (a reduce-scatter's rank ``r`` gets every gradient's chunk ``r``,
-    in order) or one after another (an all-reduce). Returns the collective,
-    whose output holds the summed shards in order, and each shard's numel
-    (``split_reduced`` hands each gradient its own)."""
+    in order) or one after another (an all-reduce). Its output holds the
+    summed shards in order; ``split_reduced`` hands each gradient its own."""
     summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
     groups = settings[0].groups
     # On CUDA the casts and the concatenation run on the reduction lane:
@@ -329,10 +328,10 @@ def reduce_grads_together(
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
         inputs = (combined, *read_on_lane) if inputs_in_use(work) else read_on_lane
-        return PendingCollective(work, output, inputs), [grad.numel() // world_size for grad in summed]
+        return PendingCollective(work, output, inputs)
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
-    return PendingCollective(work, combined, read_on_lane), [grad.numel() for grad in summed]
+    return PendingCollective(work, combined, read_on_lane)
 
 
 def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingCollective]:

@@ -514,17 +514,22 @@ class FlatParamHandle:
         unsharded_grad, settings = taken
         return comm.reduce_grad(unsharded_grad, settings, async_op=async_op, carried=self.partial_reduced_grad)
 
-    def take_grad_for_reduction(self) -> tuple[torch.Tensor, GradReduceSettings] | None:
+    def take_grad_for_reduction(
+        self, settings: GradReduceSettings | None = None
+    ) -> tuple[torch.Tensor, GradReduceSettings] | None:
         """The padded unsharded gradient, released from the flat parameter,
-        and how to reduce it (kept for ``finish_grad_reduction``); None when
-        there is none. ``reduce_grad`` runs it; a coalesced reduction
-        ([Note: coalesced reductions] in runtime/grad_buckets.py) takes
-        several handles' and reduces them in one collective."""
+        and how to reduce it (``settings``, or ``reduction_settings()``; kept
+        for ``finish_grad_reduction``); None when there is none.
+        ``reduce_grad`` runs it; a coalesced reduction ([Note: coalesced
+        reductions] in runtime/grad_buckets.py) takes several handles' and
+        reduces them in one collective."""
         unsharded_grad = self.unsharded_flat_param.grad
         if unsharded_grad is None:
             return None
         self.unsharded_flat_param.grad = None
-        settings = self._settings_in_flight = self.reduction_settings()
+        if settings is None:
+            settings = self.reduction_settings()
+        self._settings_in_flight = settings
         return unsharded_grad, settings
 
     def finish_grad_reduction(self, reduced: PendingCollective) -> bool:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from .. import comm
 from ..api import BackwardPrefetch, ShardingStrategy
 from ..handle.layout import FlatParamLayout
 
@@ -212,9 +213,9 @@ class FlatParamPlan:
         """The bucket its reduction joins ([Note: coalesced reductions] in
         runtime/grad_buckets.py; ``bucket_bytes`` 0: none), or None where it
         is reduced alone."""
-        if not self.requires_grad or self.offload or bucket_bytes <= 0:
+        if not self.requires_grad or self.offload:
             return None
-        if self.padded_numel * _itemsize(self.reduce_dtype) > bucket_bytes:
+        if not comm.bucketable_bytes(self.padded_numel, self.reduce_dtype, bucket_bytes):
             return None
         return (self.is_sharded, self.reduce_dtype)
 

@@ -6,7 +6,7 @@ shard afterwards.
 Knows nothing of: units, hooks, when a bucket is issued (the scheduler's
 ``reduce_together``), streams.
 
-Public names: ``bucket_key``, ``hold_for_bucket``.
+Public names: ``hold_for_bucket``.
 
 [Note: coalesced reductions]
 Every reduction is a collective, and a collective has a cost of its own
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
 import torch
 
@@ -49,7 +49,7 @@ from ..comm.tags import collective_of
 from ..handle import FlatParamHandle
 from .scheduler import Scheduler
 
-__all__ = ["bucket_key", "hold_for_bucket"]
+__all__ = ["hold_for_bucket"]
 
 
 
@@ -65,39 +65,32 @@ class _Held:
     shard_numel: int
 
 
-def bucket_key(handle: FlatParamHandle, bucket_bytes: int) -> Hashable | None:
-    """The bucket ``handle``'s reduction may join now, or None where it is
-    reduced alone (see [Note: coalesced reductions])."""
-    grad = handle.unsharded_flat_param.grad
-    if bucket_bytes <= 0 or grad is None or handle.offload_params:
-        return None
-    settings = handle.reduction_settings()
-    if not comm.bucketable_bytes(grad.numel(), settings.reduce_dtype, bucket_bytes):
-        return None
-    if not comm.can_reduce_together(settings, handle.partial_reduced_grad):
-        return None
-    groups = settings.groups
-    group = groups.shard_group if groups.is_sharded else groups.replicate_group
-    return (group, groups.is_sharded, settings.reduce_dtype, grad.device)
-
-
 def hold_for_bucket(
     scheduler: Scheduler,
     handle: FlatParamHandle,
-    key: Hashable,
+    settings: GradReduceSettings,
     finish: Callable[[FlatParamHandle, PendingCollective], None],
-) -> None:
-    """Take ``handle``'s gradient and hold it in the scheduler's bucket of
-    ``key`` (from ``bucket_key``); ``finish(handle, reduced)`` runs once the
-    bucket's collective is done, as for a reduction of its own."""
-    taken = handle.take_grad_for_reduction()
-    if taken is None:
-        return
-    grad, settings = taken
-    shard_numel = grad.numel() // settings.groups.shard_world_size if settings.groups.is_sharded else grad.numel()
-    nbytes = grad.numel() * settings.reduce_dtype.itemsize
+) -> bool:
+    """Where ``handle``'s reduction (with ``settings``, its
+    ``reduction_settings()``) may join a bucket, take its gradient and hold
+    it in the scheduler's bucket of its key; ``finish(handle, reduced)``
+    runs once the bucket's collective is done, as for a reduction of its
+    own. Returns False, taking nothing, where it is reduced alone (see
+    [Note: coalesced reductions])."""
+    grad = handle.unsharded_flat_param.grad
+    if scheduler.bucket_bytes <= 0 or grad is None or handle.offload_params:
+        return False
+    nbytes = comm.bucketable_bytes(grad.numel(), settings.reduce_dtype, scheduler.bucket_bytes)
+    if not nbytes or not comm.can_reduce_together(settings, handle.partial_reduced_grad):
+        return False
+    handle.take_grad_for_reduction(settings)
+    groups = settings.groups
+    group = groups.shard_group if groups.is_sharded else groups.replicate_group
+    key = (group, groups.is_sharded, settings.reduce_dtype, grad.device)
+    shard_numel = grad.numel() // groups.shard_world_size if groups.is_sharded else grad.numel()
     held = _Held(handle, grad, settings, shard_numel)
     scheduler.reduce_together(key, nbytes, held, _launch_bucket, functools.partial(_finish_bucket, finish))
+    return True
 
 
 def _launch_bucket(held: list[_Held], async_op: bool) -> PendingCollective | None:
@@ -105,8 +98,7 @@ def _launch_bucket(held: list[_Held], async_op: bool) -> PendingCollective | Non
     for item in held:
         item.grad = None  # the collective (or its pending inputs) keeps what it needs
     with collective_of(held[0].handle):  # [Note: tagged collectives] in comm/tags.py
-        reduced, _ = comm.reduce_grads_together(grads, [item.settings for item in held], async_op=async_op)  # type: ignore[arg-type]
-    return reduced
+        return comm.reduce_grads_together(grads, [item.settings for item in held], async_op=async_op)  # type: ignore[arg-type]
 
 
 def _finish_bucket(

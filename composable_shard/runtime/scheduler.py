@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
 
 import torch
@@ -336,7 +337,7 @@ class Scheduler:
         if bucket is not None and (bucket.key != key or bucket.nbytes + nbytes > self.bucket_bytes):
             self.issue_bucket()
         if self._bucket is None:
-            self._bucket = _Bucket(key, [], 0, launch, on_done)
+            self._bucket = _Bucket(key, launch, on_done)
         self._bucket.items.append(item)
         self._bucket.nbytes += nbytes
         # Its gradient is written now: the bucket's collective waits for the
@@ -459,21 +460,17 @@ class _Reduction(NamedTuple):
     finish_on_lane: bool
 
 
+@dataclass(eq=False)
 class _Bucket:
     """Reductions held to share one collective (see ``reduce_together``)."""
 
-    def __init__(
-        self,
-        key: Hashable,
-        items: list,
-        nbytes: int,
-        launch: Callable[[list, bool], PendingCollective | None],
-        on_done: Callable[[list, PendingCollective], None],
-    ) -> None:
-        self.key, self.items, self.nbytes = key, items, nbytes
-        self.launch, self.on_done = launch, on_done
-        # Compute's event at the latest hold (None on CPU).
-        self.written: torch.cuda.Event | None = None
+    key: Hashable
+    launch: Callable[[list, bool], PendingCollective | None]
+    on_done: Callable[[list, PendingCollective], None]
+    items: list = field(default_factory=list)
+    nbytes: int = 0
+    # Compute's event at the latest hold (None on CPU).
+    written: torch.cuda.Event | None = None
 
 
 class _DeferredFree(NamedTuple):

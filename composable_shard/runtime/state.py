@@ -29,7 +29,7 @@ from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
 from ..comm.tags import collective_of
 from ..handle import FlatParamHandle
-from .grad_buckets import bucket_key, hold_for_bucket
+from .grad_buckets import hold_for_bucket
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
 if TYPE_CHECKING:
@@ -271,13 +271,12 @@ class UnitState:
         Returns whether every trainable handle of the unit is now reduced."""
         context = self.context
         if not self.skip_grad_sync:
+            settings = handle.reduction_settings()
             # Refuses what a communication hook cannot honour ([Note: communication hooks]).
-            check_overrides(handle.reduction_settings(), handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
+            check_overrides(settings, handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
             try:
-                key = bucket_key(handle, context.scheduler.bucket_bytes)
-                if key is not None:  # [Note: coalesced reductions] in runtime/grad_buckets.py
-                    hold_for_bucket(context.scheduler, handle, key, functools.partial(_finish_reduction, context))
-                else:
+                # [Note: coalesced reductions] in runtime/grad_buckets.py
+                if not hold_for_bucket(context.scheduler, handle, settings, functools.partial(_finish_reduction, context)):
                     context.scheduler.reduce(
                         functools.partial(_launch_reduce, handle),
                         functools.partial(_finish_reduction, context, handle),

@@ -8,9 +8,8 @@ skip; and training stays in parity with one process."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -31,22 +30,12 @@ from composable_shard import (
 )
 from composable_shard.planning.step_replay import buckets_in_backward
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, reduce_bucket_bytes
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, hybrid_groups, run_parity, shard_manually
 
 N_BLOCKS, DIM = 8, 32
-
-
-@contextlib.contextmanager
-def _bucket_bytes(nbytes: int) -> Iterator[None]:
-    saved = comm.REDUCE_BUCKET_BYTES
-    comm.REDUCE_BUCKET_BYTES = nbytes
-    try:
-        yield
-    finally:
-        comm.REDUCE_BUCKET_BYTES = saved
 
 
 def _model() -> TinyGPT:
@@ -63,7 +52,7 @@ def _buckets_are_the_plans(rank: int, world_size: int) -> None:
     block_grad = _model().blocks[0]
     block_bytes = 4 * sum(p.numel() for p in block_grad.parameters())
     for bucket in (comm.REDUCE_BUCKET_BYTES, 5 * block_bytes // 2, 0):
-        with _bucket_bytes(bucket):
+        with reduce_bucket_bytes(bucket):
             model = _model()
             planned = cs.plan(model, world_size=world_size, rank=rank, policy={Block}, device="cpu")
             fully_shard(model, policy={Block})
@@ -205,7 +194,7 @@ def _train(case: str, rank: int, world_size: int, bucket: int) -> tuple[dict[str
     """Three AdamW steps of ``case`` with ``bucket``; the full parameters
     after, and how many bucketed collectives were issued."""
     _, shard, step_fn, build = CASES[case]
-    with _bucket_bytes(bucket):
+    with reduce_bucket_bytes(bucket):
         model = build()
         shard(world_size)(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -235,7 +224,7 @@ def test_coalesced_reductions_equal_reductions_alone_bit_for_bit(world_size: int
 def _parity_with_buckets(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
         for bucket in (comm.REDUCE_BUCKET_BYTES, 3000):
-            with _bucket_bytes(bucket):
+            with reduce_bucket_bytes(bucket):
                 run_parity(Parity(build=_model, shard=shard_manually(strategy)))
 
 

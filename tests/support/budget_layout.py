@@ -19,7 +19,7 @@ from composable_shard import ShardingStrategy
 from composable_shard.runtime.state import unit_states_under
 
 from .models import Block, LoRABlock, TinyGPT, lm_loss
-from .plan_measure import cpu_peak_above_start, unique_storage_bytes
+from .plan_measure import cpu_peak_above_start, kept_between_steps, rank_tokens, state_bytes
 
 # Wide enough that sharding a unit saves more than the shared-memory slots
 # the first sharded unit costs; the activations' input.
@@ -90,8 +90,7 @@ def measure_budgeted(kind: str, which: str, rank: int, world_size: int) -> dict[
                            **inputs)
     cs.fully_shard(model, policy=policy, strategy=policy.root_strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    tokens = rank_tokens(rank, vocab=VOCAB)
 
     def step() -> None:
         loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -100,15 +99,12 @@ def measure_budgeted(kind: str, which: str, rank: int, world_size: int) -> dict[
 
     optimizer.zero_grad(set_to_none=True)
     step()
-    params = unique_storage_bytes(model.parameters())
-    grads = unique_storage_bytes(p.grad for p in model.parameters())
-    optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-    buffers = unique_storage_bytes(model.buffers())
+    allocated = state_bytes(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     gc.collect()  # see plan_measure.measure_case: no collection inside the measured step
     gc.disable()
     try:
-        peak = params + optim + buffers + cpu_peak_above_start(step)
+        allocated["peak"] = kept_between_steps(allocated) + cpu_peak_above_start(step)
     finally:
         gc.enable()
     return {
@@ -121,6 +117,6 @@ def measure_budgeted(kind: str, which: str, rank: int, world_size: int) -> dict[
         "chosen_total": chosen.rank_bytes["total"],
         "rank_zero_total": as_rank_zero.rank_bytes["total"],
         "planned": dict(on_this_rank.rank_bytes),
-        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
+        "allocated": allocated,
         "peak_moment": on_this_rank.peak_moment,
     }

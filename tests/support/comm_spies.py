@@ -87,17 +87,23 @@ class CommSpy:
 
 
 @contextlib.contextmanager
-def reductions_alone() -> Iterator[None]:
-    """Trees initialised inside reduce every flat parameter in a collective
-    of its own ([Note: coalesced reductions] off), for tests that count
-    reductions per flat parameter; restored after (the worker serves other
-    tests). tests/runtime/test_coalesced_reductions.py counts the buckets."""
+def reduce_bucket_bytes(nbytes: int) -> Iterator[None]:
+    """Units sharded and trees initialised inside reduce small gradients in
+    buckets of ``nbytes`` ([Note: coalesced reductions]; 0: every flat
+    parameter alone); restored after (the worker serves other tests)."""
     saved = comm.REDUCE_BUCKET_BYTES
-    comm.REDUCE_BUCKET_BYTES = 0
+    comm.REDUCE_BUCKET_BYTES = nbytes
     try:
         yield
     finally:
         comm.REDUCE_BUCKET_BYTES = saved
+
+
+def reductions_alone() -> contextlib.AbstractContextManager[None]:
+    """Every flat parameter reduced in a collective of its own, for tests
+    that count reductions per flat parameter;
+    tests/runtime/test_coalesced_reductions.py counts the buckets."""
+    return reduce_bucket_bytes(0)
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])

@@ -133,6 +133,33 @@ def unique_storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    """What a model and its optimizer hold after a step, as the plan counts
+    it: distinct storages behind the parameters, their ``.grad``s, the
+    optimizer's tensor state and the buffers."""
+    return {
+        "params": unique_storage_bytes(model.parameters()),
+        "grads": unique_storage_bytes(p.grad for p in model.parameters()),
+        "optimizer": unique_storage_bytes(
+            t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ),
+        "buffers": unique_storage_bytes(model.buffers()),
+    }
+
+
+def kept_between_steps(allocated: dict[str, int]) -> int:
+    """Of ``state_bytes``, what a step starts with after
+    ``zero_grad(set_to_none=True)``: parameters, optimizer state, buffers
+    (a step's peak is this plus its peak above the start)."""
+    return allocated["params"] + allocated["optimizer"] + allocated["buffers"]
+
+
+def rank_tokens(rank: int, *, vocab: int = VOCAB, device: str = "cpu") -> torch.Tensor:
+    """This rank's batch of token ids (inputs and shifted targets)."""
+    generator = torch.Generator().manual_seed(rank)
+    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator).to(device)
+
+
 def cpu_peak_above_start(fn: Callable[[], None]) -> int:
     """Peak of the CPU allocator's running total above its value when ``fn``
     starts, from the profiler's allocation and free events."""
@@ -171,8 +198,7 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     cs.fully_shard(model, **shard_kwargs, **prefetch)
     described = cs.describe(model, optimizer=kind, optimizer_in_backward=in_backward)
     optimizer: Any = _StepsInBackward(kind, model) if in_backward else _optimizer(kind, model.parameters())
-    generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator).to(device)
+    tokens = rank_tokens(rank, device=device)
 
     def step() -> None:
         loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -181,10 +207,7 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
 
     optimizer.zero_grad(set_to_none=True)
     step()
-    params = unique_storage_bytes(model.parameters())
-    grads = unique_storage_bytes(p.grad for p in model.parameters())
-    optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-    buffers = unique_storage_bytes(model.buffers())
+    allocated = state_bytes(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     # Earlier cases' models are garbage cycles (module <-> unit state) until
     # the collector runs: were it to free one during the measured step, those
@@ -198,16 +221,17 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
-            peak = params + optim + buffers + torch.cuda.max_memory_allocated() - start
+            peak = torch.cuda.max_memory_allocated() - start
         else:
-            peak = params + optim + buffers + cpu_peak_above_start(step)
+            peak = cpu_peak_above_start(step)
     finally:
         gc.enable()
+    allocated["peak"] = kept_between_steps(allocated) + peak
     return {
         "case": name,
         "rank": rank,
         "world_size": world_size,
-        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
+        "allocated": allocated,
         "planned": dict(planned.rank_bytes),
         "described": dict(described.rank_bytes),
         "plan_table": _without_source(str(planned)),
@@ -385,8 +409,7 @@ def measure_owner_case(
     positions = {id(p): index for index, p in enumerate(model.parameters())}
     cs.fully_shard(model, policy={Block})
     described = cs.describe(model, optimizer=spec)
-    generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    tokens = rank_tokens(rank)
 
     def backward() -> None:
         lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -397,10 +420,7 @@ def measure_owner_case(
 
     optimizer.zero_grad(set_to_none=True)
     step()
-    params = unique_storage_bytes(model.parameters())
-    grads = unique_storage_bytes(p.grad for p in model.parameters())
-    optim = unique_storage_bytes(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-    buffers = unique_storage_bytes(model.buffers())
+    allocated = state_bytes(model, optimizer)
     stepped = optimizer.optimizers[0] if isinstance(optimizer, _Optimizers) else optimizer
     runtime_owners = {
         positions[id(owned.param)]: owned.owner for plan in owner_plans(stepped, live_units()) for owned in plan.params
@@ -417,7 +437,7 @@ def measure_owner_case(
     try:
         with holding:
             optimizer.zero_grad(set_to_none=True)
-            peak = params + optim + buffers + cpu_peak_above_start(step)
+            allocated["peak"] = kept_between_steps(allocated) + cpu_peak_above_start(step)
             optimizer.zero_grad(set_to_none=True)
             backward()
             step_transient = cpu_peak_above_start(optimizer.step)
@@ -428,7 +448,7 @@ def measure_owner_case(
         "case": f"owner:{name}",
         "rank": rank,
         "world_size": world_size,
-        "allocated": {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "peak": peak},
+        "allocated": allocated,
         "planned": dict(planned.rank_bytes),
         "described": dict(described.rank_bytes),
         "plan_table": _without_source(str(planned)),

@@ -85,9 +85,6 @@ class HostSharedMemory:
             nbytes = shard_bytes.numel()
             output.narrow(0, self.rank * chunk, chunk).copy_(shard)
 
-            def write(region: torch.Tensor, start: int, length: int) -> None:
-                region.copy_(shard_bytes[start : start + length])
-
             def read(slot: int, start: int, length: int) -> None:
                 if not _has_storage(output):
                     return  # its owner freed it before waiting: nobody reads the result
@@ -98,13 +95,10 @@ class HostSharedMemory:
                         output_bytes[at : at + length].copy_(self.files.region(peer, slot, length))
 
             rounds = _rounds(nbytes, self._gather_piece)
-            work = self._stream("an all-gather", signature_of(ALL_GATHER, nbytes), rounds, write, read)
+            work = self._stream("an all-gather", signature_of(ALL_GATHER, nbytes), rounds, _writer(shard_bytes), read)
         finally:
             self.slots.leave()
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _waited_unless(async_op, work)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Sum ``input`` over the group, keeping this rank's chunk in
@@ -141,10 +135,7 @@ class HostSharedMemory:
             work = self._stream("a reduce-scatter", signature, rounds, write, read, per_round=len(peers))
         finally:
             self.slots.leave()
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _waited_unless(async_op, work)
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Sum ``tensor`` over the group in place, in rank order on every
@@ -155,9 +146,6 @@ class HostSharedMemory:
             tensor_bytes = _bytes_of(tensor)
             nbytes = tensor_bytes.numel()
 
-            def write(region: torch.Tensor, start: int, length: int) -> None:
-                region.copy_(tensor_bytes[start : start + length])
-
             def read(slot: int, start: int, length: int) -> None:
                 if not _has_storage(tensor):
                     return  # its owner freed it before waiting: nobody reads the result
@@ -167,13 +155,10 @@ class HostSharedMemory:
                     target.add_(self.files.region(peer, slot, length).view(tensor.dtype))
 
             rounds = _rounds(nbytes, _aligned(self.files.slot_bytes, tensor.element_size()))
-            work = self._stream("an all-reduce", signature_of(ALL_REDUCE, nbytes), rounds, write, read)
+            work = self._stream("an all-reduce", signature_of(ALL_REDUCE, nbytes), rounds, _writer(tensor_bytes), read)
         finally:
             self.slots.leave()
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _waited_unless(async_op, work)
 
     def _stream(
         self,
@@ -230,6 +215,24 @@ class HostSharedMemory:
                 f"shared-memory {what} has {whole.numel()} {whole.dtype} elements, expected "
                 f"{chunk.numel() * self.world_size} {chunk.dtype} ({self.world_size} chunks of {chunk.numel()})"
             )
+
+
+def _writer(source_bytes: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
+    """A round's write of ``source_bytes[start : start + length]`` into this
+    rank's region (an all-gather's shard, an all-reduce's tensor)."""
+
+    def write(region: torch.Tensor, start: int, length: int) -> None:
+        region.copy_(source_bytes[start : start + length])
+
+    return write
+
+
+def _waited_unless(async_op: bool, work: SharedMemoryWork) -> SharedMemoryWork | None:
+    """The work to wait on later, or None once waited here (``async_op=False``)."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
