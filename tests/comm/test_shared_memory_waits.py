@@ -182,3 +182,34 @@ def _failed_round_retried(rank: int, world_size: int) -> list[str]:
 def test_failed_round_before_publishing_leaves_the_group_usable() -> None:
     seen = run_distributed(_failed_round_retried, 2)
     assert seen[0][-1] == "reserve refused" and len(seen[0]) >= 2, seen
+
+
+def _all_reduce_refused_then_retried(rank: int, world_size: int) -> None:
+    """An all-reduce larger than the slots reserved at setup must reserve
+    more first; on rank 0 that fails once with ENOSPC (injected, as a full
+    ``/dev/shm`` makes it): the call raises naming the reservation, nothing
+    is published, and the same call issued again sums right on every rank."""
+    group = _set_up_group(world_size, timeout_s=60.0)
+    numel = 100_000  # 400 KB, beyond the 64 KiB reserved at setup
+    tensor = torch.full((numel,), float(rank + 1))
+    if rank == 0:
+        real_fallocate = os.posix_fallocate
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        os.posix_fallocate = full
+        try:
+            with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes in /dev/shm \(No space left on device\)"):
+                comm.all_reduce(tensor, group, async_op=False)
+        finally:
+            os.posix_fallocate = real_fallocate
+        assert torch.equal(tensor, torch.full((numel,), 1.0)), "a refused all-reduce leaves its tensor as it was"
+    comm.all_reduce(tensor, group, async_op=False)
+    assert torch.equal(tensor, torch.full((numel,), float(sum(range(1, world_size + 1)))))
+    _check_in_step(rank, world_size, group, salt=300)
+    dist.barrier()
+
+
+def test_all_reduce_refused_by_a_full_dev_shm_leaves_the_group_usable() -> None:
+    run_distributed(_all_reduce_refused_then_retried, 2)

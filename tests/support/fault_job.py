@@ -12,7 +12,9 @@ group's first collective through gloo); ``forward`` (rank 1 dies instead of
 issuing the second all-gather of step 2's forward); ``backward`` (instead of
 issuing step 2's first gradient reduction); ``stop`` (rank 1 stops, alive,
 at the forward point: only the group's timeout can end the wait);
-``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+``all_reduce`` (shared memory only: the model NO_SHARD, so its gradients
+are all-reduced, in one bucket; rank 1 dies instead of issuing step 2's
+first all-reduce); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
 in rounds; rank 1 dies in step 2 in the middle of the first collective of
 more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
@@ -51,7 +53,7 @@ def _fault(how: str) -> None:
 
 def _arm(fault: str) -> None:
     """Make rank 1 die (or stop) at the fault's point."""
-    calls = {"all_gather_into": 0, "reduce_scatter": 0}
+    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0}
 
     def at(name: str, index: int, step: int, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -67,6 +69,8 @@ def _arm(fault: str) -> None:
         comm.all_gather_into = at("all_gather_into", 2, 1, comm.all_gather_into)
     elif fault == "backward":
         comm.reduce_scatter = at("reduce_scatter", 1, 1, comm.reduce_scatter)
+    elif fault == "all_reduce":
+        comm.all_reduce = at("all_reduce", 1, 1, comm.all_reduce)
     elif fault == "stream":
         real_stream = HostSharedMemory._stream
 
@@ -127,7 +131,8 @@ def main(rank: int, world_size: int, port: int, fault: str, timeout_s: float) ->
     )
     if rank == 1 and fault != "none":
         _arm(fault)
-    parity = Parity(build=TinyGPT, shard=shard_manually(ShardingStrategy.FULL_SHARD), steps=2, step_fn=_counting_step)
+    strategy = ShardingStrategy.NO_SHARD if fault == "all_reduce" else ShardingStrategy.FULL_SHARD
+    parity = Parity(build=TinyGPT, shard=shard_manually(strategy), steps=2, step_fn=_counting_step)
     try:
         run_parity(parity)
     except Exception as error:
