@@ -407,8 +407,19 @@ def all_to_all(
 ) -> None:
     """Exchange 1-D ``input`` in pieces: ``input_splits[q]`` elements to group
     rank ``q``; ``output`` receives ``output_splits[q]`` from rank ``q``, in
-    rank order (synchronous; the owner step's one collective per direction)."""
-    process_group.all_to_all(output, input, output_splits, input_splits, group)
+    rank order (synchronous; the owner step's one collective per direction).
+    CPU tensors of a group on one host go through shared memory (see
+    [Note: shared-memory all-to-all] in comm/shared_memory/collectives.py)."""
+    # The group's one transport, whatever the tensors' layout: a rank whose
+    # tensors are not contiguous must not take the other path.
+    shared = transport.host_transport(input, group, input.numel() * input.element_size())
+    if shared is None:
+        process_group.all_to_all(output, input, output_splits, input_splits, group)
+        return
+    target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    shared.all_to_all(target, input.contiguous(), output_splits, input_splits)
+    if target is not output:
+        output.copy_(target)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:

@@ -14,7 +14,10 @@ issuing step 2's first gradient reduction); ``stop`` (rank 1 stops, alive,
 at the forward point: only the group's timeout can end the wait);
 ``all_reduce`` (shared memory only: the model NO_SHARD, so its gradients
 are all-reduced, in one bucket; rank 1 dies instead of issuing step 2's
-first all-reduce); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+first all-reduce); ``all_to_all`` (shared memory only: the optimizer steps
+whole parameters on their owners, ``NewtonSchulzSGD``; rank 1 dies instead
+of issuing step 2's first all-to-all, which sends the gradients to their
+owners); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
 in rounds; rank 1 dies in step 2 in the middle of the first collective of
 more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
@@ -26,6 +29,7 @@ then lets the exception end the process as it would a user's.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -41,6 +45,7 @@ from composable_shard.comm import shared_memory
 from composable_shard.comm.shared_memory import SLOTS, HostSharedMemory
 
 from .models import TinyGPT
+from .optimizers import NewtonSchulzSGD
 from .parity import Parity, plain_step, run_parity, shard_manually
 
 _STEP = [-1]  # the step this rank is in
@@ -53,7 +58,7 @@ def _fault(how: str) -> None:
 
 def _arm(fault: str) -> None:
     """Make rank 1 die (or stop) at the fault's point."""
-    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0}
+    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0}
 
     def at(name: str, index: int, step: int, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -71,6 +76,8 @@ def _arm(fault: str) -> None:
         comm.reduce_scatter = at("reduce_scatter", 1, 1, comm.reduce_scatter)
     elif fault == "all_reduce":
         comm.all_reduce = at("all_reduce", 1, 1, comm.all_reduce)
+    elif fault == "all_to_all":
+        comm.all_to_all = at("all_to_all", 1, 1, comm.all_to_all)
     elif fault == "stream":
         real_stream = HostSharedMemory._stream
 
@@ -133,6 +140,8 @@ def main(rank: int, world_size: int, port: int, fault: str, timeout_s: float) ->
         _arm(fault)
     strategy = ShardingStrategy.NO_SHARD if fault == "all_reduce" else ShardingStrategy.FULL_SHARD
     parity = Parity(build=TinyGPT, shard=shard_manually(strategy), steps=2, step_fn=_counting_step)
+    if fault == "all_to_all":  # stepped whole, on owners: the owner step's all-to-all runs
+        parity = dataclasses.replace(parity, make_optimizer=lambda model: NewtonSchulzSGD(model.parameters()))
     try:
         run_parity(parity)
     except Exception as error:

@@ -1,6 +1,6 @@
 """Owns: the shared-memory transport between the processes of one host
-(all-gather, reduce-scatter and all-reduce through files in ``/dev/shm``), and its one
-knob, ``SLOT_BYTES``.
+(all-gather, reduce-scatter, all-reduce and all-to-all through files in
+``/dev/shm``), and its one knob, ``SLOT_BYTES``.
 
 Knows nothing of: the gloo/NCCL collectives, which collectives come here
 and when a group sets up (``comm.transport``), parameters, modules,
@@ -16,8 +16,9 @@ The folder, one noun per module, in import order:
   mapping, removal ([Note: shared-memory setup]);
 - ``slots.py``: rounds, slots, waits for peers, liveness and timeouts,
   ``SharedMemoryWork`` ([Note: slots and waits]);
-- ``collectives.py``: ``HostSharedMemory``: all-gather, reduce-scatter and all-reduce
-  as rounds ([Note: shared-memory collectives]).
+- ``collectives.py``: ``HostSharedMemory``: all-gather, reduce-scatter, all-reduce
+  and all-to-all as rounds ([Note: shared-memory collectives], [Note:
+  shared-memory all-to-all]).
 
 Public names: ``HostSharedMemory``, ``SharedMemoryWork``,
 ``SharedMemoryUnavailable``, ``PLATFORM_SUPPORTED``, ``SLOTS``,

@@ -1,7 +1,7 @@
-"""Owns: all-gather, reduce-scatter and all-reduce between the processes of one host
-through shared memory (``HostSharedMemory``): the group's setup (its files
-and slots), each collective's rounds (which bytes each writes and reads)
-and their checks.
+"""Owns: all-gather, reduce-scatter, all-reduce and all-to-all between the processes
+of one host through shared memory (``HostSharedMemory``): the group's setup
+(its files and slots), each collective's rounds (which bytes each writes
+and reads) and their checks.
 
 Knows nothing of: how files are made and mapped (``files``), how rounds
 wait for peers (``slots``), which collectives come here and when a group
@@ -30,6 +30,28 @@ slot size are in docs/design/comm.md. Pinned by
 tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
 test_collectives_larger_than_a_slot_stream_through_it_and_equal_gloo).
+
+[Note: shared-memory all-to-all]
+Each rank knows only its own splits, yet every rank must take part in the
+same rounds. So an all-to-all is two operations in one call. First every
+rank publishes, as an all-gather would (its own kind, ``ALL_TO_ALL``, so a
+peer inside another collective fails naming both), its element size, the
+bytes its slots hold already (``GroupFiles.reserved_bytes``: a round never
+grows the files past what the group's other collectives reserved, and never
+past a slot) and, in bytes, what it sends each rank and expects from each.
+Every rank then holds the same table and derives the same plan, or raises
+the same ``ValueError`` where the splits do not pair (rank ``w``'s
+``input_splits[p]`` must be rank ``p``'s ``output_splits[w]``): nothing of
+the data was sent, and the group goes on. Second, each rank's pieces for
+its peers, back to back in rank order (its own copied locally), stream in
+rounds of the smallest of the ranks' round sizes; the rounds are as many as
+the rank sending most needs, and a rank that has sent everything publishes
+empty rounds. A reader knows where its piece lies in each writer's stream
+(the table), so it copies out of each round the part of the piece the round
+holds. The data's signature is the group's total of bytes, the same on
+every rank. Any failure once the table was published leaves the group
+unusable, as a streamed collective's does. Pinned by
+tests/comm/test_shared_memory_all_to_all.py.
 """
 
 from __future__ import annotations
@@ -41,9 +63,17 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .files import GroupFiles
-from .slots import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
+from .slots import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
 
 __all__ = ["HostSharedMemory"]
+
+# An all-to-all's table row (int64): the rank's element size, the bytes one
+# of its rounds may carry, then per rank the bytes it sends, then per rank
+# the bytes it expects ([Note: shared-memory all-to-all]).
+_SENDS_AT = 2
+# The least bytes an all-to-all's round may carry (a slot reserved for
+# smaller collectives grows to it; the mapping granule of ``files``).
+_LEAST_ROUND_BYTES = 1 << 16
 
 
 class HostSharedMemory:
@@ -77,28 +107,33 @@ class HostSharedMemory:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Every rank's ``shard`` into ``output`` in rank order; ``output``
         holds the result once the returned work was waited on."""
-        chunk = shard.numel()
         self._check_sizes("all-gather: output", output, shard)
         self.slots.enter("an all-gather")
         try:
-            shard_bytes = _bytes_of(shard)
-            nbytes = shard_bytes.numel()
-            output.narrow(0, self.rank * chunk, chunk).copy_(shard)
-
-            def read(slot: int, start: int, length: int) -> None:
-                if not _has_storage(output):
-                    return  # its owner freed it before waiting: nobody reads the result
-                output_bytes = _bytes_of(output)
-                for peer in range(self.world_size):
-                    if peer != self.rank:
-                        at = peer * nbytes + start
-                        output_bytes[at : at + length].copy_(self.files.region(peer, slot, length))
-
-            rounds = _rounds(nbytes, self._gather_piece)
-            work = self._stream("an all-gather", signature_of(ALL_GATHER, nbytes), rounds, _writer(shard_bytes), read)
+            work = self._gather(output, shard, ALL_GATHER, "an all-gather")
         finally:
             self.slots.leave()
         return _waited_unless(async_op, work)
+
+    def _gather(self, output: torch.Tensor, shard: torch.Tensor, kind: int, what: str) -> SharedMemoryWork:
+        """Issue an all-gather's rounds (the caller holds the ring), of
+        ``kind``: an all-gather's, or an all-to-all's table."""
+        chunk = shard.numel()
+        shard_bytes = _bytes_of(shard)
+        nbytes = shard_bytes.numel()
+        output.narrow(0, self.rank * chunk, chunk).copy_(shard)
+
+        def read(slot: int, start: int, length: int) -> None:
+            if not _has_storage(output):
+                return  # its owner freed it before waiting: nobody reads the result
+            output_bytes = _bytes_of(output)
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    at = peer * nbytes + start
+                    output_bytes[at : at + length].copy_(self.files.region(peer, slot, length))
+
+        rounds = _rounds(nbytes, self._gather_piece)
+        return self._stream(what, signature_of(kind, nbytes), rounds, _writer(shard_bytes), read)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Sum ``input`` over the group, keeping this rank's chunk in
@@ -160,6 +195,77 @@ class HostSharedMemory:
             self.slots.leave()
         return _waited_unless(async_op, work)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
+        """Rank ``r``'s ``input_splits[q]`` elements of 1-D ``input`` go to
+        rank ``q``, landing in ``output`` after what lower ranks sent it
+        (synchronous): every rank's splits, then the pieces, in rounds
+        ([Note: shared-memory all-to-all])."""
+        sends, expects = self._check_splits(output, input, output_splits, input_splits)
+        capacity = min(self.files.slot_bytes, max(self.files.reserved_bytes, _LEAST_ROUND_BYTES))
+        row = torch.tensor([input.element_size(), capacity, *sends, *expects], dtype=torch.int64)
+        table = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
+        self.slots.enter("an all-to-all")
+        try:
+            work = self._gather(table, row, ALL_TO_ALL, "an all-to-all")
+            try:
+                work.wait_held()
+            except BaseException as error:
+                self._broken("an all-to-all", error)
+                raise
+            rows = table.view(self.world_size, row.numel()).tolist()
+            _check_pairing(rows, self.world_size)  # alike on every rank: the group goes on
+            try:
+                self._exchange(output, input, rows)
+            except BaseException as error:
+                self._broken("an all-to-all", error)
+                raise
+        finally:
+            self.slots.leave()
+
+    def _exchange(self, output: torch.Tensor, input: torch.Tensor, rows: list[list[int]]) -> None:
+        """An all-to-all's pieces, once every rank holds every rank's ``rows``
+        (the caller holds the ring; see the Note)."""
+        rank, world_size = self.rank, self.world_size
+        sends = [row[_SENDS_AT : _SENDS_AT + world_size] for row in rows]  # sends[w][p]: bytes w sends p
+        capacity = min(row[1] for row in rows)
+        input_bytes = _bytes_of(input)
+        input_at = _offsets(sends[rank])
+        output_at = _offsets([sends[writer][rank] for writer in range(world_size)])
+        own = sends[rank][rank]
+        _bytes_of(output)[output_at[rank] : output_at[rank] + own].copy_(input_bytes[input_at[rank] : input_at[rank] + own])
+        # Where each rank's piece for each peer starts in its stream (its own left out).
+        streams = [_offsets([0 if peer == writer else sends[writer][peer] for peer in range(world_size)]) for writer in range(world_size)]
+        totals = [sum(row) - row[writer] for writer, row in enumerate(sends)]
+        count = max(-(-total // capacity) for total in totals)
+        if count == 0:
+            return  # nothing for a peer anywhere: every rank knows it
+        peers = [peer for peer in range(world_size) if peer != rank]
+
+        def write(region: torch.Tensor, start: int, length: int) -> None:
+            for peer in peers:
+                low, high = _overlap(streams[rank][peer], sends[rank][peer], start, length)
+                if high > low:
+                    at = input_at[peer] + low - streams[rank][peer]
+                    region[low - start : high - start].copy_(input_bytes[at : at + high - low])
+
+        def read(slot: int, start: int, length: int) -> None:
+            # The writer's round covers its stream from ``start``, up to ``capacity`` bytes.
+            if not _has_storage(output):
+                return
+            output_bytes = _bytes_of(output)
+            for writer in peers:
+                low, high = _overlap(streams[writer][rank], sends[writer][rank], start, capacity)
+                if high > low:
+                    at = output_at[writer] + low - streams[writer][rank]
+                    output_bytes[at : at + high - low].copy_(self.files.region(writer, slot, high - start)[low - start :])
+
+        mine = totals[rank]
+        rounds = [(index * capacity, max(0, min(capacity, mine - index * capacity))) for index in range(count)]
+        signature = signature_of(ALL_TO_ALL, sum(totals))
+        self._stream("an all-to-all", signature, rounds, write, read).wait_held()
+
     def _stream(
         self,
         what: str,
@@ -184,14 +290,20 @@ class HostSharedMemory:
                 self.slots.publish(work, slot, seq, start, length)
                 published = True
         except BaseException as error:
-            if published and self.slots.failure is None:
-                self.slots.failure = RuntimeError(
-                    f"composable_shard shared-memory collectives: {what} failed after part of it was sent "
-                    f"({error}); the process group cannot go on."
-                )
-                self.slots.failure.__cause__ = error
+            if published:
+                self._broken(what, error)
             raise
         return work
+
+    def _broken(self, what: str, error: BaseException) -> None:
+        """Fail every later call of the group (unless a failure already
+        does): ``what`` failed after some of its rounds were published."""
+        if self.slots.failure is None:
+            self.slots.failure = RuntimeError(
+                f"composable_shard shared-memory collectives: {what} failed after part of it was sent "
+                f"({error}); the process group cannot go on."
+            )
+            self.slots.failure.__cause__ = error
 
     @property
     def _gather_piece(self) -> int:
@@ -208,6 +320,25 @@ class HostSharedMemory:
                 f"element for each of {self.world_size - 1} peers"
             )
         return piece
+
+    def _check_splits(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """An all-to-all's bytes to and from each rank, once its tensors and
+        splits fit each other (checked before anything is issued)."""
+        if input.dim() != 1 or output.dim() != 1 or input.dtype != output.dtype:
+            raise ValueError(
+                f"shared-memory all-to-all: input and output must be 1-D tensors of one dtype, got {input.dtype} "
+                f"{tuple(input.shape)} and {output.dtype} {tuple(output.shape)}"
+            )
+        for name, splits, tensor in (("input", input_splits, input), ("output", output_splits, output)):
+            if len(splits) != self.world_size or min(splits, default=0) < 0 or sum(splits) != tensor.numel():
+                raise ValueError(
+                    f"shared-memory all-to-all: {name}_splits {list(splits)} must be {self.world_size} counts "
+                    f"(one per rank), none negative, summing to the {name}'s {tensor.numel()} elements"
+                )
+        size = input.element_size()
+        return [count * size for count in input_splits], [count * size for count in output_splits]
 
     def _check_sizes(self, what: str, whole: torch.Tensor, chunk: torch.Tensor) -> None:
         if whole.numel() != chunk.numel() * self.world_size or whole.dtype != chunk.dtype:
@@ -261,6 +392,42 @@ def _rounds(nbytes: int, piece: int) -> list[tuple[int, int]]:
     if nbytes == 0:
         return [(0, 0)]
     return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
+
+
+def _check_pairing(rows: list[list[int]], world_size: int) -> None:
+    """Raise where an all-to-all's splits do not pair (every rank holds
+    every rank's ``rows`` and raises alike, before any data was sent)."""
+    sizes = [row[0] for row in rows]
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"shared-memory all-to-all: the ranks' tensors have elements of {sizes} bytes (by rank); every rank "
+            "must pass the same dtype. No data was sent; the group can go on."
+        )
+    expects_at = _SENDS_AT + world_size
+    for writer in range(world_size):
+        for reader in range(world_size):
+            sent, expected = rows[writer][_SENDS_AT + reader], rows[reader][expects_at + writer]
+            if sent != expected:
+                raise ValueError(
+                    f"shared-memory all-to-all: rank {writer} sends {sent // sizes[0]} elements to rank {reader}, "
+                    f"whose output_splits[{writer}] is {expected // sizes[0]}. Every rank r's input_splits[q] must "
+                    "equal rank q's output_splits[r]. No data was sent; the group can go on."
+                )
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of ``sizes``, laid back to back, starts."""
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
+def _overlap(start: int, length: int, window_start: int, window_length: int) -> tuple[int, int]:
+    """The part of ``[start, start + length)`` in the window, as (low, high);
+    empty where ``high <= low``."""
+    return max(start, window_start), min(start + length, window_start + window_length)
 
 
 def _chunk_offset(chunk_rank: int, writer: int, chunk_bytes: int) -> int:

@@ -249,6 +249,12 @@ class GroupFiles:
         return _PAGE + sum(self._reserved)
 
     @property
+    def reserved_bytes(self) -> int:
+        """Bytes every slot of this rank's file holds already (the least
+        over its slots): what a round may write without growing the file."""
+        return min(self._reserved)
+
+    @property
     def mapped_bytes(self) -> int:
         """Bytes of shared memory (this rank's files and its peers') this
         process touched through its mappings: pages its RSS counts."""

@@ -9,7 +9,8 @@ are made and mapped (``files``), which groups use shared memory
 (``comm.transport``), parameters, modules, streams.
 
 Public names: ``SlotRing``, ``SharedMemoryWork``, ``prepare_for_compile``,
-``signature_of``, ``ALL_GATHER``, ``REDUCE_SCATTER``, ``ALL_REDUCE``.
+``signature_of``, ``ALL_GATHER``, ``REDUCE_SCATTER``, ``ALL_REDUCE``,
+``ALL_TO_ALL``.
 
 [Note: slots and waits]
 Every rank's file has ``SLOTS`` slots. A collective moves its bytes in
@@ -64,7 +65,9 @@ Pinned by tests/comm/test_shared_memory.py
 test_late_peer_in_the_middle_of_a_streamed_collective_times_out_at_issue,
 test_wait_timeout_and_group_timeout_end_a_wait_for_a_late_peer,
 test_collective_from_a_second_thread_at_the_same_time_is_refused,
-test_ranks_issuing_different_collectives_get_an_error_not_wrong_data) and
+test_ranks_issuing_different_collectives_get_an_error_not_wrong_data),
+tests/comm/test_shared_memory_all_to_all.py
+(test_all_to_all_beside_another_collective_gets_an_error_not_wrong_data) and
 tests/comm/test_failures.py (killed and stopped peers).
 """
 
@@ -87,13 +90,24 @@ from ..tags import current_tag, name_of
 from .eager import build_eager_versions, eagerly, outside_graph
 from .files import HEADER, SLOTS, GroupFiles
 
-__all__ = ["SlotRing", "SharedMemoryWork", "prepare_for_compile", "signature_of", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"]
+__all__ = [
+    "SlotRing",
+    "SharedMemoryWork",
+    "prepare_for_compile",
+    "signature_of",
+    "ALL_GATHER",
+    "REDUCE_SCATTER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+]
 
 # One header entry (a round's number), and the published pair (signature,
 # number) of a written round; see ``files.HEADER``.
 _ENTRY = struct.Struct("<q")
 _PUBLISHED = struct.Struct("<2q")
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = 1, 2, 3, 4
+# What each kind is called in errors.
+_KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter", ALL_REDUCE: "all-reduce", ALL_TO_ALL: "all-to-all"}
 # How often a wait looks whether its peers' processes are still alive: one
 # poll of their pidfds, so the hot path makes no system call for it.
 _LIVENESS_PERIOD_S = 0.05
@@ -104,7 +118,8 @@ _FIRST_PAUSE_S = 5e-6
 _SHORT_WAIT_PAUSE_S = 2e-4
 _PAUSE_FRACTION = 0.1
 _MAX_PAUSE_S = 20e-3
-# A signature's bits: kind (2), bytes per rank (44: up to 16 TiB), tag above.
+# A signature's bits: kind (3), bytes per rank (43: up to 8 TiB), tag above.
+_KIND_BITS = 3
 _TAG_SHIFT = 46
 # The timeout of a group whose backend does not say (torch's default).
 _DEFAULT_TIMEOUT_S = 1800.0
@@ -114,7 +129,7 @@ def signature_of(kind: int, nbytes: int) -> int:
     """What a peer must have written for the same operation: every rank
     writes the same number of bytes for a given collective, tagged with the
     same unit ([Note: tagged collectives] in comm/tags.py)."""
-    return (current_tag() << _TAG_SHIFT) + nbytes * 4 + kind
+    return (current_tag() << _TAG_SHIFT) + (nbytes << _KIND_BITS) + kind
 
 
 class SlotRing:
@@ -288,6 +303,12 @@ class SharedMemoryWork:
             ring.leave()
         return True
 
+    def wait_held(self) -> None:
+        """``wait`` (the group's timeout) from inside a call that already
+        holds the ring: a collective made of several operations, whose
+        later ones need the first's result (the all-to-all)."""
+        self._complete(None, None)
+
     def _complete(self, through: int | None, timeout_s: float | None) -> None:
         """Read the pending rounds up to number ``through`` (None: all), in
         order, the caller holding the ring; each one's peers must have
@@ -357,12 +378,13 @@ def _timeout_s(timeout: Any) -> float | None:
 
 
 def _describe(signature: int) -> str:
-    kind = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}.get(signature % 4, "an unknown operation")
-    return f"{kind} writing {_size(signature)} bytes{_of_unit(signature)}"
+    kind = _KINDS.get(signature % (1 << _KIND_BITS))
+    named = "an unknown operation" if kind is None else f"{'an' if kind[0] == 'a' else 'a'} {kind}"
+    return f"{named} writing {_size(signature)} bytes{_of_unit(signature)}"
 
 
 def _size(signature: int) -> int:
-    return (signature & ((1 << _TAG_SHIFT) - 1)) // 4
+    return (signature & ((1 << _TAG_SHIFT) - 1)) >> _KIND_BITS
 
 
 def _of_unit(signature: int) -> str:
@@ -375,5 +397,5 @@ def _operation(seq: int, signature: int, written: bool) -> str:
     wait for a slot's readers names the round that will reuse it)."""
     if not written:
         return f"collective (round {seq + SLOTS}, waiting for its slot to be read)"
-    kind = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter", ALL_REDUCE: "all-reduce"}.get(signature % 4, "collective")
+    kind = _KINDS.get(signature % (1 << _KIND_BITS), "collective")
     return f"{kind} (round {seq}, {_size(signature)} bytes per rank{_of_unit(signature)})"
