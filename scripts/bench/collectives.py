@@ -2,7 +2,9 @@
 
 Bandwidth the flat-parameter handle reaches for its all-gather (unshard)
 and reduce-scatter (reduce_grad), against raw torch.distributed calls on the
-same bytes and (CPU) the raw shared-memory collectives, in one run.
+same bytes and (CPU) the raw shared-memory collectives, in one run; and the
+owner step's all-to-all (an even split of the gradient's bytes) through
+gloo and through shared memory.
 
 Run: python scripts/bench.py comm [--world-size 2] [--numel 4194304] [--iters 20]
 [--slot-bytes N] (gloo on CPU; --device cuda uses NCCL, one GPU per rank).
@@ -113,6 +115,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             work.wait()
         torch.div(scratch[rank * (numel // world) : (rank + 1) * (numel // world)], world, out=reduced)
 
+    exchanged = torch.empty_like(grad)
+    splits = [numel // world] * world
+
+    def raw_all_to_all() -> None:
+        dist.all_to_all_single(exchanged, grad, splits, splits)
+
     operations = {
         "all-gather handle": handle_all_gather,
         "all-gather raw": raw_all_gather,
@@ -120,6 +128,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         "reduce-scatter handle": handle_reduce_scatter,
         "reduce-scatter raw": raw_reduce_scatter,
         "all-reduce+chunk raw": raw_all_reduce_keep_chunk,
+        "all-to-all raw": raw_all_to_all,
     }
     shared = transport.shared_memory_of(None) if device.type == "cpu" else None
     if shared is not None:
@@ -133,8 +142,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             work.wait()
             reduced.div_(world)
 
+        def shared_all_to_all() -> None:
+            shared.all_to_all(exchanged, grad, splits, splits)
+
         operations["all-gather shm raw"] = shared_all_gather
         operations["reduce-scatter shm raw"] = shared_reduce_scatter
+        operations["all-to-all shm raw"] = shared_all_to_all
     for fn in operations.values():
         for _ in range(3):
             fn()  # warm-up
@@ -163,7 +176,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         ratio = results["all-reduce+chunk raw"] / results["reduce-scatter raw"]
         print(f"gradient reduction: all-reduce+chunk / reduce-scatter time = {ratio:.3f}")
         if shared is not None:
-            for op, gloo in (("all-gather", "all-gather raw"), ("reduce-scatter", "all-reduce+chunk raw")):
+            pairs = (("all-gather", "all-gather raw"), ("reduce-scatter", "all-reduce+chunk raw"), ("all-to-all", "all-to-all raw"))
+            for op, gloo in pairs:
                 name = f"{op} shm raw"
                 print(
                     f"{op}: shared memory / fastest gloo method: time {results[name] / results[gloo]:.3f}, "

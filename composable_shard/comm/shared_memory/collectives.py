@@ -36,19 +36,21 @@ Each rank knows only its own splits, yet every rank must take part in the
 same rounds. So an all-to-all is two operations in one call. First every
 rank publishes, as an all-gather would (its own kind, ``ALL_TO_ALL``, so a
 peer inside another collective fails naming both), its element size, the
-bytes its slots hold already (``GroupFiles.reserved_bytes``: a round never
-grows the files past what the group's other collectives reserved, and never
-past a slot) and, in bytes, what it sends each rank and expects from each.
+bytes one of its rounds may carry (what its slots hold reserved already,
+``GroupFiles.reserved_bytes``, at least 64 KiB and at most a slot: the
+exchange does not grow the files past what the group's other collectives
+reserved) and, in bytes, what it sends each rank and expects from each.
 Every rank then holds the same table and derives the same plan, or raises
 the same ``ValueError`` where the splits do not pair (rank ``w``'s
 ``input_splits[p]`` must be rank ``p``'s ``output_splits[w]``): nothing of
 the data was sent, and the group goes on. Second, each rank's pieces for
-its peers, back to back in rank order (its own copied locally), stream in
-rounds of the smallest of the ranks' round sizes; the rounds are as many as
-the rank sending most needs, and a rank that has sent everything publishes
-empty rounds. A reader knows where its piece lies in each writer's stream
-(the table), so it copies out of each round the part of the piece the round
-holds. The data's signature is the group's total of bytes, the same on
+its peers, back to back in rank order, stream in rounds of the smallest
+of the ranks' round sizes; the rounds are as many as the rank sending most
+needs, and a rank that has sent everything publishes empty rounds. A
+reader knows where its piece lies in each writer's stream (the table), so
+it copies out of each round the part of the piece the round holds. A rank
+copies its own piece once its rounds are published, while its peers read
+them. The data's signature is the group's total of bytes, the same on
 every rank. Any failure once the table was published leaves the group
 unusable, as a streamed collective's does. Pinned by
 tests/comm/test_shared_memory_all_to_all.py.
@@ -234,13 +236,18 @@ class HostSharedMemory:
         input_at = _offsets(sends[rank])
         output_at = _offsets([sends[writer][rank] for writer in range(world_size)])
         own = sends[rank][rank]
-        _bytes_of(output)[output_at[rank] : output_at[rank] + own].copy_(input_bytes[input_at[rank] : input_at[rank] + own])
+
+        def copy_own() -> None:
+            own_bytes = input_bytes[input_at[rank] : input_at[rank] + own]
+            _bytes_of(output)[output_at[rank] : output_at[rank] + own].copy_(own_bytes)
+
         # Where each rank's piece for each peer starts in its stream (its own left out).
         streams = [_offsets([0 if peer == writer else sends[writer][peer] for peer in range(world_size)]) for writer in range(world_size)]
         totals = [sum(row) - row[writer] for writer, row in enumerate(sends)]
         count = max(-(-total // capacity) for total in totals)
         if count == 0:
-            return  # nothing for a peer anywhere: every rank knows it
+            copy_own()  # nothing for a peer anywhere: every rank knows it
+            return
         peers = [peer for peer in range(world_size) if peer != rank]
 
         def write(region: torch.Tensor, start: int, length: int) -> None:
@@ -264,7 +271,9 @@ class HostSharedMemory:
         mine = totals[rank]
         rounds = [(index * capacity, max(0, min(capacity, mine - index * capacity))) for index in range(count)]
         signature = signature_of(ALL_TO_ALL, sum(totals))
-        self._stream("an all-to-all", signature, rounds, write, read).wait_held()
+        work = self._stream("an all-to-all", signature, rounds, write, read)
+        copy_own()  # while the peers read what this rank published
+        work.wait_held()
 
     def _stream(
         self,
