@@ -24,7 +24,9 @@ Only this folder calls ``torch.distributed`` collectives, and the rest of
 the package calls them through the functions defined here, so tests can
 wrap this module to count or order them (a spy that calls through).
 
-Public names: ``ShardGroups``, ``all_gather_into``, ``reduce_scatter`` (and
+Public names: ``ShardGroups``, ``all_gather_into`` (several at once:
+``GATHER_BUCKET_BYTES``, ``gatherable_bytes``, ``all_gather_together``,
+``GatheredThenCopied``), ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
 ``all_reduce``, ``all_reduce_max``, ``all_to_all``, ``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
@@ -61,6 +63,10 @@ __all__ = [
     "ShardGroups",
     "Work",
     "all_gather_into",
+    "GATHER_BUCKET_BYTES",
+    "gatherable_bytes",
+    "all_gather_together",
+    "GatheredThenCopied",
     "reduce_scatter",
     "reduce_scatter_method",
     "ChunkOfAllReduce",
@@ -99,7 +105,7 @@ class PendingCollective:
     waited on (the backend may still be reading or writing them).
     """
 
-    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | None
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | GatheredThenCopied | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
 
@@ -127,6 +133,71 @@ def _all_gather_into(
     # The message path carries no tag: checked beside ([Note: tagged collectives] in tags.py).
     launch = functools.partial(process_group.all_gather_into, output, shard, group=group, async_op=async_op)
     return checked(launch, shard, group, async_op=async_op)
+
+
+# The most unsharded bytes one coalesced all-gather fills ([Note: coalesced
+# all-gathers] in runtime/gather_buckets.py; 0 switches coalescing off).
+GATHER_BUCKET_BYTES = 1 << 20
+
+
+def gatherable_bytes(padded_numel: int, param_dtype: torch.dtype, bucket_bytes: int) -> int:
+    """An unsharded buffer's bytes where its all-gather may share one
+    collective of ``bucket_bytes`` (size only: at most a quarter of it, so
+    a bucket pays where it holds several, and a unit of its own size
+    costs no extra memory), else 0."""
+    nbytes = padded_numel * param_dtype.itemsize
+    return nbytes if 0 < nbytes <= bucket_bytes // 4 else 0
+
+
+def all_gather_together(
+    outputs: list[torch.Tensor], shards: list[torch.Tensor], group: ProcessGroup | None, *, async_op: bool
+) -> PendingCollective:
+    """``all_gather_into`` for several flat buffers of one group, dtype and
+    device in one collective: the shards laid one after another (each cast
+    to the outputs' dtype), gathered rank by rank into one buffer, then
+    each output gets its piece of every rank's row, in rank order: the same
+    bytes as gathering each alone. The pieces are copied once the work is
+    waited on (at once where the launch waited, or enqueued it in stream
+    order: NCCL)."""
+    sizes = [shard.numel() for shard in shards]
+    world_size = outputs[0].numel() // sizes[0]
+    combined = outputs[0].new_empty(sum(sizes))
+    for piece, shard in zip(combined.split(sizes), shards):
+        piece.copy_(shard, non_blocking=True)
+    gathered = combined.new_empty(world_size * combined.numel())
+    work = all_gather_into(gathered, combined, group, async_op=async_op)
+    copy_out = functools.partial(_copy_rows_out, gathered.view(world_size, -1), outputs, sizes)
+    if work is None:
+        copy_out()
+        return PendingCollective(None, gathered, ())
+    inputs = (combined,) if inputs_in_use(work) else ()
+    return PendingCollective(GatheredThenCopied(work, copy_out), gathered, inputs)
+
+
+class GatheredThenCopied:
+    """An all-gather's work whose (first) wait also copies the result out
+    (``all_gather_together``)."""
+
+    def __init__(self, work: Any, copy_out: Any) -> None:
+        self._work = work
+        self._copy_out = copy_out
+
+    def wait(self, *timeout: Any) -> bool:
+        if self._work is not None:
+            self._work.wait(*timeout)
+            self._work = None
+            copy_out, self._copy_out = self._copy_out, None
+            copy_out()
+        return True
+
+
+def _copy_rows_out(rows: torch.Tensor, outputs: list[torch.Tensor], sizes: list[int]) -> None:
+    offset = 0
+    for output, size in zip(outputs, sizes):
+        # A buffer its owner freed before waiting (an error path): nobody reads it.
+        if output.untyped_storage().nbytes() >= output.numel() * output.element_size():
+            output.view(rows.shape[0], size).copy_(rows.narrow(1, offset, size), non_blocking=True)
+        offset += size
 
 
 def reduce_scatter(
@@ -275,7 +346,8 @@ def collective_bytes_per_group(
     """The most one rank writes per collective of a flat parameter, by group
     (``"shard"``, ``"replicate"``): its all-gathers and reductions (alone,
     or in a bucket of ``REDUCE_BUCKET_BYTES``), and the replica all-reduce
-    (hybrid: of the shard; unsharded: of the whole gradient). For the
+    (hybrid: of the shard; unsharded: of the whole gradient), and the
+    all-gathers of a bucket of ``GATHER_BUCKET_BYTES`` it may join. For the
     shared memory ``fully_shard`` reserves and ``plan`` counts."""
     bucket = REDUCE_BUCKET_BYTES if requires_grad and not offload else 0
     reduce_size = reduce_dtype.itemsize
@@ -283,6 +355,8 @@ def collective_bytes_per_group(
     if shard_world_size > 1:
         itemsize = max(dtype.itemsize for dtype in (*dtypes, reduce_dtype))
         most["shard"] = shard_numel * itemsize * (shard_world_size - 1)
+        if not offload and gatherable_bytes(shard_numel * shard_world_size, dtypes[-1], GATHER_BUCKET_BYTES):
+            most["shard"] = max(most["shard"], GATHER_BUCKET_BYTES // shard_world_size)
         if bucketable_bytes(shard_numel * shard_world_size, reduce_dtype, bucket):
             most["shard"] = max(most["shard"], bucket // shard_world_size * (shard_world_size - 1))
         if has_replicas and requires_grad:

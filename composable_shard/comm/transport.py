@@ -7,7 +7,7 @@ Knows nothing of: how either transport moves bytes (``shared_memory``,
 ``process_group``), modules, flat parameters, streams.
 
 Public names: ``ENV_SWITCH``, ``host_transport``, ``shared_memory_of``,
-``expect_collective_bytes``, ``uses_shared_memory``, ``reduce_scatter_method``,
+``expect_collective_bytes``, ``uses_shared_memory``, ``backend_copies_gathered_output``, ``reduce_scatter_method``,
 ``inputs_in_use``, ``process_shared_bytes``, ``process_mapped_bytes``,
 ``shared_bytes_per_rank``.
 
@@ -64,6 +64,7 @@ __all__ = [
     "shared_bytes_per_rank",
     "expect_collective_bytes",
     "uses_shared_memory",
+    "backend_copies_gathered_output",
     "reduce_scatter_method",
     "inputs_in_use",
 ]
@@ -160,6 +161,16 @@ def uses_shared_memory(group: ProcessGroup | None, device_type: str) -> bool:
     if group in _decisions:
         return _decisions[group] is not None
     return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group))
+
+
+def backend_copies_gathered_output(group: ProcessGroup | None) -> bool:
+    """Whether an all-gather through ``group``'s backend on CPU fills a flat
+    copy of its own first (gloo's messages; for memory plans): not the
+    fake process group of PyTorch's tests, which moves nothing. Before any
+    process group, gloo is assumed."""
+    if not dist.is_initialized():
+        return True
+    return "gloo" in str(dist.get_backend(_or_world(group)))
 
 
 def inputs_in_use(work: Any) -> bool:

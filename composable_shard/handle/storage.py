@@ -25,9 +25,8 @@ padded unsharded gradient that ``reduce_grad`` reduces.
 
 When the shard group has one rank and no copy is needed (same dtype, same
 device), the unsharded flat parameter shares the shard's storage and nothing
-is ever gathered or freed. Pinned by
-test_views_alias_flat_storage_and_reshard_frees_unsharded_storage and
-test_shard_then_unshard_is_bit_exact (tests/handle/test_flat_param.py).
+is ever gathered or freed. Pinned by tests/handle/test_flat_param.py
+(test_views_alias_flat_storage_and_reshard_frees_unsharded_storage, test_shard_then_unshard_is_bit_exact).
 """
 
 from __future__ import annotations
@@ -326,22 +325,15 @@ class FlatParamHandle:
     # ------------------------------------------------------ unshard/reshard
     def unshard(self, *, async_op: bool) -> PendingCollective | None:
         """Allocate the unsharded buffer and start filling it from every
-        rank's shard. Returns the pending all-gather (None if nothing to
-        wait for). Does not change the views: call ``use_unsharded_views``
-        once the all-gather is done."""
+        rank's shard; returns the pending all-gather (None: nothing to wait
+        for). The views change at ``use_unsharded_views``, after it."""
         if self.is_unsharded:
             return None
-        storage = self.unsharded_flat_param.untyped_storage()
-        storage.resize_(self.unsharded_flat_param.numel() * self.unsharded_flat_param.element_size())
-        # ``.data`` so the write is not seen by autograd's version counter:
-        # tensors saved for backward alias this storage on purpose.
-        output = self.unsharded_flat_param.data
-        self.is_unsharded = True
+        output = self.allocate_unsharded()
         if not self.groups.is_sharded:
-            # The shard is this rank's whole flat parameter: copied into the
-            # buffer (uploaded first when a cast is needed, so the cast runs
-            # on the device). No collective, but the copy is the lane's work,
-            # fenced by the scheduler like one (see [Note: lane fences]).
+            # The shard is the whole flat parameter: copied in (uploaded first
+            # where a cast is needed, so the cast runs on the device); the
+            # lane's work, fenced like a collective ([Note: lane fences]).
             shard = self.sharded_flat_param
             if shard.dtype != output.dtype:
                 shard = self.shard_on_compute_device()
@@ -350,6 +342,16 @@ class FlatParamHandle:
         source = self._all_gather_source()
         work = comm.all_gather_into(output, source, self.groups.shard_group, async_op=async_op)
         return PendingCollective(work, output, (source,))
+
+    def allocate_unsharded(self) -> torch.Tensor:
+        """Allocate the unsharded buffer for an all-gather about to fill it
+        (``unshard``'s, or a coalesced one's) and return it: unsharded now."""
+        flat = self.unsharded_flat_param
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self.is_unsharded = True
+        # ``.data``: autograd's version counter must not see the write
+        # (tensors saved for backward alias this storage on purpose).
+        return self.unsharded_flat_param.data
 
     def shard_on_compute_device(self) -> torch.Tensor:
         """The shard in its own dtype on the compute device. With CPU offload,
@@ -371,12 +373,10 @@ class FlatParamHandle:
         ``free_storage=False`` the storage stays allocated until
         ``free_unsharded_storage`` (the scheduler decides when its block may
         be reused: [Note: what a lane waits for] in runtime/scheduler.py).
-
-        The parameters' ``.data`` already is the shard's views (forward
-        showed the owners other tensors, not other data); only
-        ``show_full_params`` and the user change it, and the root's
-        pre-forward (``writeback_orig_params``) or ``unshard_params`` put
-        it back. So only the owners' registrations are restored here."""
+        Only the owners' registrations are restored: the parameters'
+        ``.data`` is the shard's views already (only ``show_full_params``
+        and the user change it, and the root's pre-forward or
+        ``unshard_params`` put it back)."""
         self._register_orig_params()
         if self.needs_unshard_storage and self.is_unsharded:
             self.is_unsharded = False

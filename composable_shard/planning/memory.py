@@ -219,6 +219,16 @@ class FlatParamPlan:
             return None
         return (self.is_sharded, self.reduce_dtype)
 
+    def gather_key(self, bucket_bytes: int) -> tuple | None:
+        """The bucket its all-gather joins ([Note: coalesced all-gathers] in
+        runtime/gather_buckets.py; ``bucket_bytes`` 0: none), or None where
+        it is gathered alone."""
+        if not self.is_sharded or self.offload or not self.needs_unshard_storage:
+            return None
+        if not comm.gatherable_bytes(self.padded_numel, self.param_dtype, bucket_bytes):
+            return None
+        return (self.param_dtype,)
+
     @property
     def reduction_bytes(self) -> int:
         """Buffers of this flat parameter's reduction while it is in flight
@@ -274,6 +284,14 @@ class UnitPlan:
         if len(keys) != 1 or None in keys:
             return None
         return keys.pop()
+
+    def gather_key(self, bucket_bytes: int) -> tuple | None:
+        """The bucket the unit's all-gathers join, or None where they run
+        alone: all its gathered flat parameters must share one key (its
+        strategy's shard group is part of it)."""
+        keys = {fp.gather_key(bucket_bytes) for fp in self.flat_params if fp.needs_unshard_storage}
+        key = keys.pop() if len(keys) == 1 else None
+        return None if key is None else (self.strategy.is_hybrid, *key)
 
     def is_ancestor_of(self, other: UnitPlan) -> bool:
         return other is not self and (self.name == "" or other.name.startswith(self.name + "."))

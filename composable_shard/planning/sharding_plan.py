@@ -487,6 +487,8 @@ def _assemble(
         hooks_after_backward=any(fp.offload for fp in flat_params),
         # [Note: coalesced reductions] in runtime/grad_buckets.py: none on one rank.
         bucket_bytes=bucket_bytes,
+        # [Note: coalesced all-gathers] in runtime/gather_buckets.py
+        gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if world_size > 1 else 0,
     )
     peak: StepPeak = worst_moment(moments)
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)

@@ -44,6 +44,20 @@ the output before the output goes. ``buckets_in_backward`` lists the
 buckets; tests/runtime/test_coalesced_reductions.py checks the runtime
 issues exactly these.
 
+[Note: coalesced all-gathers, planned]
+The runtime gathers small units in buckets ([Note: coalesced all-gathers]
+in runtime/gather_buckets.py); the replay applies its rule where a unit is
+gathered: forward in module pre-order, backward in reverse, the followers
+that are not gathered join while each unit's flat parameters share one
+key (``UnitPlan.gather_key``) and the bucket fits. A bucket compute waits
+for at once (a unit's own all-gather) is a moment of its own: every
+member's buffer, the shards side by side and the gathered rows; a
+prefetched one keeps the rows (and, through gloo, the side-by-side shards
+and gloo's copy) until the next unit's pre-forward or pre-backward.
+Forward frees only units that ran. Checked against the allocator by
+tests/planning/test_plan.py and against the collectives by
+tests/runtime/test_coalesced_all_gathers.py.
+
 [Note: optimizer in backward, planned]
 With ``optimizer_in_backward`` the user steps a per-parameter optimizer in
 each parameter's post-accumulate-grad hook and sets its ``.grad`` to None
@@ -172,6 +186,7 @@ def step_moments(
     in_backward_steps: Sequence[int] | None = None,
     hooks_after_backward: bool = False,
     bucket_bytes: int = 0,
+    gather_bucket_bytes: int = 0,
 ) -> list[StepPeak]:
     """Replay one step over ``units`` (module pre-order, root first; see
     [Note: the step the plan replays]) and return its moments in order.
@@ -186,7 +201,9 @@ def step_moments(
     hooks' optimizer steps ([Note: optimizer in backward, planned]); None for
     the usual loop. ``hooks_after_backward``: those hooks are deferred to the
     end of backward (CPU offload). ``bucket_bytes``: the runtime's bucket of
-    small reductions ([Note: coalesced reductions, planned]; 0: none)."""
+    small reductions ([Note: coalesced reductions, planned]; 0: none).
+    ``gather_bucket_bytes``: the runtime's bucket of small all-gathers
+    ([Note: coalesced all-gathers, planned]; 0: none)."""
     opening = activations_at_open or {}
     moments: list[StepPeak] = []
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
@@ -253,13 +270,52 @@ def step_moments(
         in_flight = output + (0 if sharded and members[0].reduction_frees_grad else combined)
         flying, flying_is_bucket = bucket, True
 
-    def gather(index: int) -> int:
-        """Unshard units[index]; returns its all-gather source temporaries."""
+    def gather(index: int, step: int, *, waited: bool, acts: int = 0, alive: tuple[int, int, int] = (0, 0, 0)) -> int:
+        """Unshard units[index] (``step``: the phase's direction); returns
+        the all-gather's temporaries still alive after its issue: all of
+        them for a prefetch, none where compute waits at once (``waited``)
+        for a bucket, which is its own moment, beside ``alive`` (sharded
+        and unsharded gradients, communication buffers) ([Note: coalesced
+        all-gathers, planned])."""
+        if index not in gathered and gather_bucket_bytes > 0:
+            members = bucket_from(index, step)
+            if len(members) > 1:
+                fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
+                rows = sum(fp.padded_numel * _itemsize(fp.param_dtype) for fp in fps)
+                side_by_side = sum(fp.shard_numel * _itemsize(fp.param_dtype) for fp in fps)
+                copy = sum(fp.all_gather_copy_bytes for fp in fps)
+                for i in members:
+                    gathered[i] = units[i].bytes_of("unsharded_bytes")
+                if waited:
+                    label = f"all-gather of the bucket of {names_of(members)}"
+                    moment(label, alive[0], alive[1], alive[2] + rows + side_by_side + copy, acts=acts)
+                    return 0
+                # Through shared memory the side-by-side shards were copied out.
+                return rows + copy + (0 if not fps[0].all_gather_copies_output else side_by_side)
         # gloo's copy only where an all-gather really runs (not for a unit
         # still gathered: the root, the unit kept, a prefetched one).
         copy = 0 if index in gathered else units[index].bytes_of("all_gather_copy_bytes")
         gathered[index] = units[index].bytes_of("unsharded_bytes")
         return units[index].bytes_of("gather_source_bytes") + copy
+
+    def bucket_from(index: int, step: int) -> list[int]:
+        """The units whose all-gathers join units[index]'s: the followers
+        in the phase's order, passing over gathered ones, while each shares
+        its key and the bucket fits."""
+        key = units[index].gather_key(gather_bucket_bytes)
+        if key is None:
+            return [index]
+        members, total = [index], units[index].bytes_of("unsharded_bytes")
+        follower = index + step
+        while 0 <= follower < len(units):
+            if follower not in gathered and units[follower].bytes_of("unsharded_bytes"):
+                nbytes = units[follower].bytes_of("unsharded_bytes")
+                if units[follower].gather_key(gather_bucket_bytes) != key or total + nbytes > gather_bucket_bytes:
+                    break
+                members.append(follower)
+                total += nbytes
+            follower += step
+        return members
 
     def moment(
         label: str, grads: int, unsharded_grads: int, comm: int, window: str | None = None, acts: int | None = None
@@ -284,13 +340,16 @@ def step_moments(
             StepPeak(label, grad, sum(gathered.values()), unsharded_grads, kept + comm, in_backward_steps[index], acts)
         )
 
-    def reshard_finished(running: UnitPlan | None) -> list[int]:
+    def reshard_finished(running: int | None) -> list[int]:
         """Post-forward of every unit that finished: free unless the root or
-        kept until backward (SHARD_GRAD_OP). Returns the freed indices."""
+        kept until backward (SHARD_GRAD_OP); units after ``running`` were
+        gathered ahead of their forward. Returns the freed indices."""
         freed = []
         for index in list(gathered):
+            if running is not None and index > running:
+                continue
             unit = units[index]
-            still_running = running is not None and (unit is running or unit.is_ancestor_of(running))
+            still_running = running is not None and (index == running or unit.is_ancestor_of(units[running]))
             # The root and the unit that runs last stay gathered for backward
             # ([Note: the last unit stays gathered] in runtime/prefetch.py).
             kept = index in (0, len(units) - 1)
@@ -300,9 +359,9 @@ def step_moments(
         return freed
 
     for index, unit in enumerate(units):  # forward
-        freed = reshard_finished(unit)
-        source = gather(index)
+        freed = reshard_finished(index)
         name = unit.name or "<root>"
+        source = gather(index, +1, waited=True, acts=opening.get(f"forward of '{name}'", 0))
         prefetched = index > 0 and units[index - 1].forward_prefetch
         if holds_freed_buffer and freed and not prefetched:
             # The units freed since the last gather are nested: the
@@ -312,7 +371,7 @@ def step_moments(
             moment(f"all-gather of '{name}'", 0, 0, source, acts=opening.get(f"forward of '{name}'", 0))
             del gathered[held]
         if unit.forward_prefetch and index + 1 < len(units):
-            source += gather(index + 1)
+            source += gather(index + 1, +1, waited=False)
         moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)
     reshard_finished(None)
     moment("start of backward", 0, 0, 0)
@@ -322,7 +381,15 @@ def step_moments(
         prefetch = unit.backward_prefetch
         if prefetch is BackwardPrefetch.BACKWARD_PRE and prefetch_after_reduction:
             prefetch = BackwardPrefetch.BACKWARD_POST
-        source = gather(index)
+        name = unit.name or "<root>"
+        held = sum(
+            fp.grad_bytes_used_after(unit.subtree_last)
+            for u in units
+            if u.is_ancestor_of(unit)
+            for fp in u.flat_params
+        )
+        alive = (reduced, held + held_in_bucket(), in_flight)
+        source = gather(index, -1, waited=True, acts=opening.get(f"backward of '{name}'", 0), alive=alive)
         # On CPU a reduction that holds its padded gradient is finished at
         # this pre-backward ([Note: backward prefetch on CPU]); an ancestor's
         # pre-backward ran before its descendants' backward, not after.
@@ -331,17 +398,10 @@ def step_moments(
             and flying_holds_input()
             and not any(unit.is_ancestor_of(units[i]) for i in flying)
         )
-        held = sum(
-            fp.grad_bytes_used_after(unit.subtree_last)
-            for u in units
-            if u.is_ancestor_of(unit)
-            for fp in u.flat_params
-        )
-        name = unit.name or "<root>"
         if finished_early:
             finish_flying(held + held_in_bucket(), source, opening.get(f"backward of '{name}'", 0))
         if prefetch is BackwardPrefetch.BACKWARD_PRE and index > 0:
-            source += gather(index - 1)
+            source += gather(index - 1, -1, waited=False)
         pieces = unit.bytes_of("grad_pieces_bytes")
         # The tied sums come before the concatenation into the flat gradient.
         pieces += max(unit.bytes_of("tied_grad_bytes"), unit.bytes_of("unsharded_grad_bytes"))
@@ -360,7 +420,9 @@ def step_moments(
         own = unit.bytes_of("unsharded_grad_bytes")
         before, after = rule.add(index) if own else ([], [])
         if before:
-            issue_bucket(before, held + own + held_in_bucket(), window)
+            # Its own gradient is counted once: in the new bucket when it joined it.
+            joined = bool(rule.held) and rule.held[-1] == index
+            issue_bucket(before, held + held_in_bucket() + (0 if joined else own), window)
         if after:
             issue_bucket(after, held + held_in_bucket(), window)
         if rule.held and rule.held[-1] == index:
@@ -374,7 +436,7 @@ def step_moments(
             in_flight, flying, flying_is_bucket = unit.bytes_of("reduction_bytes"), [index], False
         gathered.pop(index, None)
         if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
-            source = gather(index - 1)
+            source = gather(index - 1, -1, waited=False)
             # This unit's backward is over: what is live as the next opens.
             moment(f"prefetch after '{name}'", reduced, held + held_in_bucket(), in_flight + source, window, acts=closing)
     if rule.held:  # end of backward: the held bucket is issued, then waited on

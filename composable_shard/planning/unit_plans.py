@@ -95,7 +95,9 @@ def flat_param_plan(
         param_count=len(layout.params),
         tied_use_numel=sum(len(info.owners) * info.numel for info in layout.params if len(info.owners) > 1),
         reduction_frees_grad=reduction_frees_grad,
-        all_gather_copies_output=device_type == "cpu" and not reduction_frees_grad,
+        all_gather_copies_output=(
+            device_type == "cpu" and not reduction_frees_grad and transport.backend_copies_gathered_output(None)
+        ),
         last_uses=tuple(
             (max(module_index.get(id(owner.module), 0) for owner in info.owners), info.numel) for info in layout.params
         ),

@@ -47,7 +47,7 @@ from .lifecycle import (
 )
 from .partial_backward import backward_accumulates, hold_after_partial_backward
 from .pending_grads import reduce_left_behind
-from .prefetch import prefetch_in_backward, prefetch_in_forward
+from .prefetch import followers, prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
 from .skipped_units import end_anchor_forward, gather_anchored, reduce_or_defer, reduce_skippable, stays_gathered
 from .unit_controls import (
@@ -91,7 +91,7 @@ def _pre_forward(state: UnitState, module: nn.Module, args: tuple, kwargs: dict)
             context.forward_serial += 1
         state.transition(TrainingState.FORWARD, *BETWEEN_STEPS)  # from HELD: it already ran in this forward
         context.record_forward(state)
-        state.unshard(wait=True)
+        state.unshard(wait=True, followers=followers(state, forward=True))
         gather_anchored(state)  # [Note: units that some ranks skip]
         prefetch_in_forward(state)
         args, kwargs = cast_inputs(state, args, kwargs)
@@ -242,7 +242,7 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         # [Note: trimming the host heap in backward] (runtime/host_memory.py)
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
             context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
-        state.unshard(wait=True)
+        state.unshard(wait=True, followers=followers(state, forward=False))
         gather_anchored(state)  # [Note: units that some ranks skip]
         context.scheduler.unit_backward_starts()  # [Note: backward prefetch on CPU]
         prefetch_in_backward(state, BackwardPrefetch.BACKWARD_PRE)

@@ -5,15 +5,18 @@ unit stays gathered after forward because backward starts with it.
 Knows nothing of: streams (the scheduler issues), flattening details.
 
 Public names: ``prefetch_in_forward``, ``prefetch_in_backward``,
-``backward_prefetch_point``, ``backward_starts_with``.
+``backward_prefetch_point``, ``backward_starts_with``, ``followers``.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from ..api import BackwardPrefetch
+from ..handle import FlatParamHandle
 from .state import UnitState
 
-__all__ = ["prefetch_in_forward", "prefetch_in_backward", "backward_prefetch_point", "backward_starts_with"]
+__all__ = ["prefetch_in_forward", "prefetch_in_backward", "backward_prefetch_point", "backward_starts_with", "followers"]
 
 
 def prefetch_in_forward(state: UnitState) -> None:
@@ -28,7 +31,7 @@ def prefetch_in_forward(state: UnitState) -> None:
         context = state.context
         following = context.next_in(context.previous_forward_order, state, +1)
         if following is not None:
-            following.prefetch()
+            following.prefetch(followers(following, forward=True))
 
 
 def prefetch_in_backward(state: UnitState, point: BackwardPrefetch) -> None:
@@ -44,7 +47,32 @@ def prefetch_in_backward(state: UnitState, point: BackwardPrefetch) -> None:
         context = state.context
         following = context.next_in(context.forward_order, state, -1)
         if following is not None:
-            following.prefetch()
+            following.prefetch(followers(following, forward=False))
+
+
+def followers(state: UnitState, *, forward: bool) -> Iterator[list[FlatParamHandle]] | None:
+    """The flat parameters of the units after ``state`` in the phase's order
+    (forward: the previous forward's, the tree's module pre-order at the
+    first; backward: this forward's, reversed),
+    unit by unit, lazily: the all-gathers that may join ``state``'s
+    ([Note: coalesced all-gathers] in runtime/gather_buckets.py). None
+    where nothing is coalesced: the user ordered the all-gathers, or the
+    tree's bucket is 0."""
+    context = state.context
+    if context.user_orders_all_gathers or context.scheduler.gather_bucket_bytes <= 0:
+        return None
+    if not forward:
+        order = context.forward_order
+    elif context.previous_forward_order:
+        order = context.previous_forward_order
+    else:  # the first forward
+        order = context.first_forward_order
+    try:
+        index = order.index(state)
+    except ValueError:
+        return None
+    following = order[index + 1 :] if forward else reversed(order[:index])
+    return (unit.handles for unit in following)
 
 
 def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:

@@ -14,7 +14,7 @@ from .. import comm
 from .scheduler import Scheduler
 from .state import RootContext, UnitState, unit_states_under
 from .lifecycle import track_root
-from .skipped_units import tag_collectives
+from .skipped_units import is_marked, tag_collectives
 
 __all__ = ["lazy_init"]
 
@@ -37,12 +37,16 @@ def lazy_init(state: UnitState) -> RootContext:
         state,
         units,
         Scheduler(
-            state.compute_device, limit_all_gathers=state.config.limit_all_gathers, bucket_bytes=comm.REDUCE_BUCKET_BYTES
+            state.compute_device,
+            limit_all_gathers=state.config.limit_all_gathers,
+            bucket_bytes=comm.REDUCE_BUCKET_BYTES,
+            gather_bucket_bytes=comm.GATHER_BUCKET_BYTES,
         ),
     )
     for name, unit in named_units:
         unit.root_context = context
         unit.fqn = name or "<root>"
+    context.first_forward_order = [unit for unit in units if not is_marked(unit)]
     track_root(context)
     tag_collectives(context)  # [Note: tagged collectives] in comm/tags.py
     logger.debug("composable_shard: lazy init of root %s with %d units", type(state.module).__name__, len(units))

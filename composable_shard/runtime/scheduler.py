@@ -193,7 +193,9 @@ class Scheduler:
     # instead of the whole model until the end of backward.
     MAX_REDUCTIONS_IN_FLIGHT = 1
 
-    def __init__(self, device: torch.device, *, limit_all_gathers: bool, bucket_bytes: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, *, limit_all_gathers: bool, bucket_bytes: int = 0, gather_bucket_bytes: int = 0
+    ) -> None:
         self.device = device
         self.limit_all_gathers = limit_all_gathers
         if device.type == "cuda":
@@ -206,6 +208,9 @@ class Scheduler:
         # not: see [Note: lane fences]); the entry keeps the gathered buffer
         # and its source alive until wait_for_unshard.
         self._all_gathers: OrderedDict[Hashable, InFlight] = OrderedDict()
+        # The most unsharded bytes one coalesced all-gather fills (0: none;
+        # [Note: coalesced all-gathers] in runtime/gather_buckets.py).
+        self.gather_bucket_bytes = gather_bucket_bytes
         # Compute events the next all-gather waits on: one per unsharded
         # buffer freed since the last all-gather, and the latest mark of
         # shard writes (see [Note: what a lane waits for]). Empty on CPU.
@@ -233,28 +238,42 @@ class Scheduler:
     # --------------------------------------------------------- all-gathers
     def unshard(self, key: Hashable, launch: Callable[[bool], PendingCollective | None]) -> None:
         """Issue an all-gather for ``key`` (``launch(async_op)`` starts it)."""
-        if key in self._all_gathers:
-            return
-        if self._deferred_free is not None and self._deferred_free.key == key:
+        if key not in self._all_gathers:
+            self.unshard_together((key,), launch)
+
+    def unshard_together(self, keys: Sequence[Hashable], launch: Callable[[bool], PendingCollective | None]) -> None:
+        """Issue one all-gather filling every key of ``keys`` (none of them
+        issued yet): one entry in flight, waited on by whichever key is
+        waited for first ([Note: coalesced all-gathers] in
+        runtime/gather_buckets.py)."""
+        if self._deferred_free is not None and self._deferred_free.key in keys:
             self._run_deferred_free()  # its storage is about to be refilled
         if self.limit_all_gathers:
-            while len(self._all_gathers) >= self.MAX_ALL_GATHERS_IN_FLIGHT:
+            while self.all_gathers_in_flight >= self.MAX_ALL_GATHERS_IN_FLIGHT:
                 oldest = next(iter(self._all_gathers))
                 self.wait_for_unshard(oldest)
         after = self._all_gather_after
         if self._shards_written is not None:
             after.append(self._shards_written)
         self._all_gather_after, self._shards_written = [], None
-        self._all_gathers[key] = self.all_gather_lane.issue(
-            lambda: launch(self.all_gather_lane.async_op), after=after
-        )
-        # This launch allocated its buffer: the deferred block may go to the next.
+        in_flight = self.all_gather_lane.issue(lambda: launch(self.all_gather_lane.async_op), after=after)
+        for key in keys:
+            self._all_gathers[key] = in_flight
+        # This launch allocated its buffers: the deferred block may go to the next.
         self._run_deferred_free()
+
+    @property
+    def all_gathers_in_flight(self) -> int:
+        """Collectives issued and not yet waited on (a coalesced one once)."""
+        return len({id(in_flight) for in_flight in self._all_gathers.values()})
 
     def wait_for_unshard(self, key: Hashable) -> None:
         """Make compute wait for ``key``'s all-gather (no-op if none pending)."""
         in_flight = self._all_gathers.pop(key, None)
         if in_flight is not None:
+            # A coalesced one: compute waits once, for all its keys.
+            for other in [other for other, each in self._all_gathers.items() if each is in_flight]:
+                del self._all_gathers[other]
             self.all_gather_lane.wait(in_flight)
 
     def has_pending_unshard(self, key: Hashable) -> bool:

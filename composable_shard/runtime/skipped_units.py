@@ -8,7 +8,7 @@ that make collectives of two different units fail instead of pairing.
 Knows nothing of: streams (the scheduler issues), how a transport carries a
 tag (comm/tags.py), flattening details.
 
-Public names: ``set_may_be_skipped``, ``tag_collectives``,
+Public names: ``set_may_be_skipped``, ``is_marked``, ``tag_collectives``,
 ``gather_anchored``, ``stays_gathered``, ``end_anchor_forward``,
 ``reduce_or_defer``, ``reduce_skippable``.
 
@@ -56,6 +56,7 @@ from .lifecycle import enter_between_steps, in_backward
 
 __all__ = [
     "set_may_be_skipped",
+    "is_marked",
     "tag_collectives",
     "gather_anchored",
     "stays_gathered",
@@ -98,6 +99,11 @@ def set_may_be_skipped(module: nn.Module, may_be_skipped: bool = True, *, recurs
         else:
             _MARKED.discard(state)
     _VERSION[0] += 1
+
+
+def is_marked(unit: UnitState) -> bool:
+    """Whether ``unit`` is marked with ``set_may_be_skipped``."""
+    return unit in _MARKED
 
 
 def _root_refused(root: UnitState) -> str:

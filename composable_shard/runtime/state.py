@@ -18,7 +18,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
 from ..comm.tags import collective_of
 from ..handle import FlatParamHandle
+from .gather_buckets import unshard_with_followers
 from .grad_buckets import hold_for_bucket
 from .host_memory import HostMemoryTrimmer, trimming_enabled
 
@@ -219,11 +220,15 @@ class UnitState:
             raise_internal(self, "used before lazy init")
         return self.root_context  # type: ignore[return-value]  # raise_internal never returns
 
-    def unshard(self, *, wait: bool) -> None:
+    def unshard(self, *, wait: bool, followers: Iterable[list[FlatParamHandle]] | None = None) -> None:
         """Issue the unit's all-gathers (no-op where already issued or
-        unsharded); with ``wait``, make compute wait and point the owners at
-        unsharded views."""
+        unsharded), with the ``followers``' (the next units' flat parameters
+        in the phase's order) where they may share one collective
+        ([Note: coalesced all-gathers] in runtime/gather_buckets.py); with
+        ``wait``, make compute wait and point the owners at unsharded views."""
         scheduler = self.context.scheduler
+        if followers is not None:
+            unshard_with_followers(scheduler, self.handles, followers)
         for handle in self.handles:
             scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
         if wait:
@@ -234,10 +239,10 @@ class UnitState:
                 with torch.enable_grad():
                     handle.use_unsharded_views()
 
-    def prefetch(self) -> None:
+    def prefetch(self, followers: Iterable[list[FlatParamHandle]] | None = None) -> None:
         """Issue the unit's all-gathers without waiting (a prefetch)."""
         if self.handles:
-            self.unshard(wait=False)
+            self.unshard(wait=False, followers=followers)
 
     def hold_for_backward(self) -> None:
         """End the forward keeping the unsharded buffers for the backward
@@ -323,6 +328,13 @@ class RootContext:
         self.forward_order: list[UnitState] = []
         # The previous iteration's forward order (forward prefetch uses it).
         self.previous_forward_order: list[UnitState] = []
+        # The order the first forward is expected in, before any ran: the
+        # tree's module pre-order without the units some ranks skip (set by
+        # lazy init; [Note: coalesced all-gathers] in runtime/gather_buckets.py).
+        self.first_forward_order: list[UnitState] = []
+        # Whether some unit lists the all-gathers it prefetches (read at
+        # each root forward): then none is coalesced.
+        self.user_orders_all_gathers = False
         # Root forwards counted; the latest whose outputs were hooked for
         # backward, and the latest whose backward started (pre-backward
         # hooks carry their forward's number): [Note: optimizer step
@@ -352,6 +364,10 @@ class RootContext:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
         self.forward_serial += 1
+        # [Note: coalesced all-gathers] in runtime/gather_buckets.py
+        self.user_orders_all_gathers = any(
+            unit.forward_prefetch_units is not None or unit.backward_prefetch_units is not None for unit in self.units
+        )
 
     def record_forward(self, unit: UnitState) -> None:
         if unit not in self.forward_order:

@@ -62,20 +62,21 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
 def build_composable_shard_unbucketed(
     args: argparse.Namespace, device: torch.device
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """composable_shard with every flat parameter reduced alone ([Note:
-    coalesced reductions] off): the bucket size is read when a flat
-    parameter reserves shared memory and when the tree initialises, at its
-    first forward, run here (no grad, so nothing changes) while it is 0."""
+    """composable_shard with every flat parameter gathered and reduced
+    alone ([Note: coalesced reductions] and [Note: coalesced all-gathers]
+    off): the bucket sizes are read when a flat parameter reserves shared
+    memory and when the tree initialises, at its first forward, run here
+    (no grad, so nothing changes) while they are 0."""
     from composable_shard import comm
 
-    saved = comm.REDUCE_BUCKET_BYTES
-    comm.REDUCE_BUCKET_BYTES = 0
+    saved = comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES
+    comm.REDUCE_BUCKET_BYTES = comm.GATHER_BUCKET_BYTES = 0
     try:
         model, optimizer = build_composable_shard(args, device)
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=device))
     finally:
-        comm.REDUCE_BUCKET_BYTES = saved
+        comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES = saved
     return model, optimizer
 
 

@@ -30,7 +30,7 @@ from composable_shard import (
 from composable_shard import unshard
 from composable_shard.runtime.state import unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
+from tests.support.comm_spies import CollectiveSpy, with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step, run_parity
@@ -71,7 +71,7 @@ def _expected_reductions(mode: str, last: bool) -> int:
     return {"all": 0, "some_units": UNITS - 2, "root_only": UNITS - 1}[mode]
 
 
-@with_reductions_alone  # counts reductions per flat parameter
+@with_collectives_alone  # counts each unit's collectives
 def _accumulation(rank: int, world_size: int, strategy_name: str, modes: tuple[str, ...]) -> dict:
     strategy = ShardingStrategy[strategy_name]
     # The replica all-reduce of a hybrid unit comes on top of its reduce-scatter.

@@ -35,7 +35,7 @@ from composable_shard import unshard
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime.state import get_state, unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy, with_reductions_alone
+from tests.support.comm_spies import CollectiveSpy, with_collectives_alone, with_reductions_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, run_parity, step_and_compare
@@ -109,6 +109,7 @@ def _launch_orders(shard) -> tuple[list[str], list[str]]:  # type: ignore[no-unt
     return forward, events[len(forward) :]
 
 
+@with_collectives_alone  # records each unit's all-gather
 def _grouped_units_with_controls(rank: int, world_size: int) -> None:
     # FSDP2's test: one launch per group in forward, each freed before the
     # next is gathered; [norm, head] kept gathered (set_reshard_after_forward

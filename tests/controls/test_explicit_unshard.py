@@ -31,7 +31,7 @@ from composable_shard import (
 from composable_shard import unshard
 from composable_shard.runtime.state import unit_states_under
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full
@@ -134,6 +134,7 @@ def test_unshard_before_the_forward_gathers_ahead_and_matches_reference() -> Non
     run_distributed(_unshard_before_forward, 2)
 
 
+@with_collectives_alone  # counts each unit's all-gathers
 def _one_f_one_b(rank: int, world_size: int) -> dict:
     """FSDP2's test_1f1b_microbatching: units kept after forward
     (SHARD_GRAD_OP), optionally unsharded ahead, gradients reduced and the
@@ -167,6 +168,7 @@ def test_one_f_one_b_micro_batching_matches_reference() -> None:
     run_distributed(_one_f_one_b, 2)
 
 
+@with_collectives_alone  # counts each unit's all-gathers
 def _reshard_between_forward_and_backward(rank: int, world_size: int) -> None:
     """FSDP2's test_manual_reshard_with_reshard_after_forward_false: units
     held for backward are resharded by hand; the backward gathers them again."""
@@ -189,6 +191,7 @@ def test_reshard_between_forward_and_backward_matches_reference() -> None:
     run_distributed(_reshard_between_forward_and_backward, 2)
 
 
+@with_collectives_alone  # counts each unit's all-gathers
 def _reshard_after_forward_at_run_time(rank: int, world_size: int) -> None:
     # FULL_SHARD told to keep: the backward gathers nothing.
     model, reference, optimizer, reference_optimizer = _models(ShardingStrategy.FULL_SHARD)
@@ -246,6 +249,7 @@ def _expect_shards(module: nn.Module, when: str) -> None:
     assert all(len(shape) == 1 for shape in shapes.values()), (when, shapes)
 
 
+@with_collectives_alone  # counts each unit's all-gathers
 def _unshard_shows_full_parameters(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         model, reference, optimizer, reference_optimizer = _models(strategy)

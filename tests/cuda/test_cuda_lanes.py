@@ -26,11 +26,12 @@ import torch
 from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, fully_shard
 from composable_shard.comm import PendingCollective
 from composable_shard.handle import FlatParamHandle
-from composable_shard.runtime import grad_buckets, lazy_init
+from composable_shard.runtime import gather_buckets, grad_buckets, lazy_init
 from composable_shard.runtime.scheduler import CudaStreamLane, Scheduler
 from composable_shard.runtime.state import get_state, unit_states_under
 
 from tests.support.fake_cuda import FakeCuda, Op
+from tests.support.comm_spies import collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss
 
@@ -273,6 +274,19 @@ class _Recorder:
         needed = max([*pool, *(self.gradient_writes[name] for name in names)])
         self.issues.append(_Issue(self.reduce_stream, names[-1], self.phase, op, needed))
 
+    def gather_bucket_issued(self, handles: list[FlatParamHandle]) -> None:
+        """A coalesced all-gather was issued: one lane op reads every
+        member's shard and fills every member's buffer ([Note: coalesced
+        all-gathers]); an issue per member, all the same op."""
+        names = [self.names[id(handle)] for handle in handles]
+        op = self.cuda.launch(f"all-gather bucket of {', '.join(names)}")
+        for name in names:
+            self.cuda.memory.access(f"shard {name}", op, write=False)
+            self.cuda.memory.allocate(f"unsharded {name}", op)
+        pool = [previous.seq for previous, _ in self.cuda.memory.pools[self.all_gather_stream] if previous.stream == "compute"]
+        needed = max([*pool, self.shards_written])
+        self.issues += [_Issue(self.all_gather_stream, name, self.phase, op, needed) for name in names]
+
     def gradient_written(self, handle: FlatParamHandle) -> None:
         """Backward wrote the handle's unsharded gradient (on compute)."""
         name = self.names[id(handle)]
@@ -313,6 +327,23 @@ def _recorded_buckets(recorder: _Recorder) -> Iterator[None]:
         yield
     finally:
         grad_buckets._launch_bucket = launch  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _recorded_gather_buckets(recorder: _Recorder) -> Iterator[None]:
+    """Coalesced all-gather launches ([Note: coalesced all-gathers]) described to the fake."""
+    launch = gather_buckets._launch
+
+    def recorded(members: list[FlatParamHandle], async_op: bool) -> PendingCollective | None:
+        pending = launch(members, async_op)
+        recorder.gather_bucket_issued(members)
+        return pending
+
+    gather_buckets._launch = recorded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gather_buckets._launch = launch  # type: ignore[assignment]
 
 
 def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:
@@ -381,19 +412,24 @@ def _train_under_fake_cuda(rank: int, world_size: int, cases: list[tuple[str, st
     found = {}
     for case, optimizer_on in cases:
         cuda = FakeCuda()
-        with cuda.installed():
+        # ", alone": every flat parameter gathered and reduced by itself.
+        alone = case.endswith(", alone")
+        with cuda.installed(), collectives_alone() if alone else contextlib.nullcontext():
             torch.manual_seed(0)
             model = TinyGPT(n_blocks=3)
-            fully_shard(model, policy={Block}, **_CASES[case])
+            fully_shard(model, policy={Block}, **_CASES[case.removesuffix(", alone")])
             recorder = _install(cuda, model)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
             per_rank = 8 // world_size
             local = slice(rank * per_rank, (rank + 1) * per_rank)
-            with _recorded_buckets(recorder):
+            with _recorded_buckets(recorder), _recorded_gather_buckets(recorder):
                 _train_three_steps(cuda, model, recorder, optimizer, local, optimizer_on)
         problems = list(cuda.memory.races)
         if not recorder.issues:
             problems.append("no lane issue was recorded")
+        coalesced = any(issue.op.what.startswith("all-gather bucket") for issue in recorder.issues)
+        if coalesced != (world_size > 1 and not alone):  # sharded small units: one bucket per phase
+            problems.append(f"coalesced all-gathers {'issued' if coalesced else 'missing'}")
         problems += _contract_violations(recorder)
         found[f"{case}, optimizer on {optimizer_on}"] = problems
     return found
@@ -479,10 +515,13 @@ def test_next_all_gather_waits_only_for_the_reshard_of_the_memory_it_reuses() ->
     # k's is held until it allocated), never on the end of block k's
     # forward; every reduction on nothing later than its gradient's write.
     # Also with prefetching, and with the optimizer on the host.
+    # Small units' collectives are coalesced; ", alone" runs each by itself.
     cases = [
         ("full_shard bf16", "compute"),
+        ("full_shard bf16, alone", "compute"),
         ("full_shard fp32", "host"),
         ("full_shard bf16 prefetch", "compute"),
+        ("full_shard bf16 prefetch, alone", "compute"),
         ("full_shard bf16 no backward prefetch", "compute"),
     ]
     for rank, found in enumerate(run_distributed(_train_under_fake_cuda, 2, cases)):

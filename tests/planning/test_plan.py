@@ -54,7 +54,8 @@ def _check_record(record: dict) -> None:
 # Real gloo groups on two shared cores are slow: a subset here, every case
 # under the fake process group below.
 GLOO_CASES = (
-    "full_shard", "shard_grad_op", "manual_units", "frozen_lora", "bf16_compute", "full_shard_in_backward", "bf16_in_backward"
+    "full_shard", "shard_grad_op", "manual_units", "many_small", "frozen_lora", "bf16_compute", "full_shard_in_backward",
+    "bf16_in_backward",
 )
 
 
@@ -162,14 +163,14 @@ per rank (rank 0):
   module buffers                      0 B  not sharded
   shared-memory transport             0 B  none: collectives through the backend
   runtime (not tensors)               0 B  not measured on this device
-  worst moment: backward of '<root>'
+  worst moment: all-gather of the bucket of '<root>', 'blocks.0', 'blocks.1'
     sharded gradients                 0 B  reduced so far
-    unsharded parameters         2.50 KiB  gathered units
-    unsharded gradients          7.25 KiB  before reduce-scatter
-    communication buffers             0 B  reduction in flight, all-gather sources
+    unsharded parameters         5.38 KiB  gathered units
+    unsharded gradients               0 B  before reduce-scatter
+    communication buffers        6.72 KiB  reduction in flight, all-gather sources
     optimizer step temporaries        0 B
     activations: not measured (pass input_shape= or example_inputs= to plan)
-  peak total                    12.77 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
+  peak total                    15.11 KiB  parameters + optimizer state + buffers + transport + runtime + the above""",
     )
 
 

@@ -17,6 +17,7 @@ from composable_shard.planning.step_replay import OPTIMIZER_STEP
 from composable_shard.planning.timeline import CATEGORIES, moment_positions
 from composable_shard.runtime import memory_samples
 
+from tests.support.comm_spies import with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, lm_loss
 
@@ -155,6 +156,7 @@ def test_measured_samples_fall_on_the_plans_moments_in_order() -> None:
     assert where[-1] == len(moments) - 0.5
 
 
+@with_collectives_alone  # the root's pre-forward gathers the root only
 def _record_a_step(rank: int, world_size: int, out: str) -> dict:
     """One real step recorded at every hook, drawn over the plan; what the
     runtime owned at the root's pre-forward against the plan's numbers."""

@@ -17,7 +17,7 @@ from composable_shard import BackwardPrefetch, fully_shard
 from composable_shard.handle import FlatParamHandle
 from composable_shard.runtime.state import unit_states_under
 
-from tests.support.comm_spies import with_reductions_alone
+from tests.support.comm_spies import with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
 
@@ -54,6 +54,7 @@ def _max_unsharded_blocks(events: list[tuple[str, str, bool]]) -> int:
     return peak
 
 
+@with_collectives_alone  # pins one unit's all-gather at a time
 def _hook_order(rank: int, world_size: int, prefetch: str) -> None:
     torch.manual_seed(0)
     model = TinyGPT(n_blocks=4)
@@ -121,7 +122,7 @@ def _counting_collectives(counts: dict[str, int]) -> Iterator[None]:
             setattr(comm, name, real[name])
 
 
-@with_reductions_alone  # counts reductions per flat parameter
+@with_collectives_alone  # counts each unit's collectives
 def _collective_counts(rank: int, world_size: int) -> None:
     from composable_shard import ShardingStrategy
 

@@ -99,6 +99,28 @@ def reduce_bucket_bytes(nbytes: int) -> Iterator[None]:
         comm.REDUCE_BUCKET_BYTES = saved
 
 
+@contextlib.contextmanager
+def gather_bucket_bytes(nbytes: int) -> Iterator[None]:
+    """Trees initialised inside coalesce the all-gathers of small units up
+    to ``nbytes`` ([Note: coalesced all-gathers]; 0: every flat parameter
+    alone); restored after."""
+    saved = comm.GATHER_BUCKET_BYTES
+    comm.GATHER_BUCKET_BYTES = nbytes
+    try:
+        yield
+    finally:
+        comm.GATHER_BUCKET_BYTES = saved
+
+
+@contextlib.contextmanager
+def collectives_alone() -> Iterator[None]:
+    """Every flat parameter gathered and reduced in collectives of its own,
+    for tests that pin the order or number of one unit's collectives;
+    tests/runtime/test_coalesced_*.py pin the buckets."""
+    with reduce_bucket_bytes(0), gather_bucket_bytes(0):
+        yield
+
+
 def reductions_alone() -> contextlib.AbstractContextManager[None]:
     """Every flat parameter reduced in a collective of its own, for tests
     that count reductions per flat parameter;
@@ -115,6 +137,17 @@ def with_reductions_alone(fn: _Fn) -> _Fn:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         with reductions_alone():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def with_collectives_alone(fn: _Fn) -> _Fn:
+    """A worker function run under ``collectives_alone``."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with collectives_alone():
             return fn(*args, **kwargs)
 
     return run  # type: ignore[return-value]

@@ -38,6 +38,12 @@ def _wide_gpt() -> nn.Module:
     return TinyGPT(n_blocks=4, dim=DIM, vocab=VOCAB)
 
 
+def _many_small_gpt() -> nn.Module:
+    """Eight blocks of 210 KB: their all-gathers go in buckets of four
+    ([Note: coalesced all-gathers, planned])."""
+    return TinyGPT(n_blocks=8, dim=320, vocab=VOCAB)
+
+
 def _lora_gpt() -> nn.Module:
     """LoRAGPT's layout (frozen base weights beside trainable low-rank
     factors), at the wide width."""
@@ -64,6 +70,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
         False,
     ),
     "manual_units": (_wide_gpt, {}, "adamw", True),
+    "many_small": (_many_small_gpt, {"policy": {Block}}, "adamw", False),
     "frozen_lora": (_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
     "sgd_momentum": (_wide_gpt, {"policy": {Block}}, "sgd", False),
     "bf16_compute": (

@@ -21,7 +21,7 @@ import composable_shard as cs
 from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded
 from composable_shard.runtime.state import get_state
 
-from tests.support.comm_spies import CommSpy
+from tests.support.comm_spies import CommSpy, with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.models import MLP, TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, run_parity
@@ -153,6 +153,7 @@ def test_grouped_units_under_hybrid_sharding_train_in_parity() -> None:
     run_distributed(_hybrid_groups_match_reference, 4)
 
 
+@with_collectives_alone  # counts each unit's all-gathers
 def _one_all_gather_per_group_per_forward(rank: int, world_size: int) -> None:
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         torch.manual_seed(0)

@@ -39,7 +39,7 @@ from composable_shard import (
 )
 from torch.distributed.pipelining import PipelineStage
 
-from tests.support.comm_spies import CommSpy, with_reductions_alone
+from tests.support.comm_spies import CommSpy, with_collectives_alone
 from tests.support.harness_pool import run_distributed
 from tests.support.parity import Parity, step_and_compare
 from tests.support.models import DIM, SEQ, VOCAB, Block, batch
@@ -175,7 +175,7 @@ def _full_values(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]
         return {prefix + name: param.detach().clone() for name, param in module.named_parameters()}
 
 
-@with_reductions_alone  # counts reductions per flat parameter
+@with_collectives_alone  # counts each unit's collectives
 def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
     stage, dp_index, stage_group, pipe_group = _layout()
     local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)

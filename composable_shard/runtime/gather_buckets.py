@@ -1,0 +1,113 @@
+"""Owns: coalescing the all-gathers of small units — which units' all-gathers
+join the one a unit issues (the units that follow it in the phase's order,
+up to a bucket's bytes) and launching them as one collective.
+
+Knows nothing of: hooks and prefetch policies (they pass the order), when
+compute waits (the scheduler), streams.
+
+Public names: ``unshard_with_followers``.
+
+[Note: coalesced all-gathers]
+An all-gather has a cost of its own whatever its size (a wait for the
+slowest peer, a round through shared memory, a kernel launch), and a unit
+of a few hundred KB pays it twice a step, where DDP pays nothing. So when a
+unit's all-gather is issued in forward or backward (its own, or a prefetch
+of the policy) and its flat parameter's padded unsharded buffer is at most
+a quarter of ``bucket_bytes`` (the scheduler's, from
+``comm.GATHER_BUCKET_BYTES``, 1 MiB, when the tree is initialised; 0
+switches this off: a bucket pays where it holds several units, and units
+of 256 KiB and more keep today's memory), the all-gathers of the units
+that follow it in that phase's order join it: forward follows the previous
+forward's order, backward the current forward's in reverse (the orders
+prefetch uses, the same on every rank; the first forward, which has no
+previous one, follows the tree's module pre-order). Followers are taken while each
+needs an all-gather (a unit already gathered is passed over), all its flat
+parameters are that small and share the first one's key (shard group,
+compute dtype, device), none is offloaded, and the bucket stays within
+``bucket_bytes``; the first
+unit that does not qualify ends the bucket. One collective then gathers
+them all (``comm.all_gather_together``: every rank's shards of the bucket
+side by side, then each buffer gets its pieces, the same bytes as alone),
+and compute waits for it once, at the first use of any of them. A
+follower's own pre-forward or pre-backward then finds it gathered.
+
+Where the user ordered the all-gathers (``set_modules_to_forward_prefetch``
+or ``set_modules_to_backward_prefetch`` anywhere in the tree) that phase is
+not coalesced: exactly the listed order is issued, one collective each.
+Units some ranks skip never join (they leave the forward order, and the
+first forward's order leaves them out).
+
+Memory: the followers' buffers exist from the bucket's issue, at most
+``bucket_bytes`` beyond what would be gathered anyway, and the issue holds
+the side-by-side shards and the gathered rows until the wait (``plan``
+counts them: [Note: coalesced all-gathers, planned] in
+planning/step_replay.py). Pinned by tests/runtime/test_coalesced_all_gathers.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Hashable, Iterable
+
+from .. import comm
+from ..comm import PendingCollective
+from ..comm.tags import collective_of
+from ..handle import FlatParamHandle
+from .scheduler import Scheduler
+
+__all__ = ["unshard_with_followers"]
+
+
+def unshard_with_followers(
+    scheduler: Scheduler, handles: list[FlatParamHandle], followers: Iterable[list[FlatParamHandle]]
+) -> None:
+    """Issue one all-gather for the first of ``handles`` that needs one and
+    for the followers' (each unit's flat parameters, in the phase's order,
+    consumed lazily) that may share it ([Note: coalesced all-gathers]).
+    Issues nothing where no follower joins: the caller's usual all-gathers
+    then run alone."""
+    bucket_bytes = scheduler.gather_bucket_bytes
+    if bucket_bytes <= 0:
+        return
+    own = [handle for handle in handles if _needs_all_gather(scheduler, handle)]
+    first = _key_and_bytes(own[0], bucket_bytes) if own else None
+    if first is None:
+        return
+    key, total = first
+    members = [own[0]]
+    for follower in followers:
+        needing = [handle for handle in follower if _needs_all_gather(scheduler, handle)]
+        if not needing:
+            continue  # still gathered (the root, a unit kept): passed over
+        sizes = [_key_and_bytes(handle, bucket_bytes) for handle in needing]
+        if any(each is None or each[0] != key for each in sizes):
+            break
+        nbytes = sum(each[1] for each in sizes if each is not None)
+        if total + nbytes > bucket_bytes:
+            break
+        members += needing
+        total += nbytes
+    if len(members) > 1:
+        scheduler.unshard_together(members, functools.partial(_launch, members))
+
+
+def _needs_all_gather(scheduler: Scheduler, handle: FlatParamHandle) -> bool:
+    return not handle.is_unsharded and not scheduler.has_pending_unshard(handle)
+
+
+def _key_and_bytes(handle: FlatParamHandle, bucket_bytes: int) -> tuple[Hashable, int] | None:
+    """The key of the bucket ``handle``'s all-gather may join and its bytes
+    there, or None where it is gathered alone."""
+    if not handle.groups.is_sharded or handle.offload_params or not handle.needs_unshard_storage:
+        return None
+    nbytes = comm.gatherable_bytes(handle.unsharded_flat_param.numel(), handle.param_dtype, bucket_bytes)
+    if not nbytes:
+        return None
+    return (handle.groups.shard_group, handle.param_dtype, handle.compute_device), nbytes
+
+
+def _launch(members: list[FlatParamHandle], async_op: bool) -> PendingCollective:
+    outputs = [handle.allocate_unsharded() for handle in members]
+    shards = [handle.shard_on_compute_device() for handle in members]
+    with collective_of(members[0]):  # [Note: tagged collectives] in comm/tags.py
+        return comm.all_gather_together(outputs, shards, members[0].groups.shard_group, async_op=async_op)
