@@ -241,7 +241,8 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
         # [Note: trimming the host heap in backward] (runtime/host_memory.py)
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
-            context.host_memory_trimmer.unit_backward_starts(sum(h.unsharded_bytes for h in state.handles))
+            gathered = sum(h.unsharded_bytes for h in state.handles if h.needs_unshard_storage)
+            context.host_memory_trimmer.unit_backward_starts(gathered)
         state.unshard(wait=True, followers=followers(state, forward=False))
         gather_anchored(state)  # [Note: units that some ranks skip]
         context.scheduler.unit_backward_starts()  # [Note: backward prefetch on CPU]

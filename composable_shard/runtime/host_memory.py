@@ -17,7 +17,15 @@ costs a walk of the arenas and page faults when the pages are used again,
 so a unit's pre-backward trims only when the backward gathered
 ``TRIM_EVERY_BYTES`` since the last trim and the resident set is within
 ``REACH_PER_GATHERED_BYTE`` times the unit's gathered bytes of its
-high-water mark (farther below, this unit cannot make a new peak).
+high-water mark (farther below, this unit cannot make a new peak). Only
+bytes really gathered count (a flat parameter that is its own shard, as
+NO_SHARD's in its own dtype, brings none). Reading the levels costs a
+read of ``/proc/self/status``, so a check that finds the resident set
+below the mark by more than ``REACH_PER_GATHERED_BYTE`` times the unit's
+bytes and another ``TRIM_EVERY_BYTES`` starts the count again: by the same
+bound no unit before that much more was gathered can reach the mark, so
+each of their checks would have skipped too (nearer, every unit checks, as
+before).
 ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0`` turns it off; without
 ``malloc_trim`` (musl, macOS) it does nothing. Measurements: docs/how-it-works.md
 ("Memory"). Pinned by tests/runtime/test_host_memory.py.
@@ -96,15 +104,20 @@ class HostMemoryTrimmer:
         self.trims = 0  # how many trims ran (tests and the bench read it)
 
     def unit_backward_starts(self, gathered_bytes: int) -> None:
-        """A unit's backward starts; it gathered ``gathered_bytes``."""
+        """A unit's backward starts; it gathered ``gathered_bytes`` (0 where
+        its flat parameters are their own shards)."""
         self._bytes_since_trim += gathered_bytes
         if self._bytes_since_trim < self.trim_every_bytes:
             return
         levels = self._read_levels()
         if levels is not None:
             resident, high_water = levels
-            if resident + self.REACH_PER_GATHERED_BYTE * gathered_bytes < high_water:
-                return  # far from the peak: a trim now would only cost page faults
+            reach = self.REACH_PER_GATHERED_BYTE
+            if resident + reach * gathered_bytes < high_water:
+                # Far from the peak: a trim now would only cost page faults.
+                if resident + reach * (gathered_bytes + self.trim_every_bytes) < high_water:
+                    self._bytes_since_trim = 0  # no check can trim before that many more bytes
+                return
         trim = malloc_trim()
         if trim is not None:
             trim()

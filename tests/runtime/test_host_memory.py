@@ -7,6 +7,7 @@ the switch turns it off."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -89,13 +90,40 @@ def test_trimmer_trims_once_per_trim_every_bytes_gathered_near_the_high_water_ma
     assert trimmer.trims == 4
 
 
+
+def test_trimmer_counts_again_after_a_check_that_another_trim_every_bytes_cannot_bring_to_the_mark() -> None:
+    reads: list[tuple[int, int] | None] = []
+    levels = iter([(100, 1000), (700, 1000), (100, 1000), None])
+
+    def read_levels() -> tuple[int, int] | None:
+        reads.append(next(levels))
+        return reads[-1]
+
+    trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100, read_levels=read_levels)
+    # 100 with (100, 1000): 100 + 4 * 100 < 1000, no trim; 100 + 4 * (100 + 100)
+    # < 1000 too: no unit of the next 100 bytes can reach the mark, the count
+    # starts again.
+    trimmer.unit_backward_starts(100)
+    assert (len(reads), trimmer.trims) == (1, 0)
+    trimmer.unit_backward_starts(99)  # 99: no check
+    assert (len(reads), trimmer.trims) == (1, 0)
+    # 100 with (700, 1000): 700 + 4 * 1 < 1000, no trim, but 700 + 4 * (1 +
+    # 100) >= 1000: the count goes on, the next unit checks again.
+    trimmer.unit_backward_starts(1)
+    assert (len(reads), trimmer.trims) == (2, 0)
+    trimmer.unit_backward_starts(0)  # 100 with (100, 1000): far again, count restarts
+    assert (len(reads), trimmer.trims) == (3, 0)
+    trimmer.unit_backward_starts(100)  # 100, no levels: trim
+    assert (len(reads), trimmer.trims) == (4, 1)
+
+
 def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
     models: list[nn.Module] = []
 
-    def shard(model: nn.Module) -> None:
+    def shard(model: nn.Module, strategy: cs.ShardingStrategy = cs.ShardingStrategy.FULL_SHARD) -> None:
         for block in model.blocks:  # type: ignore[union-attr]
-            cs.fully_shard(block)
-        cs.fully_shard(model)
+            cs.fully_shard(block, strategy=strategy)
+        cs.fully_shard(model, strategy=strategy)
         models.append(model)
 
     steps = 3
@@ -113,6 +141,19 @@ def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
     assert trimmer is not None
     units = 1 + len(models[0].blocks)  # type: ignore[union-attr, arg-type]
     assert trimmer.trims == steps * units, (trimmer.trims, steps, units)
+
+    # NO_SHARD in the parameters' dtype gathers nothing: no byte counts, no
+    # trim, however small TRIM_EVERY_BYTES.
+    models.clear()
+    trimmer_class.TRIM_EVERY_BYTES = 1
+    trimmer_class.REACH_PER_GATHERED_BYTE = 2**40
+    try:
+        run_parity(Parity(build=TinyGPT, shard=functools.partial(shard, strategy=cs.ShardingStrategy.NO_SHARD), steps=2))
+    finally:
+        trimmer_class.TRIM_EVERY_BYTES = default_every
+        trimmer_class.REACH_PER_GATHERED_BYTE = default_reach
+    trimmer = get_state(models[0]).root_context.host_memory_trimmer
+    assert trimmer is not None and trimmer.trims == 0, trimmer.trims
 
     os.environ[host_memory.ENV_SWITCH] = "0"
     try:
