@@ -34,7 +34,8 @@ follower's own pre-forward or pre-backward then finds it gathered.
 Where the user ordered the all-gathers (``set_modules_to_forward_prefetch``
 or ``set_modules_to_backward_prefetch`` anywhere in the tree) that phase is
 not coalesced: exactly the listed order is issued, one collective each.
-Units some ranks skip never join (they leave the forward order, and the
+Hooks ``torch.compile`` traces gather unit by unit (dynamo would guard on
+the orders and handles). Units some ranks skip never join (they leave the forward order, and the
 first forward's order leaves them out).
 
 Memory: the followers' buffers exist from the bucket's issue, at most

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import torch
+
 from ..api import BackwardPrefetch
 from ..handle import FlatParamHandle
 from .state import UnitState
@@ -56,8 +58,13 @@ def followers(state: UnitState, *, forward: bool) -> Iterator[list[FlatParamHand
     first; backward: this forward's, reversed),
     unit by unit, lazily: the all-gathers that may join ``state``'s
     ([Note: coalesced all-gathers] in runtime/gather_buckets.py). None
-    where nothing is coalesced: the user ordered the all-gathers, or the
-    tree's bucket is 0."""
+    where nothing is coalesced: under ``torch.compile``, where the user
+    ordered the all-gathers, or where the tree's bucket is 0."""
+    if torch.compiler.is_compiling():
+        # Traced hooks gather unit by unit: dynamo would guard on the tree's
+        # orders and handles, which change between steps (it failed building
+        # such a guard after other tests in one process: tests/training/test_compile.py).
+        return None
     context = state.context
     if context.user_orders_all_gathers or context.scheduler.gather_bucket_bytes <= 0:
         return None
