@@ -12,6 +12,8 @@ The folder, one noun per module, in import order:
   ``requires_grad``, a cast) and what is refused;
 - ``grads.py``: the sharded gradient once reduced: collected from what the
   user left, accumulated (on the host when offloaded), shown as ``.grad``;
+- ``forward_views.py``: the views of the unsharded buffer the owners show
+  in forward and backward (cut once per forward, reused by its backward);
 - ``storage.py``: ``FlatParamHandle``, the buffers and the parameters'
   views into them; it applies write-back, and reduces gradients through
   ``comm.reduce_grad`` (the reduction's arithmetic lives in

@@ -42,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import comm
 from ..comm import GradReduceSettings, PendingCollective, ShardGroups
 from .layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
-from . import dtensor_views, grads, writeback
+from . import dtensor_views, forward_views, grads, writeback
 from .dtensor_views import TensorParallelSpec
 
 __all__ = ["FlatParamHandle", "FlatParamSource"]
@@ -53,16 +53,6 @@ class FlatParamSource(NamedTuple):
 
     param: nn.Parameter
     owners: tuple[ParamOwner, ...]
-
-
-class _ForwardViewPlan(NamedTuple):
-    """The layout as ``use_unsharded_views`` reads it (see
-    ``FlatParamHandle._forward_view_plan``)."""
-
-    layout: FlatParamLayout
-    split_sizes: list[int]
-    # Per parameter: (segment index, shape to view it as or None, ((owner module, attribute), ...)).
-    params: tuple[tuple[int, tuple[int, ...] | None, tuple[tuple[nn.Module, str], ...]], ...]
 
 
 class FlatParamHandle:
@@ -166,8 +156,11 @@ class FlatParamHandle:
         # What DTensor parameters show between steps (None for plain ones).
         self._shard_shells: tuple[DTensor | None, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
-        # ``use_unsharded_views``' reading of the layout (``_forward_view_plan``).
-        self._view_plan: _ForwardViewPlan | None = None
+        # The layout as the views read it (``_forward_view_plan``), and the
+        # views the last forward showed, for its backward ([Note: forward
+        # views reused in backward] in handle/forward_views.py).
+        self._view_plan: forward_views.ViewPlan | None = None
+        self._forward_views: forward_views.ShownViews | None = None
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
         # (``set_grad_of_other_dtype``); None until the first one.
@@ -264,9 +257,8 @@ class FlatParamHandle:
     def _register_orig_params(self) -> None:
         """Register the original parameters back on their owners (their
         ``.data`` is left as it is)."""
-        for (_, _, owners), param in zip(self._forward_view_plan().params, self.orig_params):
-            for module, attr in owners:
-                module._parameters[attr] = param
+        for parameters, attr, param in self._forward_view_plan().orig_registrations:
+            parameters[attr] = param
         self.shows_unsharded_views = False
 
     def hide_unsharded_views(self) -> None:
@@ -279,47 +271,44 @@ class FlatParamHandle:
         """Give the owners autograd views of the unsharded flat parameter
         (forward and backward), so gradients flow into its ``.grad``.
 
-        Built anew at every unshard, not kept: the autograd engine runs
-        ready nodes newest first, and views kept from the first step would
-        put their split's backward (and so this flat parameter's
+        Cut anew at every call (the pre-backward after a forward may show
+        that forward's instead: ``reuse_forward_views``): the autograd engine
+        runs ready nodes newest first, and views kept from the first step
+        would put their split's backward (and so this flat parameter's
         post-accumulate-grad hook, which reduces and frees the gradient)
         behind every node of later steps, i.e. at the end of backward."""
         self.check_unsharded("use_unsharded_views")
         plan = self._forward_view_plan()
-        # What torch.split does with a list of sizes, without its Python layer.
-        segments = self.unsharded_flat_param.split_with_sizes(plan.split_sizes)
-        for (index, shape, owners), requires_grad, spec in zip(plan.params, self.param_requires_grad, self.tp_specs):
-            view = segments[index]
-            if shape is not None:  # 1-D parameters use their segment as it is
-                view = view.view(shape)
-            if not requires_grad and view.requires_grad:
-                view = view.detach()  # frozen: see [Note: changes to original parameters]
-            if spec is not None:
-                view = dtensor_views.forward_view(view, spec)
-            for module, attr in owners:
-                # A forward view, not a Parameter: autograd must reach the flat parameter through it.
-                module._parameters[attr] = view  # type: ignore[assignment]  # _parameters holds views here
+        flat = self.unsharded_flat_param
+        shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs)
+        self._forward_views = None
+        if not torch.is_inference_mode_enabled():
+            storage = forward_views.storage_key(flat)
+            self._forward_views = forward_views.ShownViews(plan, self.param_requires_grad, storage, shown)
         self.shows_unsharded_views = True
 
-    def _forward_view_plan(self) -> _ForwardViewPlan:
-        """What ``use_unsharded_views`` reads of the layout, per parameter:
-        its segment, the shape to view it as (None: its 1-D segment as it
-        is) and its owners; rebuilt when the layout object
+    def reuse_forward_views(self) -> bool:
+        """Show the owners the views the last ``use_unsharded_views`` cut,
+        where they are still what it would cut now (a pre-backward after its
+        forward: [Note: forward views reused in backward] in
+        handle/forward_views.py); returns whether it did."""
+        shown = self._forward_views
+        if shown is None or not self.is_unsharded:
+            return False
+        if not shown.still_valid(self._forward_view_plan(), self.param_requires_grad, self.unsharded_flat_param):
+            return False
+        shown.show()
+        self.shows_unsharded_views = True
+        return True
+
+    def _forward_view_plan(self) -> forward_views.ViewPlan:
+        """The layout as the views read it; rebuilt when the layout object
         changes (a dtype change replaces it). A unit's forward and backward
-        each build views and each reshard registers the parameters back,
+        each show views and each reshard registers the parameters back,
         so this is read several times per unit per step."""
-        layout = self.layout
         plan = self._view_plan
-        if plan is None or plan.layout is not layout:
-            params = tuple(
-                (
-                    index,
-                    None if tuple(info.shape) == (info.numel,) else tuple(info.shape),
-                    tuple((owner.module, owner.attr) for owner in info.owners),
-                )
-                for info, index in zip(layout.params, layout.param_segments)
-            )
-            plan = self._view_plan = _ForwardViewPlan(layout, list(layout.split_sizes), params)
+        if plan is None or plan.layout is not self.layout:
+            plan = self._view_plan = forward_views.view_plan_of(self.layout, self.orig_params)
         return plan
 
     # ------------------------------------------------------ unshard/reshard

@@ -243,7 +243,7 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
             gathered = sum(h.unsharded_bytes for h in state.handles if h.needs_unshard_storage)
             context.host_memory_trimmer.unit_backward_starts(gathered)
-        state.unshard(wait=True, followers=followers(state, forward=False))
+        state.unshard(wait=True, followers=followers(state, forward=False), reuse_views=True)
         gather_anchored(state)  # [Note: units that some ranks skip]
         context.scheduler.unit_backward_starts()  # [Note: backward prefetch on CPU]
         prefetch_in_backward(state, BackwardPrefetch.BACKWARD_PRE)

@@ -220,12 +220,17 @@ class UnitState:
             raise_internal(self, "used before lazy init")
         return self.root_context  # type: ignore[return-value]  # raise_internal never returns
 
-    def unshard(self, *, wait: bool, followers: Iterable[list[FlatParamHandle]] | None = None) -> None:
+    def unshard(
+        self, *, wait: bool, followers: Iterable[list[FlatParamHandle]] | None = None, reuse_views: bool = False
+    ) -> None:
         """Issue the unit's all-gathers (no-op where already issued or
         unsharded), with the ``followers``' (the next units' flat parameters
         in the phase's order) where they may share one collective
         ([Note: coalesced all-gathers] in runtime/gather_buckets.py); with
-        ``wait``, make compute wait and point the owners at unsharded views."""
+        ``wait``, make compute wait and point the owners at unsharded views
+        (with ``reuse_views``, the pre-backward's: the forward's views where
+        they are still valid, [Note: forward views reused in backward] in
+        handle/forward_views.py)."""
         scheduler = self.context.scheduler
         if followers is not None:
             unshard_with_followers(scheduler, self.handles, followers)
@@ -234,6 +239,8 @@ class UnitState:
         if wait:
             for handle in self.handles:
                 scheduler.wait_for_unshard(handle)
+                if reuse_views and handle.reuse_forward_views():
+                    continue
                 # Views must be autograd views of the flat parameter even when
                 # built from a backward hook, where grad mode is off.
                 with torch.enable_grad():

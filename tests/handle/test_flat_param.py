@@ -138,6 +138,94 @@ def test_views_alias_flat_storage_and_reshard_frees_unsharded_storage(world_size
     run_distributed(_views_alias_flat_storage_and_reshard_frees, world_size)
 
 
+def _shown(handle: FlatParamHandle) -> list[torch.Tensor]:
+    return [owner.module._parameters[owner.attr] for info in handle.layout.params for owner in info.owners]
+
+
+def _unshard(handle: FlatParamHandle) -> None:
+    pending = handle.unshard(async_op=True)
+    if pending is not None and pending.work is not None:
+        pending.work.wait()
+
+
+def _unshard_and_show_reused(handle: FlatParamHandle) -> None:
+    _unshard(handle)
+    assert handle.reuse_forward_views(), handle
+
+
+def _grad_through_shown_views(handle: FlatParamHandle) -> torch.Tensor:
+    total = sum(view.sum() for view in _shown(handle) if view.requires_grad)
+    assert isinstance(total, torch.Tensor)
+    total.backward()
+    grad = handle.unsharded_flat_param.grad
+    assert grad is not None
+    handle.unsharded_flat_param.grad = None
+    return grad
+
+
+def _forward_views_reused_only_while_the_same(rank: int, world_size: int) -> None:
+    """[Note: forward views reused in backward] in handle/forward_views.py."""
+    for seed in range(4):
+        module = _random_module(seed)
+        for handle in _build(module, ShardGroups(dist.group.WORLD, None)):
+            assert not handle.reuse_forward_views(), "no forward showed views yet"
+            _unshard_and_show(handle)
+            forward = _shown(handle)
+            handle.reshard()
+            if handle.needs_unshard_storage:
+                assert not handle.reuse_forward_views(), "resharded: nothing to show"
+            # Gathered again into the same storage object: the forward's very views.
+            _unshard_and_show_reused(handle)
+            assert all(a is b for a, b in zip(_shown(handle), forward)) and handle.shows_unsharded_views
+            if handle.requires_grad:
+                # A gradient through the reused views is the one through fresh ones.
+                reused_grad = _grad_through_shown_views(handle)
+                handle.use_unsharded_views()
+                assert torch.equal(_grad_through_shown_views(handle), reused_grad)
+                handle.reshard()
+                # requires_grad changed (frozen views are detached): cut anew.
+                first = handle.orig_params[0]
+                first.requires_grad_(not first.requires_grad)
+                handle.writeback_orig_params()
+                _unshard(handle)
+                assert not handle.reuse_forward_views()
+                handle.reshard()
+                first.requires_grad_(not first.requires_grad)
+                handle.writeback_orig_params()
+            # Views shown under inference mode are not kept.
+            _unshard(handle)
+            with torch.inference_mode():
+                handle.use_unsharded_views()
+            assert not handle.reuse_forward_views()
+            handle.use_unsharded_views()
+            assert handle.reuse_forward_views()
+            # Another storage object under the flat parameter: cut anew.
+            flat = handle.unsharded_flat_param
+            flat.data = flat.detach().clone()
+            assert not handle.reuse_forward_views()
+            handle.reshard()
+        # A dtype change replaces the layout and the buffer: never the old views.
+        module = _random_module(seed)
+        handles = _build(module, ShardGroups(dist.group.WORLD, None))
+        handle = next(h for h in handles if h.layout.dtype == torch.float32)
+        _unshard_and_show(handle)
+        handle.reshard()
+        for param in handle.orig_params:
+            param.data = param.data.to(torch.float64)
+        handle.writeback_orig_params()
+        _unshard(handle)
+        assert not handle.reuse_forward_views()
+        handle.use_unsharded_views()
+        assert all(view.dtype == torch.float64 for view in _shown(handle))
+        assert handle.reuse_forward_views()
+        handle.reshard()
+
+
+@world_sizes
+def test_backward_reuses_the_forward_views_only_while_they_are_the_same(world_size: int) -> None:
+    run_distributed(_forward_views_reused_only_while_the_same, world_size)
+
+
 def _rank_grad(handle: FlatParamHandle, rank: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 100 + rank)
     grad = torch.randn(handle.layout.padded_unsharded_numel, generator=generator, dtype=torch.float64)
