@@ -282,7 +282,9 @@ class FlatParamHandle:
         flat = self.unsharded_flat_param
         shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs)
         self._forward_views = None
-        if not torch.is_inference_mode_enabled():
+        # Not kept under inference mode, nor while dynamo traces (the query
+        # would break the graph; the record is only a saving).
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
             storage = forward_views.storage_key(flat)
             self._forward_views = forward_views.ShownViews(plan, self.param_requires_grad, storage, shown)
         self.shows_unsharded_views = True
