@@ -23,7 +23,7 @@ the layout (a dtype change replaces it, and the buffer), which parameters
 require grad (frozen ones are detached views), and the buffer's storage
 object itself; the views are kept alive by the record, so a storage object
 compared by address cannot have been freed and replaced. Views built under
-inference mode are not kept. Every other showing — a forward, an
+inference mode, or while dynamo traces, are not kept. Every other showing — a forward, an
 activation-checkpoint re-run, whose re-run graph is backpropagated — cuts
 them anew. Pinned by tests/handle/test_flat_param.py
 (test_backward_reuses_the_forward_views_only_while_they_are_the_same).
