@@ -408,12 +408,32 @@ def reduce_grads_together(
     return PendingCollective(work, combined, read_on_lane)
 
 
-def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingCollective]:
+def split_reduced(
+    reduced: PendingCollective, sizes: list[int], settings: list[GradReduceSettings]
+) -> list[PendingCollective]:
     """The finished collective of ``reduce_grads_together`` as one
     reduction per gradient (``sizes``: their shards' numels, in order), for
-    ``finish_grad_reduction``: each its own tensor, as a sharded gradient's
-    storage must be (parameters' ``.grad`` are views of it)."""
-    return [PendingCollective(None, piece.clone(), ()) for piece in reduced.output.split(sizes)]
+    ``finish_grad_reduction``. A sharded gradient's storage must be its own
+    (parameters' ``.grad`` are views of it): a piece whose finish only
+    divides and casts (``settings``) is handed on as a view of the output,
+    from which ``mean_of_sum`` makes the mean a tensor of its own (the
+    division writing the new tensor: no separate copy); one whose sum is
+    kept, all-reduced again or shown to a hook is copied here."""
+    pieces = reduced.output.split(sizes)
+    return [
+        PendingCollective(None, piece if _finishes_with_the_mean(each) else piece.clone(), ())
+        for piece, each in zip(pieces, settings)
+    ]
+
+
+def _finishes_with_the_mean(settings: GradReduceSettings) -> bool:
+    """Whether ``finish_grad_reduction`` goes straight to ``mean_of_sum``
+    (no hook, no replica all-reduce of a shard, no partial sum kept)."""
+    if settings.comm_hook is not None or settings.all_reduce_hook is not None:
+        return False
+    if settings.has_replicas and not settings.all_reduce:
+        return False
+    return not (settings.groups.is_sharded and settings.groups.replicate_group is not None)
 
 
 def _reduce_with_comm_hook(unsharded_grad: torch.Tensor, settings: GradReduceSettings) -> PendingCollective:

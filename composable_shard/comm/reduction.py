@@ -105,10 +105,23 @@ def prepare_for_sum(unsharded_grad: torch.Tensor, settings: GradReduceSettings) 
 
 
 def mean_of_sum(summed_grad: torch.Tensor, settings: GradReduceSettings) -> torch.Tensor:
-    """The mean from a reduced sum (divided in place by the rest of the
-    divisor), cast to the gradient dtype where it lies."""
+    """The mean from a reduced sum (divided by the rest of the divisor),
+    cast to the gradient dtype where it lies: a tensor of its own. A sum
+    that is one (a collective's output) is divided in place; a view of a
+    larger one (a piece of a coalesced reduction) is divided into a new
+    tensor, or copied where nothing divides or casts it."""
     divisor = settings.divisor
     postdivide = divisor / predivide_factor(settings.reduce_dtype, divisor)
+    shared = not _owns_storage(summed_grad)
     if postdivide != 1.0:
-        summed_grad.div_(postdivide)
-    return summed_grad.to(settings.grad_dtype)
+        # The same division either way, element by element: the same bits.
+        summed_grad = torch.div(summed_grad, postdivide) if shared else summed_grad.div_(postdivide)
+        shared = False
+    if summed_grad.dtype != settings.grad_dtype:
+        return summed_grad.to(settings.grad_dtype)
+    return summed_grad.clone() if shared else summed_grad
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (contiguous) is the whole of its storage."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -16,6 +16,7 @@ import torch
 import composable_shard as cs
 from composable_shard import ShardingStrategy, comm, fully_shard
 from composable_shard.planning.step_replay import buckets_in_backward
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.coalescing import CASES, small_gpt, train_case
 from tests.support.comm_spies import CollectiveSpy, reduce_bucket_bytes
@@ -82,6 +83,54 @@ def _coalesced_equals_alone(rank: int, world_size: int, cases: list[str]) -> Non
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_coalesced_reductions_equal_reductions_alone_bit_for_bit(world_size: int) -> None:
     run_distributed(_coalesced_equals_alone, world_size, [case for case, (w, *_) in CASES.items() if w == world_size])
+
+
+def _grad_storages(model: torch.nn.Module) -> dict[str, int]:
+    """Each trainable flat parameter's sharded gradient storage (by address),
+    checked to be its own: the parameters' ``.grad`` tile it at their
+    layout offsets and it holds nothing else ([Note: sharded gradient
+    ownership] in handle/grads.py)."""
+    storages: dict[str, int] = {}
+    for name, unit in unit_states_under(model):
+        for index, handle in enumerate(unit.trainable_handles):
+            tiles = [(info, p.grad) for info, p in zip(handle.layout.params, handle.orig_params) if info.local_numel]
+            storage = tiles[0][1].untyped_storage()
+            assert storage.nbytes() == handle.layout.shard_numel * tiles[0][1].element_size(), (name, index)
+            for info, grad in tiles:
+                assert grad.untyped_storage().data_ptr() == storage.data_ptr(), (name, info.fqn)
+                assert grad.storage_offset() == info.shard_offset, (name, info.fqn)
+            storages[f"{name}/{index}"] = storage.data_ptr()
+    return storages
+
+
+def _bucket_grads_own_their_storage(rank: int, world_size: int) -> None:
+    """A flat parameter finished from a bucket's piece holds its gradient in
+    a storage of its own, which the next backward accumulates into (no
+    copy of the bucket left under ``.grad``), also with a divide factor of
+    1 (nothing divides the piece); bit for bit what reducing alone gives."""
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
+        for factor in (None, 1.0):
+            grads: dict[int, dict[str, torch.Tensor]] = {}
+            for bucket in (comm.REDUCE_BUCKET_BYTES, 0):
+                with reduce_bucket_bytes(bucket):
+                    model = small_gpt()
+                    shard_manually(strategy)(model)
+                    for _, unit in unit_states_under(model):
+                        cs.set_gradient_divide_factor(unit.module, factor)
+                    first: dict[str, int] = {}
+                    for step in range(2):  # the second accumulates
+                        inputs, targets = batch(step)
+                        lm_loss(model(inputs[rank::world_size]), targets[rank::world_size]).backward()
+                        storages = _grad_storages(model)
+                        first = first or storages
+                        assert storages == first, (strategy, factor, bucket, "accumulated into new storage")
+                    grads[bucket] = {name: p.grad.clone() for name, p in model.named_parameters()}
+            for name, grad in grads[0].items():
+                assert torch.equal(grads[comm.REDUCE_BUCKET_BYTES][name], grad), (strategy, factor, name)
+
+
+def test_gradients_from_a_bucket_own_their_storage_and_accumulate_in_place() -> None:
+    run_distributed(_bucket_grads_own_their_storage, 2)
 
 
 def _parity_with_buckets(rank: int, world_size: int) -> None:
