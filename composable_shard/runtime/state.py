@@ -235,7 +235,11 @@ class UnitState:
         if followers is not None:
             unshard_with_followers(scheduler, self.handles, followers)
         for handle in self.handles:
-            scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
+            # A handle that is its own shard (NO_SHARD in its dtype) gathers
+            # and copies nothing: its issue is still fenced ([Note: lane
+            # fences]) but launches nothing, without a tag.
+            launch = functools.partial(_launch_unshard, handle) if handle.needs_unshard_storage else _launch_nothing
+            scheduler.unshard(handle, launch)
         if wait:
             for handle in self.handles:
                 scheduler.wait_for_unshard(handle)
@@ -408,6 +412,12 @@ class RootContext:
 def _launch_unshard(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
     with collective_of(handle):  # [Note: tagged collectives] in comm/tags.py
         return handle.unshard(async_op=async_op)
+
+
+def _launch_nothing(async_op: bool) -> None:
+    """The unshard of a flat parameter that is its own shard: always
+    unsharded, so ``FlatParamHandle.unshard`` would return None at once."""
+    return None
 
 
 def _launch_reduce(handle: FlatParamHandle, async_op: bool) -> PendingCollective | None:
