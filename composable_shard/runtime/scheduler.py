@@ -208,6 +208,12 @@ class Scheduler:
         # not: see [Note: lane fences]); the entry keeps the gathered buffer
         # and its source alive until wait_for_unshard.
         self._all_gathers: OrderedDict[Hashable, InFlight] = OrderedDict()
+        # The other keys a coalesced all-gather fills, by each of its keys
+        # (absent for one filled alone), and the collectives in flight:
+        # kept as they change, so no hook iterates the entries (hooks
+        # torch.compile traces would be guarded on them).
+        self._filled_with: dict[Hashable, tuple[Hashable, ...]] = {}
+        self.all_gathers_in_flight = 0
         # The most unsharded bytes one coalesced all-gather fills (0: none;
         # [Note: coalesced all-gathers] in runtime/gather_buckets.py).
         self.gather_bucket_bytes = gather_bucket_bytes
@@ -259,21 +265,22 @@ class Scheduler:
         in_flight = self.all_gather_lane.issue(lambda: launch(self.all_gather_lane.async_op), after=after)
         for key in keys:
             self._all_gathers[key] = in_flight
+        if len(keys) > 1:
+            for key in keys:
+                self._filled_with[key] = tuple(other for other in keys if other is not key)
+        self.all_gathers_in_flight += 1
         # This launch allocated its buffers: the deferred block may go to the next.
         self._run_deferred_free()
-
-    @property
-    def all_gathers_in_flight(self) -> int:
-        """Collectives issued and not yet waited on (a coalesced one once)."""
-        return len({id(in_flight) for in_flight in self._all_gathers.values()})
 
     def wait_for_unshard(self, key: Hashable) -> None:
         """Make compute wait for ``key``'s all-gather (no-op if none pending)."""
         in_flight = self._all_gathers.pop(key, None)
         if in_flight is not None:
             # A coalesced one: compute waits once, for all its keys.
-            for other in [other for other, each in self._all_gathers.items() if each is in_flight]:
+            for other in self._filled_with.pop(key, ()):
                 del self._all_gathers[other]
+                del self._filled_with[other]
+            self.all_gathers_in_flight -= 1
             self.all_gather_lane.wait(in_flight)
 
     def has_pending_unshard(self, key: Hashable) -> bool:
