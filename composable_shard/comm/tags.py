@@ -21,14 +21,13 @@ all-gather beside the collective (tag_check.py), so the first collective
 where two ranks disagree fails on each of them at once, naming both units.
 The tag is a number, the unit's position in its root's tree, the same on
 every rank; collectives launched outside ``collective_of`` are untagged (0).
-NCCL carries none. Pinned by tests/training/test_skipped_units.py.
+NCCL carries none. Pinned by tests/controls/test_skipped_units.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Iterator
 
 __all__ = ["register", "collective_of", "current_tag", "name_of", "MAX_TAG"]
@@ -36,9 +35,12 @@ __all__ = ["register", "collective_of", "current_tag", "name_of", "MAX_TAG"]
 # Tags fit in the bits of a shared-memory signature above kind and size.
 MAX_TAG = (1 << 17) - 1
 
-# Key (a flat-parameter handle) -> its tag; tag -> its name. Weak keys: a
-# deleted model drops its tags.
-_TAGS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+# A registered key (a flat-parameter handle) carries its tag in this
+# attribute, so it goes with the key; a registry beside the keys (weak, to
+# drop deleted models) is what hooks torch.compile traces guarded on, and
+# it shrinks as earlier models are collected: a guard on it failed to build
+# in a long test run (tests/training/test_compile.py). Tag -> its name.
+_TAG_ATTRIBUTE = "_composable_shard_collective_tag"
 _NAMES: dict[int, str] = {}
 # The tag of the collective being launched on this thread (0: untagged).
 _CURRENT = threading.local()
@@ -48,7 +50,7 @@ def register(key: object, tag: int, name: str) -> None:
     """Collectives launched inside ``collective_of(key)`` carry ``tag``,
     named ``name`` in errors (every rank must register the same)."""
     tag = min(tag, MAX_TAG)
-    _TAGS[key] = tag
+    setattr(key, _TAG_ATTRIBUTE, tag)
     _NAMES[tag] = name
 
 
@@ -56,7 +58,7 @@ def register(key: object, tag: int, name: str) -> None:
 def collective_of(key: object) -> Iterator[None]:
     """Tag the collectives launched in this block with ``key``'s tag."""
     previous = getattr(_CURRENT, "tag", 0)
-    _CURRENT.tag = _TAGS.get(key, 0)
+    _CURRENT.tag = getattr(key, _TAG_ATTRIBUTE, 0)
     try:
         yield
     finally:

@@ -38,7 +38,7 @@ worst the root, which runs on every rank by definition):
 Memory: every unit anchored to a unit is gathered for the anchor's whole
 forward and backward (not one at a time), and each one that ran keeps its
 padded unsharded gradient until the end of backward. Measured in
-docs/design/runtime.md; pinned by tests/training/test_skipped_units.py.
+docs/design/runtime.md; pinned by tests/controls/test_skipped_units.py.
 """
 
 from __future__ import annotations
