@@ -26,7 +26,7 @@ from composable_shard import (
 )
 
 from tests.support.comm_spies import CollectiveSpy, gather_bucket_bytes, reduce_bucket_bytes
-from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.models import LoRAGPT, TinyGPT, batch, lm_loss
 from tests.support.parity import hybrid_groups
 
 N_BLOCKS, DIM = 8, 32
@@ -129,6 +129,13 @@ CASES: dict[str, tuple[int, Callable[[int], Callable], Callable, Callable[[], nn
         lambda w: _shard(ShardingStrategy.FULL_SHARD, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
         _plain,
         small_gpt,
+    ),
+    # Two flat parameters per block (frozen base, trainable adapters).
+    "lora, frozen base": (
+        2,
+        lambda w: _shard(ShardingStrategy.FULL_SHARD),
+        _plain,
+        lambda: (torch.manual_seed(0), LoRAGPT(n_blocks=6))[1],
     ),
     "a unit some ranks skip": (
         2,
