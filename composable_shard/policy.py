@@ -135,7 +135,9 @@ class LayoutPolicy(Policy):
     ``layouts`` names for it (by its name under the root, as
     ``ShardingPlan.layouts`` has it); a strategy ``base`` itself overrides is
     kept. ``root_strategy``: the layout planned for the root, which a policy
-    cannot set: pass it as ``fully_shard``'s ``strategy``. Made by
+    cannot set: pass it as ``fully_shard``'s ``strategy``. ``coalesce``:
+    whether the tree coalesces small units' all-gathers and reductions
+    (False where the budget holds the layouts only without them). Made by
     ``ShardingPlan.layout_policy()`` ([Note: a layout chosen for a memory
     budget] in planning/budget.py)."""
 
@@ -145,6 +147,7 @@ class LayoutPolicy(Policy):
         layouts: dict[str, ShardingStrategy],
         *,
         root_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        coalesce: bool = True,
     ) -> None:
         for unit_name, strategy in [*layouts.items(), ("<root>", root_strategy)]:
             if not isinstance(strategy, ShardingStrategy):
@@ -154,6 +157,7 @@ class LayoutPolicy(Policy):
         self.base = base
         self.layouts = dict(layouts)
         self.root_strategy = root_strategy
+        self.coalesce = coalesce
 
     def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
         names = {id(module): name for name, module in root.named_modules()}

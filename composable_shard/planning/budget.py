@@ -23,7 +23,12 @@ taken (a move that moves nothing more first; ties: the earlier unit). When
 no single move lowers the peak, the move adding the fewest bytes is taken,
 so the search ends at the most sharded layouts, which are checked to fit
 first (when neither they nor the cheapest layouts fit, ``ValueError`` names
-both peaks). Deterministic, and rank-independent when every rank plans the same
+both peaks). The buckets of small units' collectives ([Note: coalesced
+all-gathers] in runtime/gather_buckets.py, [Note: coalesced reductions])
+are the last thing given up: where the most sharded layouts fit only
+without them, the layouts are chosen again without them and the plan,
+its table and its ``layout_policy()`` say so (``coalesce=False``: the
+tree gathers and reduces each unit alone). Deterministic, and rank-independent when every rank plans the same
 rank (``fully_shard`` plans rank 0). Pinned by
 tests/planning/test_budget_layout.py.
 """

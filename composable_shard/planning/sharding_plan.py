@@ -23,6 +23,7 @@ tests/plan/test_plan.py, which compares both with what the allocator holds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -141,6 +142,10 @@ class ShardingPlan:
     layouts: list[UnitLayout] = field(default_factory=list)
     # The policy the budgeted plan was given (what layout_policy() wraps).
     base_policy: Policy | set[type[nn.Module]] | None = field(default=None, repr=False, compare=False)
+    # Whether small units' all-gathers and reductions are coalesced in this
+    # plan ([Note: a layout chosen for a memory budget]: a budget that holds
+    # the most sharded layouts only without the buckets turns them off).
+    coalesced: bool = True
 
     def layout_policy(self) -> LayoutPolicy:
         """The policy that applies this plan's chosen layouts:
@@ -155,7 +160,7 @@ class ShardingPlan:
             )
         chosen = {layout.name: layout.strategy for layout in self.layouts if layout.chosen and layout.name}
         root = next(layout.strategy for layout in self.layouts if layout.name == "")
-        return LayoutPolicy(self.base_policy, chosen, root_strategy=root)
+        return LayoutPolicy(self.base_policy, chosen, root_strategy=root, coalesce=self.coalesced)
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -296,14 +301,15 @@ def plan(
     buffers = buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
 
-    def assemble(planned: list[UnitPlan]) -> ShardingPlan:
+    def assemble(planned: list[UnitPlan], *, coalesced: bool = True) -> ShardingPlan:
         return _assemble(
             planned, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
-            in_backward=bool(more.get("optimizer_in_backward", False)),
+            in_backward=bool(more.get("optimizer_in_backward", False)), coalesced=coalesced,
         )
 
     if memory_budget is None:
-        result = assemble(units)
+        # A budgeted plan's policy may have turned the buckets off.
+        result = assemble(units, coalesced=getattr(policy, "coalesce", True))
     else:
         # The root and the units the policy gave no strategy are chosen.
         choice_of = {names[id(c.module)]: c for c in choices if "strategy" not in c.overrides or c is choices[-1]}
@@ -322,10 +328,24 @@ def plan(
                 by_layout[(unit_name, layout)] = renamed(spec, unit_name, subtree_last((choice.module,), order))
             return by_layout[(unit_name, layout)]
 
-        result, chosen_layouts = choose_layouts(
-            units, chosen=chosen, allowed=allowed, unit_for=unit_for, assemble=assemble, world_size=world_size,
-            budget=memory_budget, caller=f"plan({name})",
-        )
+        def choose(coalesced: bool) -> tuple[ShardingPlan, list[UnitLayout]]:
+            return choose_layouts(
+                units, chosen=chosen, allowed=allowed, unit_for=unit_for,
+                assemble=functools.partial(assemble, coalesced=coalesced), world_size=world_size,
+                budget=memory_budget, caller=f"plan({name})",
+            )
+
+        try:
+            result, chosen_layouts = choose(True)
+        except ValueError as with_buckets:
+            # The buckets' memory is the last thing a budget gives up
+            # ([Note: a layout chosen for a memory budget]).
+            if world_size == 1:
+                raise
+            try:
+                result, chosen_layouts = choose(False)
+            except ValueError:
+                raise with_buckets from None
         result.memory_budget, result.layouts, result.base_policy = memory_budget, chosen_layouts, policy
     result.optimizer = optimizer_label(optimizer)
     if more.get("warn", False):
@@ -451,6 +471,7 @@ def _assemble(
     *,
     source: str,
     in_backward: bool = False,
+    coalesced: bool = True,
 ) -> ShardingPlan:
     flat_params = [fp for unit in units for fp in unit.flat_params]
     offloaded = [fp for fp in flat_params if fp.offload]
@@ -469,7 +490,7 @@ def _assemble(
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
     grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    bucket_bytes = comm.REDUCE_BUCKET_BYTES if world_size > 1 else 0
+    bucket_bytes = comm.REDUCE_BUCKET_BYTES if world_size > 1 and coalesced else 0
     moments = step_moments(
         units,
         optimizer_step=step_bytes,
@@ -488,7 +509,7 @@ def _assemble(
         # [Note: coalesced reductions] in runtime/grad_buckets.py: none on one rank.
         bucket_bytes=bucket_bytes,
         # [Note: coalesced all-gathers] in runtime/gather_buckets.py
-        gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if world_size > 1 else 0,
+        gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if world_size > 1 and coalesced else 0,
     )
     peak: StepPeak = worst_moment(moments)
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
@@ -528,4 +549,5 @@ def _assemble(
         optimizer_in_backward=in_backward,
         moments=moments,
         runtime=runtime,
+        coalesced=coalesced,
     )

@@ -187,10 +187,15 @@ def _layout_lines(plan: PlanFields) -> list[str]:
 
     moved = sum(layout.bytes_moved for layout in layouts)
     peak = plan.rank_bytes["total"]
+    buckets = (
+        "small units' all-gathers and reductions in buckets of up to 1 MiB"
+        if getattr(plan, "coalesced", True)
+        else "small units' collectives not coalesced: the budget holds the most sharded layouts only without buckets"
+    )
     return [
         "",
         f"layouts for a memory budget of {format_bytes(budget)} per rank: predicted peak {format_bytes(peak)} "
-        f"({budget - peak:,} bytes to spare), {format_bytes(moved)} moved per step",
+        f"({budget - peak:,} bytes to spare), {format_bytes(moved)} moved per step; {buckets}",
         "  " + line(header),
         "  " + line(["-" * w for w in widths]),
         *["  " + line(r) for r in rows],

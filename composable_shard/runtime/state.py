@@ -121,6 +121,9 @@ class UnitState:
         self.compute_device = compute_device
         # Position in the order fully_shard built the process's units.
         self.build_index: int = next(_BUILD_COUNTER)
+        # As a root: whether its tree coalesces small units' collectives
+        # (False: a budgeted layout that fits only without the buckets).
+        self.coalesces_collectives = True
         # Name of the module under its root, known after lazy init.
         self.fqn: str = type(module).__name__
         self.training_state = TrainingState.IDLE

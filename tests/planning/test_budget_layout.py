@@ -17,14 +17,18 @@ import composable_shard as cs
 from composable_shard import CustomPolicy, LayoutPolicy, ShardingStrategy, fully_shard, is_fully_sharded
 from tests.support.budget_layout import (
     MODELS,
+    VOCAB,
     budget_plan,
     budgets,
     lora_stack,
     measure_budgeted,
+    uniform_peak,
     unit_strategies,
 )
+from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
-from tests.support.models import Block, TinyGPT
+from tests.support.models import Block, TinyGPT, lm_loss
+from tests.support.plan_measure import rank_tokens
 from tests.support.parity import Parity, run_parity
 
 NS, SGO, FS = ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD
@@ -223,3 +227,51 @@ def _budgeted_models_train_like_one_process(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_budgeted_layouts_train_like_one_process(world_size: int) -> None:
     run_distributed(_budgeted_models_train_like_one_process, world_size, timeout=300)
+
+
+# ------------------------------------------------- buckets given up last
+def _budget_without_buckets() -> tuple[nn.Module, int, int]:
+    """The GPT, the peak with every unit FULL_SHARD and its small units'
+    collectives alone (the policy of a plan that gave the buckets up), and
+    the same with them in buckets (higher)."""
+    torch.manual_seed(0)
+    model = MODELS["gpt"][0]()
+    every_block = {f"blocks.{index}": FS for index in range(len(model.blocks))}  # type: ignore[arg-type]
+    alone = LayoutPolicy({Block}, every_block, root_strategy=FS, coalesce=False)
+    return model, cs.plan(model, world_size=2, policy=alone, device="cpu").rank_bytes["total"], uniform_peak(model, "gpt", FS)
+
+
+def test_a_budget_held_only_without_buckets_turns_them_off() -> None:
+    model, alone, coalesced = _budget_without_buckets()
+    assert alone < coalesced, (alone, coalesced)
+    chosen = budget_plan(model, "gpt", alone)
+    assert not chosen.coalesced and chosen.rank_bytes["total"] <= alone
+    assert "not coalesced: the budget holds the most sharded layouts only without buckets" in str(chosen)
+    policy = chosen.layout_policy()
+    assert policy.coalesce is False
+    applied = cs.plan(model, world_size=2, policy=policy, strategy=policy.root_strategy, device="cpu")
+    assert applied.rank_bytes == chosen.rank_bytes and not applied.coalesced
+    roomy = budget_plan(model, "gpt", coalesced)
+    assert roomy.coalesced and roomy.layout_policy().coalesce is True
+    with pytest.raises(ValueError, match=r"memory_budget .* is below this model's peak"):
+        budget_plan(model, "gpt", alone - 1)
+
+
+def _buckets_off_at_run_time(rank: int, world_size: int) -> None:
+    """fully_shard with the budget above: no coalesced collective in a step,
+    each unit's all-gathers and reductions alone; with the roomier budget
+    they are coalesced."""
+    for which in ("alone", "coalesced"):
+        model, alone, coalesced = _budget_without_buckets()
+        fully_shard(model, policy={Block}, memory_budget=alone if which == "alone" else coalesced)
+        tokens = rank_tokens(rank, vocab=VOCAB)
+        spy = CollectiveSpy()
+        with spy.watching():
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        together = spy.counts()["all_gather_together"] + spy.counts()["reduce_grads_together"]
+        assert (together == 0) == (which == "alone"), (which, spy.counts())
+        assert spy.counts()["all_gather_into"] > 0
+
+
+def test_a_budget_held_only_without_buckets_runs_each_unit_alone() -> None:
+    run_distributed(_buckets_off_at_run_time, 2)
