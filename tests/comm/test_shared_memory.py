@@ -6,14 +6,13 @@ them switched off."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import mmap
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from composable_shard.comm import shared_memory
 from composable_shard.comm.shared_memory import SLOTS, stale
 from composable_shard.comm.transport import ENV_SWITCH
 
+from tests.support.comm_spies import shared_memory_slot_bytes
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT
 from tests.support.parity import Parity, run_parity, shard_manually
@@ -101,7 +101,7 @@ def _all_reduce_sums_in_rank_order_on_every_rank(rank: int, world_size: int) -> 
     """Every rank gets the sum in rank order, bit for bit (replicas stay
     equal), whatever the size, dtype and rounds: one round with the default
     slots, many with slots of 1000 bytes."""
-    with _slots_of(1000):
+    with shared_memory_slot_bytes(1000):
         small = dist.new_group(list(range(world_size)))
     whole = dist.new_group(list(range(world_size)))
     for group in (small, whole):
@@ -178,18 +178,6 @@ def test_more_operations_in_flight_than_slots_stay_correct(world_size: int) -> N
     run_distributed(_many_in_flight_waited_in_any_order, world_size)
 
 
-@contextlib.contextmanager
-def _slots_of(slot_bytes: int) -> Iterator[None]:
-    """Groups set up inside get slots of ``slot_bytes`` (the module's value
-    is restored after: the worker serves other tests)."""
-    saved = shared_memory.SLOT_BYTES
-    shared_memory.SLOT_BYTES = slot_bytes
-    try:
-        yield
-    finally:
-        shared_memory.SLOT_BYTES = saved
-
-
 def _streamed_collectives_equal_gloo(rank: int, world_size: int) -> None:
     """Collectives many times larger than a slot stream through it in
     rounds: sizes that are not multiples of the slot, every dtype, several
@@ -198,7 +186,7 @@ def _streamed_collectives_equal_gloo(rank: int, world_size: int) -> None:
     gloo's at two ranks and, at any world size, the same transport with
     slots large enough for one round (own chunk, then peers in rank order)."""
     slot_bytes = 1000  # not a multiple of any element or size below
-    with _slots_of(slot_bytes):
+    with shared_memory_slot_bytes(slot_bytes):
         small = dist.new_group(list(range(world_size)))
         shared = transport.shared_memory_of(small)
     whole = dist.new_group(list(range(world_size)))  # default slots: every operation here in one round
@@ -265,7 +253,7 @@ def _late_peer_mid_stream_times_out(rank: int, world_size: int) -> None:
     comes late makes the issue itself fail at the group's timeout, naming
     the round, and the group then fails every later call at once (its
     ranks' rounds are out of step); the late peer times out in turn."""
-    with _slots_of(1000):
+    with shared_memory_slot_bytes(1000):
         group = dist.new_group(list(range(world_size)))  # its own transport: this one is left broken
         comm.all_gather_into(torch.empty(world_size), torch.zeros(1), group, async_op=False)  # the group set up
     group.set_timeout(datetime.timedelta(seconds=1))
@@ -333,7 +321,7 @@ def _training_matches_with_and_without_shared_memory(rank: int, world_size: int)
         finally:
             os.environ.pop(ENV_SWITCH, None)
     # Slots far smaller than a unit: every collective streams in rounds.
-    with _slots_of(512):
+    with shared_memory_slot_bytes(512):
         group = dist.new_group(list(range(world_size)))
         assert transport.shared_memory_of(group) is not None
     shard = shard_manually(ShardingStrategy.FULL_SHARD, forward_prefetch=True, process_group=group)

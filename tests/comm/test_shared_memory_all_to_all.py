@@ -21,19 +21,8 @@ from composable_shard import comm
 from composable_shard.comm import process_group, shared_memory, transport
 from composable_shard.comm.transport import ENV_SWITCH
 
+from tests.support.comm_spies import shared_memory_slot_bytes
 from tests.support.harness_pool import run_distributed
-
-
-@contextlib.contextmanager
-def _slots_of(slot_bytes: int) -> Iterator[None]:
-    """Groups set up inside get slots of ``slot_bytes`` (restored after: the
-    worker serves other tests)."""
-    saved = shared_memory.SLOT_BYTES
-    shared_memory.SLOT_BYTES = slot_bytes
-    try:
-        yield
-    finally:
-        shared_memory.SLOT_BYTES = saved
 
 
 @contextlib.contextmanager
@@ -99,7 +88,7 @@ def _all_to_all_equals_gloo(rank: int, world_size: int) -> None:
     bytes: not a multiple of any element), and a group on gloo, against
     gloo's all_to_all_single on the default group."""
     whole = dist.new_group(list(range(world_size)))
-    with _slots_of(1000):
+    with shared_memory_slot_bytes(1000):
         small = dist.new_group(list(range(world_size)))
         assert transport.shared_memory_of(small) is not None
     assert transport.shared_memory_of(whole) is not None

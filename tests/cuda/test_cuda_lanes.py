@@ -312,38 +312,31 @@ class _Issue(NamedTuple):
 
 
 @contextlib.contextmanager
-def _recorded_buckets(recorder: _Recorder) -> Iterator[None]:
+def _described(module: Any, name: str, describe: Callable[[list], None]) -> Iterator[None]:
+    """Each launch of ``module.name`` (a bucket's: ``launch(items,
+    async_op)``) described to the fake after it ran (``describe(items)``)."""
+    launch = getattr(module, name)
+
+    def recorded(items: list, async_op: bool) -> PendingCollective | None:
+        pending = launch(items, async_op)
+        describe(items)
+        return pending
+
+    setattr(module, name, recorded)
+    try:
+        yield
+    finally:
+        setattr(module, name, launch)
+
+
+def _recorded_buckets(recorder: _Recorder) -> contextlib.AbstractContextManager[None]:
     """Bucket launches ([Note: coalesced reductions]) described to the fake."""
-    launch = grad_buckets._launch_bucket
-
-    def recorded(held: list, async_op: bool) -> PendingCollective | None:
-        handles = [item.handle for item in held]
-        pending = launch(held, async_op)
-        recorder.bucket_issued(handles)
-        return pending
-
-    grad_buckets._launch_bucket = recorded  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        grad_buckets._launch_bucket = launch  # type: ignore[assignment]
+    return _described(grad_buckets, "_launch_bucket", lambda held: recorder.bucket_issued([item.handle for item in held]))
 
 
-@contextlib.contextmanager
-def _recorded_gather_buckets(recorder: _Recorder) -> Iterator[None]:
+def _recorded_gather_buckets(recorder: _Recorder) -> contextlib.AbstractContextManager[None]:
     """Coalesced all-gather launches ([Note: coalesced all-gathers]) described to the fake."""
-    launch = gather_buckets._launch
-
-    def recorded(members: list[FlatParamHandle], async_op: bool) -> PendingCollective | None:
-        pending = launch(members, async_op)
-        recorder.gather_bucket_issued(members)
-        return pending
-
-    gather_buckets._launch = recorded  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gather_buckets._launch = launch  # type: ignore[assignment]
+    return _described(gather_buckets, "_launch", recorder.gather_bucket_issued)
 
 
 def _install(cuda: FakeCuda, model: torch.nn.Module) -> _Recorder:

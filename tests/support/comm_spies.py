@@ -131,23 +131,36 @@ def reductions_alone() -> contextlib.AbstractContextManager[None]:
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def with_reductions_alone(fn: _Fn) -> _Fn:
-    """A worker function run under ``reductions_alone``."""
+def _run_under(context: Callable[[], contextlib.AbstractContextManager[None]], fn: _Fn) -> _Fn:
+    """``fn`` (a worker function) run inside ``context()``."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with reductions_alone():
+        with context():
             return fn(*args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+def with_reductions_alone(fn: _Fn) -> _Fn:
+    """A worker function run under ``reductions_alone``."""
+    return _run_under(reductions_alone, fn)
 
 
 def with_collectives_alone(fn: _Fn) -> _Fn:
     """A worker function run under ``collectives_alone``."""
+    return _run_under(collectives_alone, fn)
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with collectives_alone():
-            return fn(*args, **kwargs)
 
-    return run  # type: ignore[return-value]
+@contextlib.contextmanager
+def shared_memory_slot_bytes(slot_bytes: int) -> Iterator[None]:
+    """Groups set up inside get shared-memory slots of ``slot_bytes`` (the
+    module's value is restored after: the worker serves other tests)."""
+    from composable_shard.comm import shared_memory
+
+    saved = shared_memory.SLOT_BYTES
+    shared_memory.SLOT_BYTES = slot_bytes
+    try:
+        yield
+    finally:
+        shared_memory.SLOT_BYTES = saved
