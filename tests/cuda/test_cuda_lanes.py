@@ -261,31 +261,32 @@ class _Recorder:
         handle.reduce_grad = recorded_reduce_grad  # type: ignore[method-assign]
         handle.finish_grad_reduction = recorded_finish  # type: ignore[method-assign]
 
+    def _bucket_op(self, what: str, handles: list[FlatParamHandle], lane: str, reads: str, fills: str) -> tuple[list[str], Op, int]:
+        """One lane op for a bucket: it reads each member's ``reads`` buffer
+        and fills its ``fills`` one; returns the members' names, the op, and
+        the last compute use of a block in the lane's pool."""
+        names = [self.names[id(handle)] for handle in handles]
+        op = self.cuda.launch(f"{what} of {', '.join(names)}")
+        for name in names:
+            self.cuda.memory.access(f"{reads} {name}", op, write=False)
+            self.cuda.memory.allocate(f"{fills} {name}", op)
+        pool = [previous.seq for previous, _ in self.cuda.memory.pools[lane] if previous.stream == "compute"]
+        return names, op, max(pool, default=0)
+
     def bucket_issued(self, handles: list[FlatParamHandle]) -> None:
         """A bucket of held gradients was issued: one lane op reads them all
         and writes each one's reduced shard ([Note: coalesced reductions])."""
-        names = [self.names[id(handle)] for handle in handles]
-        op = self.cuda.launch(f"reduce bucket of {', '.join(names)}")
-        for name in names:
-            self.cuda.memory.access(f"gradient {name}", op, write=False)
-            self.cuda.memory.allocate(f"reduced {name}", op)
+        names, op, pool = self._bucket_op("reduce bucket", handles, self.reduce_stream, "gradient", "reduced")
         # One issue for the bucket: it needs the latest of its gradients' writes.
-        pool = [previous.seq for previous, _ in self.cuda.memory.pools[self.reduce_stream] if previous.stream == "compute"]
-        needed = max([*pool, *(self.gradient_writes[name] for name in names)])
+        needed = max([pool, *(self.gradient_writes[name] for name in names)])
         self.issues.append(_Issue(self.reduce_stream, names[-1], self.phase, op, needed))
 
     def gather_bucket_issued(self, handles: list[FlatParamHandle]) -> None:
         """A coalesced all-gather was issued: one lane op reads every
         member's shard and fills every member's buffer ([Note: coalesced
         all-gathers]); an issue per member, all the same op."""
-        names = [self.names[id(handle)] for handle in handles]
-        op = self.cuda.launch(f"all-gather bucket of {', '.join(names)}")
-        for name in names:
-            self.cuda.memory.access(f"shard {name}", op, write=False)
-            self.cuda.memory.allocate(f"unsharded {name}", op)
-        pool = [previous.seq for previous, _ in self.cuda.memory.pools[self.all_gather_stream] if previous.stream == "compute"]
-        needed = max([*pool, self.shards_written])
-        self.issues += [_Issue(self.all_gather_stream, name, self.phase, op, needed) for name in names]
+        names, op, pool = self._bucket_op("all-gather bucket", handles, self.all_gather_stream, "shard", "unsharded")
+        self.issues += [_Issue(self.all_gather_stream, name, self.phase, op, max(pool, self.shards_written)) for name in names]
 
     def gradient_written(self, handle: FlatParamHandle) -> None:
         """Backward wrote the handle's unsharded gradient (on compute)."""
