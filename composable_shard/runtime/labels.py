@@ -32,7 +32,7 @@ def hook_label(state: UnitState, hook: str) -> ContextManager[None]:
     autograd hides hook tracebacks. Without either (the common case) a
     small object does the rest, cheaper than a generator-based context
     manager; dynamo traces the generator one (``torch.compile``)."""
-    if torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled() or logger.isEnabledFor(logging.DEBUG):
+    if torch.compiler.is_compiling() or _profiler_enabled() or logger.isEnabledFor(logging.DEBUG):
         return _labelled(state, hook)
     return _Unlabelled(state, hook)
 

@@ -74,12 +74,20 @@ def followers(state: UnitState, *, forward: bool) -> Iterator[list[FlatParamHand
         order = context.previous_forward_order
     else:  # the first forward
         order = context.first_forward_order
+    return _handles_after(order, state, +1 if forward else -1)
+
+
+def _handles_after(order: list[UnitState], state: UnitState, step: int) -> Iterator[list[FlatParamHandle]]:
+    """Each unit's flat parameters after ``state`` in ``order`` (``step``:
+    its direction), found only once the first is asked for: most units'
+    all-gathers take no follower (too large), and every unit's hooks make
+    one of these per pass."""
     try:
         index = order.index(state)
     except ValueError:
-        return None
-    following = order[index + 1 :] if forward else reversed(order[:index])
-    return (unit.handles for unit in following)
+        return
+    for position in range(index + step, len(order) if step > 0 else -1, step):
+        yield order[position].handles
 
 
 def backward_prefetch_point(state: UnitState) -> BackwardPrefetch | None:

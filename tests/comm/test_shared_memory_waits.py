@@ -6,10 +6,12 @@ refused) can be retried and stays in step with its peers."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -159,17 +161,8 @@ def _failed_round_retried(rank: int, world_size: int) -> list[str]:
     shard = torch.full((numel,), float(rank + 1))
     output = torch.empty(numel * world_size)
     if rank == 0:
-        real_fallocate = os.posix_fallocate
-
-        def full(fd: int, offset: int, length: int) -> None:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        os.posix_fallocate = full
-        try:
-            with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes in /dev/shm \(No space left on device\)"):
-                comm.all_gather_into(output, shard, group, async_op=True)
-        finally:
-            os.posix_fallocate = real_fallocate
+        with _reservation_refused():
+            comm.all_gather_into(output, shard, group, async_op=True)
         seen.append("reserve refused")
     comm.all_gather_into(output, shard, group, async_op=True).wait(timeout=datetime.timedelta(seconds=20))
     expected = torch.cat([torch.full((numel,), float(peer + 1)) for peer in range(world_size)])
@@ -184,6 +177,24 @@ def test_failed_round_before_publishing_leaves_the_group_usable() -> None:
     assert seen[0][-1] == "reserve refused" and len(seen[0]) >= 2, seen
 
 
+@contextlib.contextmanager
+def _reservation_refused() -> Iterator[None]:
+    """``/dev/shm`` full for what runs inside (``posix_fallocate`` raises
+    ENOSPC, as a full tmpfs makes it), which must raise naming the
+    reservation."""
+    real_fallocate = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.posix_fallocate = full
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes in /dev/shm \(No space left on device\)"):
+            yield
+    finally:
+        os.posix_fallocate = real_fallocate
+
+
 def _all_reduce_refused_then_retried(rank: int, world_size: int) -> None:
     """An all-reduce larger than the slots reserved at setup must reserve
     more first; on rank 0 that fails once with ENOSPC (injected, as a full
@@ -193,17 +204,8 @@ def _all_reduce_refused_then_retried(rank: int, world_size: int) -> None:
     numel = 100_000  # 400 KB, beyond the 64 KiB reserved at setup
     tensor = torch.full((numel,), float(rank + 1))
     if rank == 0:
-        real_fallocate = os.posix_fallocate
-
-        def full(fd: int, offset: int, length: int) -> None:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        os.posix_fallocate = full
-        try:
-            with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes in /dev/shm \(No space left on device\)"):
-                comm.all_reduce(tensor, group, async_op=False)
-        finally:
-            os.posix_fallocate = real_fallocate
+        with _reservation_refused():
+            comm.all_reduce(tensor, group, async_op=False)
         assert torch.equal(tensor, torch.full((numel,), 1.0)), "a refused all-reduce leaves its tensor as it was"
     comm.all_reduce(tensor, group, async_op=False)
     assert torch.equal(tensor, torch.full((numel,), float(sum(range(1, world_size + 1)))))
