@@ -54,7 +54,7 @@ from . import process_group, transport
 from .groups import ShardGroups
 from .process_group import ChunkOfAllReduce
 from .overrides import ReductionOverrides, check_overrides, settings_with
-from .reduction import GradReduceSettings, mean_of_sum, prepare_for_sum
+from .reduction import GradReduceSettings, mean_of_sum, owned, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
 from .tag_check import TagCheckedWork, checked
 from .transport import expect_collective_bytes
@@ -408,32 +408,14 @@ def reduce_grads_together(
     return PendingCollective(work, combined, read_on_lane)
 
 
-def split_reduced(
-    reduced: PendingCollective, sizes: list[int], settings: list[GradReduceSettings]
-) -> list[PendingCollective]:
+def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingCollective]:
     """The finished collective of ``reduce_grads_together`` as one
     reduction per gradient (``sizes``: their shards' numels, in order), for
-    ``finish_grad_reduction``. A sharded gradient's storage must be its own
-    (parameters' ``.grad`` are views of it): a piece whose finish only
-    divides and casts (``settings``) is handed on as a view of the output,
-    from which ``mean_of_sum`` makes the mean a tensor of its own (the
-    division writing the new tensor: no separate copy); one whose sum is
-    kept, all-reduced again or shown to a hook is copied here."""
-    pieces = reduced.output.split(sizes)
-    return [
-        PendingCollective(None, piece if _finishes_with_the_mean(each) else piece.clone(), ())
-        for piece, each in zip(pieces, settings)
-    ]
-
-
-def _finishes_with_the_mean(settings: GradReduceSettings) -> bool:
-    """Whether ``finish_grad_reduction`` goes straight to ``mean_of_sum``
-    (no hook, no replica all-reduce of a shard, no partial sum kept)."""
-    if settings.comm_hook is not None or settings.all_reduce_hook is not None:
-        return False
-    if settings.has_replicas and not settings.all_reduce:
-        return False
-    return not (settings.groups.is_sharded and settings.groups.replicate_group is not None)
+    ``finish_grad_reduction``: views of the output, each finished into a
+    tensor of its own there (a sharded gradient's storage must be its own:
+    parameters' ``.grad`` are views of it), by the division where that is
+    all it does (no separate copy)."""
+    return [PendingCollective(None, piece, ()) for piece in reduced.output.split(sizes)]
 
 
 def _reduce_with_comm_hook(unsharded_grad: torch.Tensor, settings: GradReduceSettings) -> PendingCollective:
@@ -457,19 +439,20 @@ def finish_grad_reduction(
     comm/overrides.py). Hybrid sharding sums over the replicate group here
     (synchronous, after adding ``carried``); the all-reduce hook runs on the
     sum; then it is post-divided and cast."""
-    summed_grad = reduced.output
+    summed_grad = reduced.output  # a view of a bucket's output (split_reduced): kept only as ``owned``
     if settings.comm_hook is not None:  # the hook's result is the mean
-        return summed_grad.to(settings.grad_dtype), None
+        return owned(summed_grad.to(settings.grad_dtype)), None
     groups = settings.groups
     if settings.has_replicas and not settings.all_reduce:
         if carried is None:
-            return None, summed_grad
+            return None, owned(summed_grad)
         return None, carried.add_(summed_grad)
     if groups.is_sharded and groups.replicate_group is not None:
         if carried is not None:
             summed_grad.add_(carried)
         all_reduce(summed_grad, groups.replicate_group, async_op=False)
     if settings.all_reduce_hook is not None:
+        summed_grad = owned(summed_grad)  # the hook is shown a tensor of its own
         _run_all_reduce_hook(summed_grad, settings)
     return mean_of_sum(summed_grad, settings), None
 

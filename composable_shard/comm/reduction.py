@@ -122,6 +122,13 @@ def mean_of_sum(summed_grad: torch.Tensor, settings: GradReduceSettings) -> torc
     return summed_grad.clone() if shared else summed_grad
 
 
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` where it is the whole of its storage, else a copy: what
+    outlives the reduction (a sharded gradient, a kept partial sum, what a
+    hook is shown) must not pin a coalesced reduction's whole output."""
+    return tensor if _owns_storage(tensor) else tensor.clone()
+
+
 def _owns_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (contiguous) is the whole of its storage."""
     return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

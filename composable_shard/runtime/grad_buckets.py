@@ -30,7 +30,7 @@ side per rank's chunk, or one all-reduce (``comm.reduce_grads_together``);
 each flat parameter gets its shard of the result and finishes as if
 reduced alone (division, hybrid all-reduce, accumulation, ``.grad``, user
 hooks), in a tensor of its own (the division writes it where that is all
-the finish does: ``comm.split_reduced``). The sum of each element is the same as alone: the same
+the finish does: ``comm.finish_grad_reduction``). The sum of each element is the same as alone: the same
 elements, the same ranks, the same order. Memory: the held gradients and
 the bucket's side-by-side copy, at most two buckets' bytes (``plan``
 counts them). Pinned by tests/runtime/test_coalesced_reductions.py.
@@ -105,6 +105,5 @@ def _launch_bucket(held: list[_Held], async_op: bool) -> PendingCollective | Non
 def _finish_bucket(
     finish: Callable[[FlatParamHandle, PendingCollective], None], held: list[_Held], reduced: PendingCollective
 ) -> None:
-    pieces = comm.split_reduced(reduced, [item.shard_numel for item in held], [item.settings for item in held])
-    for item, piece in zip(held, pieces):
+    for item, piece in zip(held, comm.split_reduced(reduced, [item.shard_numel for item in held])):
         finish(item.handle, piece)
