@@ -98,12 +98,14 @@ def _assert_same_as_reference(paths: dict[str, Path], reference: dict[str, torch
 
 def _resumed_after(agent: Agent, since: float, agents: list[Agent]) -> tuple[str, int, float]:
     """(checkpoint, step) of the resume after ``since``, and seconds from
-    ``since`` to the first step after it."""
+    ``since`` to the first step after it. That step is looked for after the
+    resume's own line: the surviving rank 0 of the killed group can still
+    log the step it had finished after ``since``."""
 
     def resumed() -> tuple[tuple[float, str, int], tuple[float, int]] | None:
         resumes = [r for r in resumes_logged(agent) if r[0] >= since]
-        step = first_step_after(agent, since)
-        return (resumes[0], step) if resumes and step else None
+        step = first_step_after(agent, resumes[0][0]) if resumes else None
+        return (resumes[0], step) if step else None
 
     (_, name, step), (when, first) = wait_until("the resumed group's first step", resumed, agents, RESUME_TIMEOUT_S)  # type: ignore[misc]
     assert first == step + 1, (first, step)
