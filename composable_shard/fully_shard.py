@@ -224,9 +224,10 @@ def fully_shard(
         }
         state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)
         state.orig_buffer_dtypes = orig_buffer_dtypes
-    # A budgeted layout that fits only without buckets ([Note: a layout
-    # chosen for a memory budget] in planning/budget.py): read by the root.
-    state.coalesces_collectives = getattr(policy, "coalesce", True)
+    # A budgeted layout's bucket size, smaller or 0 where the budget holds
+    # the layouts only so ([Note: a layout chosen for a memory budget] in
+    # planning/budget.py): read by the root.
+    state.bucket_bytes = getattr(policy, "bucket_bytes", None)
     return module
 
 

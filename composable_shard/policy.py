@@ -135,9 +135,15 @@ class LayoutPolicy(Policy):
     ``layouts`` names for it (by its name under the root, as
     ``ShardingPlan.layouts`` has it); a strategy ``base`` itself overrides is
     kept. ``root_strategy``: the layout planned for the root, which a policy
-    cannot set: pass it as ``fully_shard``'s ``strategy``. ``coalesce``:
-    whether the tree coalesces small units' all-gathers and reductions
-    (False where the budget holds the layouts only without them). Made by
+    cannot set: pass it as ``fully_shard``'s ``strategy``. ``bucket_bytes``:
+    the size of the tree's buckets of small units' all-gathers and of its
+    buckets of reductions ([Note: coalesced all-gathers] in
+    runtime/gather_buckets.py, [Note: coalesced reductions] in
+    runtime/grad_buckets.py): None for ``comm.GATHER_BUCKET_BYTES`` and
+    ``comm.REDUCE_BUCKET_BYTES``, 0 for none (every unit gathered and
+    reduced alone), where a budget holds the layouts only with smaller
+    buckets or none. ``coalesce=False`` means ``bucket_bytes=0``;
+    ``policy.coalesce`` reads whether there are buckets. Made by
     ``ShardingPlan.layout_policy()`` ([Note: a layout chosen for a memory
     budget] in planning/budget.py)."""
 
@@ -148,6 +154,7 @@ class LayoutPolicy(Policy):
         *,
         root_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
         coalesce: bool = True,
+        bucket_bytes: int | None = None,
     ) -> None:
         for unit_name, strategy in [*layouts.items(), ("<root>", root_strategy)]:
             if not isinstance(strategy, ShardingStrategy):
@@ -157,7 +164,13 @@ class LayoutPolicy(Policy):
         self.base = base
         self.layouts = dict(layouts)
         self.root_strategy = root_strategy
-        self.coalesce = coalesce
+        # The tree's bucket size (None: the comm defaults; 0: no buckets).
+        self.bucket_bytes: int | None = _checked_bucket_bytes(coalesce, bucket_bytes)
+
+    @property
+    def coalesce(self) -> bool:
+        """Whether the tree coalesces small units' collectives (``bucket_bytes`` is not 0)."""
+        return self.bucket_bytes != 0
 
     def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
         names = {id(module): name for name, module in root.named_modules()}
@@ -180,6 +193,33 @@ class LayoutPolicy(Policy):
                 "model with the same policy and ignored_states, and use that plan's layout_policy()."
             )
         return chosen
+
+
+def _checked_bucket_bytes(coalesce: bool, bucket_bytes: int | None) -> int | None:
+    """``LayoutPolicy``'s ``bucket_bytes`` (0 where ``coalesce`` is False)."""
+    if not isinstance(coalesce, bool):
+        raise TypeError(
+            f"LayoutPolicy: coalesce must be a bool, got {type(coalesce).__name__} {coalesce!r}. Pass "
+            "coalesce=False for no buckets, or give their size as bucket_bytes."
+        )
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)):
+        raise TypeError(
+            f"LayoutPolicy: bucket_bytes must be None or an int number of bytes, got {type(bucket_bytes).__name__} "
+            f"{bucket_bytes!r}. Pass, for example, 256 * 2**10 for 256 KiB, 0 for no buckets, or None for "
+            "composable_shard.comm's defaults."
+        )
+    if bucket_bytes is not None and bucket_bytes < 0:
+        raise ValueError(
+            f"LayoutPolicy: bucket_bytes must be at least 0, got {bucket_bytes}. Pass a bucket size in bytes, "
+            "0 for no buckets, or None for composable_shard.comm's defaults."
+        )
+    if coalesce:
+        return bucket_bytes
+    if bucket_bytes:
+        raise ValueError(
+            f"LayoutPolicy: coalesce=False means no buckets, but bucket_bytes={bucket_bytes}. Pass one of the two."
+        )
+    return 0
 
 
 def select_units(

@@ -4,7 +4,8 @@ for a memory budget per rank, and the bytes each layout moves per step.
 Knows nothing of: modules, policies, how a plan is assembled (``plan``
 hands it a function from per-unit layouts to a finished plan).
 
-Public names: ``UnitLayout``, ``Traffic``, ``unit_traffic``, ``choose_layouts``.
+Public names: ``UnitLayout``, ``Traffic``, ``unit_traffic``, ``choose_layouts``,
+``SMALLER_BUCKETS``, ``choose_bucket_size``.
 
 [Note: a layout chosen for a memory budget]
 Every layout is priced twice: the bytes it moves per step per rank (the
@@ -25,11 +26,20 @@ so the search ends at the most sharded layouts, which are checked to fit
 first (when neither they nor the cheapest layouts fit, ``ValueError`` names
 both peaks). The buckets of small units' collectives ([Note: coalesced
 all-gathers] in runtime/gather_buckets.py, [Note: coalesced reductions])
-are the last thing given up: where the most sharded layouts fit only
-without them, the layouts are chosen again without them and the plan,
-its table and its ``layout_policy()`` say so (``coalesce=False``: the
-tree gathers and reduces each unit alone). Deterministic, and rank-independent when every rank plans the same
-rank (``fully_shard`` plans rank 0). Pinned by
+are the last thing given up, and given up by degrees: a bucket saves a
+collective per unit it holds, and costs up to its own bytes of memory
+beside what is gathered or reduced anyway. ``plan`` chooses the layouts
+with the comm defaults (1 MiB); where the most sharded layouts do not fit
+with them, with buckets of 256 KiB, then 64 KiB (a unit joins an
+all-gather's bucket when it is at most a quarter of it), then none; the
+first size with which they fit wins, so the layouts are searched as
+above at the largest buckets the budget holds. A size below the defaults
+with which no unit, under any layout it may get, joins a bucket plans
+exactly as none does and is skipped. The plan (``bucket_bytes``), its
+table and its ``layout_policy()`` say which size (``bucket_bytes=0``:
+the tree gathers and reduces each unit alone); when no size fits, the
+error is that of the defaults. Deterministic, and rank-independent when
+every rank plans the same rank (``fully_shard`` plans rank 0). Pinned by
 tests/planning/test_budget_layout.py.
 """
 
@@ -41,11 +51,15 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from .. import comm
 from ..api import ShardingStrategy
 from .memory import UnitPlan
 from .table import format_bytes
 
-__all__ = ["UnitLayout", "Traffic", "unit_traffic", "choose_layouts"]
+__all__ = ["UnitLayout", "Traffic", "unit_traffic", "choose_layouts", "SMALLER_BUCKETS", "choose_bucket_size"]
+
+# The bucket sizes a budget tries below the comm defaults, largest first.
+SMALLER_BUCKETS = (256 << 10, 64 << 10)
 
 
 @dataclass(frozen=True)
@@ -184,6 +198,36 @@ def choose_layouts(
         reason = reasons.get(unit.name, "fixed by the policy or an earlier fully_shard call")
         layouts.append(UnitLayout(unit.name, strategy, moved.bytes_moved, moved.collectives, is_chosen, reason))
     return result, layouts
+
+
+def choose_bucket_size(
+    choose: Callable[[int | None], tuple[_Plan, list[UnitLayout]]],
+    units: Sequence[UnitPlan],
+    world_size: int,
+) -> tuple[_Plan, list[UnitLayout]]:
+    """``choose(bucket_bytes)`` (``choose_layouts`` with buckets of that size:
+    None for the comm defaults, 0 for none) at the largest size that fits
+    ([Note: a layout chosen for a memory budget]): the defaults, then each
+    of ``SMALLER_BUCKETS`` below them with which a unit of ``units`` (every
+    unit under every layout it may get) joins a bucket, then none. Raises
+    the defaults' ``ValueError`` when none fits."""
+    if world_size == 1:  # no buckets on one rank
+        return choose(None)
+    largest = min(comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES)
+    smaller = [
+        size
+        for size in SMALLER_BUCKETS
+        if size < largest and any(u.bucket_key(size) is not None or u.gather_key(size) is not None for u in units)
+    ]
+    try:
+        return choose(None)
+    except ValueError as with_defaults:
+        for size in [*smaller, 0]:
+            try:
+                return choose(size)
+            except ValueError:
+                continue
+        raise with_defaults from None
 
 
 def _cheapest_reason(unit: UnitPlan, strategy: ShardingStrategy) -> str:

@@ -39,7 +39,7 @@ from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..handle.layout import compute_layout
 from ..handle.dtensor_views import local_tensor
 from .activations import ActivationProfile, measure_activations
-from .budget import UnitLayout, choose_layouts
+from .budget import UnitLayout, choose_bucket_size, choose_layouts
 from .memory import (
     UnitPlan,
     freed_allocation_sizes,
@@ -123,6 +123,10 @@ class ShardingPlan:
     per unit, the layout chosen with its bytes moved and reason ([Note: a
     layout chosen for a memory budget] in planning/budget.py); ``None``
     and empty otherwise. ``layout_policy()`` applies them.
+    ``bucket_bytes``: the size of the buckets of small units' all-gathers
+    and reductions the plan counts (None: ``comm.GATHER_BUCKET_BYTES`` and
+    ``comm.REDUCE_BUCKET_BYTES``; 0: none, and ``coalesced`` is False), a
+    ``LayoutPolicy``'s or what a budget chose.
     """
 
     world_size: int
@@ -143,9 +147,12 @@ class ShardingPlan:
     # The policy the budgeted plan was given (what layout_policy() wraps).
     base_policy: Policy | set[type[nn.Module]] | None = field(default=None, repr=False, compare=False)
     # Whether small units' all-gathers and reductions are coalesced in this
-    # plan ([Note: a layout chosen for a memory budget]: a budget that holds
-    # the most sharded layouts only without the buckets turns them off).
+    # plan, and the size of their buckets (None: comm.GATHER_BUCKET_BYTES
+    # and comm.REDUCE_BUCKET_BYTES; 0: none). [Note: a layout chosen for a
+    # memory budget]: a budget that holds the most sharded layouts only with
+    # smaller buckets, or none, chooses them.
     coalesced: bool = True
+    bucket_bytes: int | None = None
 
     def layout_policy(self) -> LayoutPolicy:
         """The policy that applies this plan's chosen layouts:
@@ -160,7 +167,7 @@ class ShardingPlan:
             )
         chosen = {layout.name: layout.strategy for layout in self.layouts if layout.chosen and layout.name}
         root = next(layout.strategy for layout in self.layouts if layout.name == "")
-        return LayoutPolicy(self.base_policy, chosen, root_strategy=root, coalesce=self.coalesced)
+        return LayoutPolicy(self.base_policy, chosen, root_strategy=root, bucket_bytes=self.bucket_bytes)
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -203,7 +210,9 @@ def plan(
     too, to move the fewest bytes with a peak (``rank_bytes["total"]``)
     within the budget; units whose strategy the policy sets, and units of
     earlier ``fully_shard`` calls, keep theirs. The plan's ``layouts`` say
-    what was chosen and why; ``layout_policy()`` applies it. ``ValueError``
+    what was chosen and why; ``layout_policy()`` applies it. Where the most
+    sharded layouts do not fit with the default buckets of small units'
+    collectives, smaller buckets, then none (``bucket_bytes``). ``ValueError``
     when even the most sharded layouts do not fit ([Note: a layout chosen
     for a memory budget] in planning/budget.py).
 
@@ -301,15 +310,15 @@ def plan(
     buffers = buffer_bytes(module, buffer_dtype)
     shared_memory = transport.uses_shared_memory(None, device_type)
 
-    def assemble(planned: list[UnitPlan], *, coalesced: bool = True) -> ShardingPlan:
+    def assemble(planned: list[UnitPlan], *, bucket_bytes: int | None = None) -> ShardingPlan:
         return _assemble(
             planned, world_size, rank, kind, device_type, activations, shared, buffers, shared_memory, source="plan",
-            in_backward=bool(more.get("optimizer_in_backward", False)), coalesced=coalesced,
+            in_backward=bool(more.get("optimizer_in_backward", False)), bucket_bytes=bucket_bytes,
         )
 
     if memory_budget is None:
-        # A budgeted plan's policy may have turned the buckets off.
-        result = assemble(units, coalesced=getattr(policy, "coalesce", True))
+        # A budgeted plan's policy may have chosen smaller buckets, or none.
+        result = assemble(units, bucket_bytes=getattr(policy, "bucket_bytes", None))
     else:
         # The root and the units the policy gave no strategy are chosen.
         choice_of = {names[id(c.module)]: c for c in choices if "strategy" not in c.overrides or c is choices[-1]}
@@ -328,24 +337,18 @@ def plan(
                 by_layout[(unit_name, layout)] = renamed(spec, unit_name, subtree_last((choice.module,), order))
             return by_layout[(unit_name, layout)]
 
-        def choose(coalesced: bool) -> tuple[ShardingPlan, list[UnitLayout]]:
+        def choose(bucket_bytes: int | None) -> tuple[ShardingPlan, list[UnitLayout]]:
             return choose_layouts(
                 units, chosen=chosen, allowed=allowed, unit_for=unit_for,
-                assemble=functools.partial(assemble, coalesced=coalesced), world_size=world_size,
+                assemble=functools.partial(assemble, bucket_bytes=bucket_bytes), world_size=world_size,
                 budget=memory_budget, caller=f"plan({name})",
             )
 
-        try:
-            result, chosen_layouts = choose(True)
-        except ValueError as with_buckets:
-            # The buckets' memory is the last thing a budget gives up
-            # ([Note: a layout chosen for a memory budget]).
-            if world_size == 1:
-                raise
-            try:
-                result, chosen_layouts = choose(False)
-            except ValueError:
-                raise with_buckets from None
+        # Every unit under every layout the budget may give it: whether any
+        # joins a bucket of a size.
+        layouts_tried = [u for u in units if u.name not in choice_of]
+        layouts_tried += [unit_for(unit_name, layout) for unit_name in chosen for layout in allowed]
+        result, chosen_layouts = choose_bucket_size(choose, layouts_tried, world_size)
         result.memory_budget, result.layouts, result.base_policy = memory_budget, chosen_layouts, policy
     result.optimizer = optimizer_label(optimizer)
     if more.get("warn", False):
@@ -421,9 +424,11 @@ def describe(
     shared = shared_params_from_states(module, unit_of_member, named)
     kind = optimizer_kind(optimizer, momentum)
     buffers = buffer_bytes(module, None)  # already cast by fully_shard
+    # The buckets of the tree's root (a budgeted layout may have chosen them).
+    root = next((state for unit_name, state in named if unit_name == ""), None)
     result = _assemble(
         units, world, rank, kind, device_type, None, shared, buffers, shared_memory, source="fully_shard",
-        in_backward=optimizer_in_backward,
+        in_backward=optimizer_in_backward, bucket_bytes=root.bucket_bytes if root is not None else None,
     )
     result.optimizer = optimizer_label(optimizer)
     return result
@@ -471,7 +476,7 @@ def _assemble(
     *,
     source: str,
     in_backward: bool = False,
-    coalesced: bool = True,
+    bucket_bytes: int | None = None,
 ) -> ShardingPlan:
     flat_params = [fp for unit in units for fp in unit.flat_params]
     offloaded = [fp for fp in flat_params if fp.offload]
@@ -490,7 +495,7 @@ def _assemble(
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
     grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    bucket_bytes = comm.REDUCE_BUCKET_BYTES if world_size > 1 and coalesced else 0
+    reduce_bucket, gather_bucket = _bucket_sizes(bucket_bytes) if world_size > 1 else (0, 0)
     moments = step_moments(
         units,
         optimizer_step=step_bytes,
@@ -507,9 +512,9 @@ def _assemble(
         else None,
         hooks_after_backward=any(fp.offload for fp in flat_params),
         # [Note: coalesced reductions] in runtime/grad_buckets.py: none on one rank.
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=reduce_bucket,
         # [Note: coalesced all-gathers] in runtime/gather_buckets.py
-        gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if world_size > 1 and coalesced else 0,
+        gather_bucket_bytes=gather_bucket,
     )
     peak: StepPeak = worst_moment(moments)
     offloaded_grads = 0 if in_backward else sum(fp.grad_bytes for fp in offloaded)
@@ -549,5 +554,14 @@ def _assemble(
         optimizer_in_backward=in_backward,
         moments=moments,
         runtime=runtime,
-        coalesced=coalesced,
+        coalesced=bucket_bytes != 0,
+        bucket_bytes=bucket_bytes,
     )
+
+
+def _bucket_sizes(bucket_bytes: int | None) -> tuple[int, int]:
+    """The reduce and gather bucket sizes of a plan's ``bucket_bytes``."""
+    if bucket_bytes is None:
+        return comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES
+    return bucket_bytes, bucket_bytes
+

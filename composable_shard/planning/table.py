@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from .. import comm
 from .memory import UnitPlan
 
 __all__ = ["format_plan", "format_bytes", "PlanFields"]
@@ -187,11 +188,7 @@ def _layout_lines(plan: PlanFields) -> list[str]:
 
     moved = sum(layout.bytes_moved for layout in layouts)
     peak = plan.rank_bytes["total"]
-    buckets = (
-        "small units' all-gathers and reductions in buckets of up to 1 MiB"
-        if getattr(plan, "coalesced", True)
-        else "small units' collectives not coalesced: the budget holds the most sharded layouts only without buckets"
-    )
+    buckets = _buckets_line(getattr(plan, "bucket_bytes", None))
     return [
         "",
         f"layouts for a memory budget of {format_bytes(budget)} per rank: predicted peak {format_bytes(peak)} "
@@ -200,3 +197,32 @@ def _layout_lines(plan: PlanFields) -> list[str]:
         "  " + line(["-" * w for w in widths]),
         *["  " + line(r) for r in rows],
     ]
+
+
+def _buckets_line(bucket_bytes: int | None) -> str:
+    """How a budgeted plan's small units' collectives are coalesced
+    (``bucket_bytes``: None for the comm defaults, 0 for none)."""
+    if bucket_bytes == 0:
+        return "small units' collectives not coalesced: the budget holds the most sharded layouts only without buckets"
+    if bucket_bytes is not None:
+        return (
+            f"small units' all-gathers and reductions in buckets of up to {_bucket_size(bucket_bytes)}: the budget "
+            "holds the most sharded layouts only with buckets this small"
+        )
+    gather, reduce = comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES
+    if gather == reduce == 0:
+        return "small units' collectives not coalesced: composable_shard.comm's bucket sizes are 0"
+    if gather == reduce:
+        return f"small units' all-gathers and reductions in buckets of up to {_bucket_size(gather)}"
+    return (
+        f"small units' all-gathers in buckets of up to {_bucket_size(gather)}, their reductions in buckets of up "
+        f"to {_bucket_size(reduce)}"
+    )
+
+
+def _bucket_size(nbytes: int) -> str:
+    """A bucket size: whole KiB or MiB where it is one ("256 KiB")."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size} {unit}"
+    return format_bytes(nbytes)

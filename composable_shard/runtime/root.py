@@ -39,8 +39,8 @@ def lazy_init(state: UnitState) -> RootContext:
         Scheduler(
             state.compute_device,
             limit_all_gathers=state.config.limit_all_gathers,
-            bucket_bytes=comm.REDUCE_BUCKET_BYTES if state.coalesces_collectives else 0,
-            gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if state.coalesces_collectives else 0,
+            bucket_bytes=comm.REDUCE_BUCKET_BYTES if state.bucket_bytes is None else state.bucket_bytes,
+            gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if state.bucket_bytes is None else state.bucket_bytes,
         ),
     )
     for name, unit in named_units:

@@ -121,9 +121,11 @@ class UnitState:
         self.compute_device = compute_device
         # Position in the order fully_shard built the process's units.
         self.build_index: int = next(_BUILD_COUNTER)
-        # As a root: whether its tree coalesces small units' collectives
-        # (False: a budgeted layout that fits only without the buckets).
-        self.coalesces_collectives = True
+        # As a root: the size of its tree's buckets of small units'
+        # all-gathers and reductions (None: comm's defaults; 0: none), as a
+        # budgeted layout chose it ([Note: a layout chosen for a memory
+        # budget] in planning/budget.py).
+        self.bucket_bytes: int | None = None
         # Name of the module under its root, known after lazy init.
         self.fqn: str = type(module).__name__
         self.training_state = TrainingState.IDLE

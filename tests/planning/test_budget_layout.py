@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import composable_shard as cs
 from composable_shard import CustomPolicy, LayoutPolicy, ShardingStrategy, fully_shard, is_fully_sharded
+from composable_shard.runtime.state import UnitState, unit_states_under
 from tests.support.budget_layout import (
     MODELS,
     VOCAB,
@@ -245,14 +246,16 @@ def test_a_budget_held_only_without_buckets_turns_them_off() -> None:
     model, alone, coalesced = _budget_without_buckets()
     assert alone < coalesced, (alone, coalesced)
     chosen = budget_plan(model, "gpt", alone)
-    assert not chosen.coalesced and chosen.rank_bytes["total"] <= alone
+    assert not chosen.coalesced and chosen.bucket_bytes == 0 and chosen.rank_bytes["total"] <= alone
     assert "not coalesced: the budget holds the most sharded layouts only without buckets" in str(chosen)
     policy = chosen.layout_policy()
-    assert policy.coalesce is False
+    assert policy.coalesce is False and policy.bucket_bytes == 0
     applied = cs.plan(model, world_size=2, policy=policy, strategy=policy.root_strategy, device="cpu")
     assert applied.rank_bytes == chosen.rank_bytes and not applied.coalesced
     roomy = budget_plan(model, "gpt", coalesced)
-    assert roomy.coalesced and roomy.layout_policy().coalesce is True
+    assert roomy.coalesced and roomy.bucket_bytes is None
+    assert roomy.layout_policy().coalesce is True and roomy.layout_policy().bucket_bytes is None
+    assert "small units' all-gathers and reductions in buckets of up to 1 MiB" in str(roomy)
     with pytest.raises(ValueError, match=r"memory_budget .* is below this model's peak"):
         budget_plan(model, "gpt", alone - 1)
 
@@ -275,3 +278,176 @@ def _buckets_off_at_run_time(rank: int, world_size: int) -> None:
 
 def test_a_budget_held_only_without_buckets_runs_each_unit_alone() -> None:
     run_distributed(_buckets_off_at_run_time, 2)
+
+
+# ------------------------------------------------- buckets given up by degrees
+KIB = 1 << 10
+SIZES: tuple[int | None, ...] = (None, 256 * KIB, 64 * KIB, 0)  # what a budget tries, in order
+
+
+def _many_small_blocks() -> nn.Module:
+    """24 blocks of 18.75 KiB and a root of about 50 KiB: at most a quarter
+    of 256 KiB each, more than a quarter of 64 KiB, so the bucket size
+    changes the peak at every step of SIZES."""
+    torch.manual_seed(0)
+    return TinyGPT(n_blocks=24, dim=48, vocab=VOCAB)
+
+
+def _peaks_by_bucket(model: nn.Module) -> dict[int | None, int]:
+    """The peak with every unit FULL_SHARD, per bucket size."""
+    every_block = {f"blocks.{index}": FS for index in range(len(model.blocks))}  # type: ignore[arg-type]
+    return {
+        size: cs.plan(
+            model,
+            world_size=2,
+            policy=LayoutPolicy({Block}, every_block, root_strategy=FS, bucket_bytes=size),
+            device="cpu",
+        ).rank_bytes["total"]
+        for size in SIZES
+    }
+
+
+def test_a_budget_between_the_bucket_sizes_chooses_the_largest_that_fits() -> None:
+    model = _many_small_blocks()
+    peaks = _peaks_by_bucket(model)
+    assert peaks[None] > peaks[256 * KIB] > peaks[64 * KIB] > peaks[0], peaks
+    for size, budget, line in [
+        (256 * KIB, peaks[256 * KIB], "in buckets of up to 256 KiB: the budget holds the most sharded layouts only"),
+        (64 * KIB, peaks[256 * KIB] - 1, "in buckets of up to 64 KiB: the budget holds the most sharded layouts only"),
+        (0, peaks[64 * KIB] - 1, "not coalesced: the budget holds the most sharded layouts only without buckets"),
+    ]:
+        chosen = budget_plan(model, "gpt", budget)
+        assert (chosen.bucket_bytes, chosen.coalesced) == (size, size != 0), (budget, chosen.bucket_bytes)
+        assert chosen.rank_bytes["total"] <= budget
+        assert f"small units' all-gathers and reductions {line}" in str(chosen) if size else line in str(chosen)
+        policy = chosen.layout_policy()
+        assert (policy.bucket_bytes, policy.coalesce) == (size, size != 0)
+        applied = cs.plan(model, world_size=2, policy=policy, strategy=policy.root_strategy, device="cpu")
+        assert applied.rank_bytes == chosen.rank_bytes and applied.units == chosen.units
+        assert (applied.bucket_bytes, applied.layouts) == (size, [])
+    with pytest.raises(ValueError, match=r"memory_budget .* is below this model's peak"):
+        budget_plan(model, "gpt", peaks[0] - 1)
+
+
+def test_a_bucket_size_no_unit_joins_is_skipped() -> None:
+    """The GPT's units are all over 64 KiB: with buckets of 64 KiB none
+    joins one, its plan is the plan without buckets, and a budget that
+    holds only that one says "not coalesced" (not 64 KiB)."""
+    model = MODELS["gpt"][0]()
+    peaks = _peaks_by_bucket(model)
+    units = cs.plan(model, world_size=2, policy={Block}, device="cpu").units
+    assert not any(u.bucket_key(64 * KIB) or u.gather_key(64 * KIB) for u in units)
+    assert any(u.bucket_key(256 * KIB) for u in units)  # 256 KiB is tried
+    assert peaks[256 * KIB] > peaks[64 * KIB] == peaks[0], peaks
+    chosen = budget_plan(model, "gpt", peaks[0])
+    assert (chosen.bucket_bytes, chosen.coalesced) == (0, False)
+    assert "not coalesced: the budget holds the most sharded layouts only without buckets" in str(chosen)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"bucket_bytes": -1}, ValueError, r"LayoutPolicy: bucket_bytes must be at least 0, got -1\. Pass"),
+        (
+            {"bucket_bytes": 2.5e5},
+            TypeError,
+            r"LayoutPolicy: bucket_bytes must be None or an int number of bytes, "
+            r"got float 250000.0\. Pass, for example, 256 \* 2\*\*10",
+        ),
+        ({"bucket_bytes": True}, TypeError, r"LayoutPolicy: bucket_bytes must be None or an int .*got bool True"),
+        ({"bucket_bytes": "1MiB"}, TypeError, r"LayoutPolicy: bucket_bytes .*got str '1MiB'"),
+        (
+            {"coalesce": False, "bucket_bytes": 4096},
+            ValueError,
+            r"LayoutPolicy: coalesce=False means no buckets, but bucket_bytes=4096\. Pass one of the two",
+        ),
+        ({"coalesce": 0}, TypeError, r"LayoutPolicy: coalesce must be a bool, got int 0"),
+    ],
+)
+def test_layout_policy_refuses_a_bad_bucket_size_by_name(kwargs: dict, error: type, match: str) -> None:
+    model = TinyGPT(n_blocks=2)
+    layouts = {"blocks.0": FS, "blocks.1": FS}
+    with pytest.raises(error, match=match):
+        LayoutPolicy({Block}, layouts, **kwargs)
+    for good, size in [({}, None), ({"coalesce": False}, 0), ({"bucket_bytes": 0}, 0), ({"bucket_bytes": 4096}, 4096)]:
+        policy = LayoutPolicy({Block}, layouts, **good)
+        assert (policy.bucket_bytes, policy.coalesce) == (size, size != 0)
+        assert cs.plan(model, world_size=2, policy=policy, device="cpu").bucket_bytes == size  # still plans
+
+
+def _expected_gathers(states: list[UnitState], bucket: int) -> tuple[int, int]:
+    """(coalesced, alone) all-gathers of one pass over ``states`` (in the
+    pass's order, each needing its all-gather) by the rule of [Note:
+    coalesced all-gathers]: a unit at most a quarter of ``bucket`` leads
+    one, and the next units that are as small join while the bucket holds
+    them; a bucket of one unit is an all-gather alone."""
+    sizes = [
+        sum(handle.unsharded_flat_param.numel() * handle.param_dtype.itemsize for handle in state.handles)
+        for state in states
+    ]
+    together = alone = index = 0
+    while index < len(sizes):
+        members, total = 1, sizes[index]
+        if total <= bucket // 4:
+            while (
+                index + members < len(sizes)
+                and sizes[index + members] <= bucket // 4
+                and total + sizes[index + members] <= bucket
+            ):
+                total += sizes[index + members]
+                members += 1
+        together, alone = (together + 1, alone) if members > 1 else (together, alone + 1)
+        index += members
+    return together, alone
+
+
+def _intermediate_buckets_at_run_time(rank: int, world_size: int) -> None:
+    """fully_shard with a budget that holds the layouts with 256 KiB
+    buckets but not 1 MiB ones: every forward issues the coalesced
+    all-gathers 256 KiB buckets make of the units (not the one bucket of
+    1 MiB), every backward those of the units it gathers again, and the
+    model trains like one process."""
+    budget = _peaks_by_bucket(_many_small_blocks())[256 * KIB]
+    expected = budget_plan(_many_small_blocks(), "gpt", budget)
+    assert expected.bucket_bytes == 256 * KIB
+    counts: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    passes: list[tuple[tuple[int, int], tuple[int, int]]] = []
+
+    def shard(model: nn.Module) -> None:
+        fully_shard(model, policy={Block}, memory_budget=budget)
+        assert unit_strategies(model) == {layout.name: layout.strategy for layout in expected.layouts}
+        assert cs.describe(model).bucket_bytes == 256 * KIB  # the root keeps the chosen size
+        states = [state for _, state in unit_states_under(model)]
+        assert all(h.groups.is_sharded for state in states for h in state.handles)
+        # Backward gathers again the units resharded after forward, in
+        # reverse: not the root, which stays gathered for it.
+        again = [state for state in states[1:] if state.config.strategy.reshards_after_forward][::-1]
+        passes.append((_expected_gathers(states, 256 * KIB), _expected_gathers(again, 256 * KIB)))
+        assert _expected_gathers(states, 1 << 20) == (1, 0)  # what the default bucket would issue
+
+    def step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        forward, backward = CollectiveSpy(), CollectiveSpy()
+        with forward.watching():
+            loss = lm_loss(model(inputs), targets)
+        with backward.watching():
+            loss.backward()
+        # A coalesced all-gather is one all_gather_into of the side-by-side shards.
+        counts.append(
+            tuple(  # type: ignore[arg-type]
+                (
+                    spy.counts()["all_gather_together"],
+                    spy.counts()["all_gather_into"] - spy.counts()["all_gather_together"],
+                )
+                for spy in (forward, backward)
+            )
+        )
+        return loss.detach()
+
+    run_parity(Parity(build=_many_small_blocks, shard=shard, step_fn=step, steps=3))
+    assert passes[0][0][0] >= 2, passes  # several buckets of 256 KiB per forward
+    for index, count in enumerate(counts):
+        assert count == passes[0], (index, count, passes[0])
+
+
+def test_a_budget_between_bucket_sizes_coalesces_in_the_chosen_size_at_run_time() -> None:
+    run_distributed(_intermediate_buckets_at_run_time, 2, timeout=300)
