@@ -564,4 +564,3 @@ def _bucket_sizes(bucket_bytes: int | None) -> tuple[int, int]:
     if bucket_bytes is None:
         return comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES
     return bucket_bytes, bucket_bytes
-
