@@ -28,7 +28,9 @@ Public names: ``ShardGroups``, ``all_gather_into`` (several at once:
 ``GATHER_BUCKET_BYTES``, ``gatherable_bytes``, ``all_gather_together``,
 ``GatheredThenCopied``), ``reduce_scatter`` (and
 its per-backend ``reduce_scatter_method``, ``ChunkOfAllReduce``),
-``all_reduce``, ``all_reduce_max``, ``all_to_all``, ``broadcast``, ``Work``,
+``all_reduce``, ``all_reduce_max``, ``all_to_all`` (in place where the
+transport allows: ``all_to_all_in_place``, ``all_to_all_pieces``),
+``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
 ``finish_grad_reduction``, several at once: ``REDUCE_BUCKET_BYTES``,
@@ -44,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,8 @@ __all__ = [
     "all_reduce",
     "all_reduce_max",
     "all_to_all",
+    "all_to_all_in_place",
+    "all_to_all_pieces",
     "broadcast",
     "broadcast_object",
     "all_gather_object",
@@ -497,6 +501,31 @@ def all_to_all(
     shared.all_to_all(target, input.contiguous(), output_splits, input_splits)
     if target is not output:
         output.copy_(target)
+
+
+def all_to_all_in_place(device: torch.device, group: ProcessGroup | None) -> bool:
+    """Whether ``all_to_all_pieces`` runs over ``group`` for tensors on
+    ``device``: where its collectives go through shared memory, which reads
+    and writes each piece where it lies (the same answer on every rank; the
+    first call for a group decides its transport, collectively)."""
+    return device.type == "cpu" and transport.shared_memory_of(group) is not None
+
+
+def all_to_all_pieces(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], output_splits: list[int], input_splits: list[int],
+    group: ProcessGroup | None,
+) -> None:
+    """``all_to_all`` of the contiguous 1-D tensors ``inputs`` laid back to
+    back (one dtype) into ``outputs`` laid back to back, each read or
+    written where it is: no send or receive buffer (synchronous). Only where
+    ``all_to_all_in_place`` says so."""
+    shared = transport.shared_memory_of(group) if all(t.device.type == "cpu" for t in [*outputs, *inputs]) else None
+    if shared is None:
+        raise RuntimeError(
+            "comm.all_to_all_pieces: this group's collectives do not go through shared memory; check "
+            "all_to_all_in_place first and use all_to_all with one send and one receive buffer"
+        )
+    shared.all_to_all_pieces(outputs, inputs, output_splits, input_splits)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:

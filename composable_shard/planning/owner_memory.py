@@ -25,11 +25,13 @@ their shard group, NO_SHARD units none). Per rank it counts:
   gradient's dtype. ``"muon"`` steps the 2-D parameters (torch's Muon
   refuses others) and plans AdamW, elementwise on the shards, for the rest.
 - ``optimizer.step()``'s transients, the worst of: the all_to_all to owners
-  (the flags, its send and receive buffers), the whole values and
-  gradients being assembled (with the receive buffer), the optimizer's own step of
+  (the flags, its send and receive buffers; in place, through shared
+  memory, none: the whole values and gradients it fills instead), the
+  whole values and gradients being assembled (with the receive buffer), the
+  optimizer's own step of
   the owned parameters in order (its temporaries replayed from torch's
   single-tensor code, Python loop variables kept until reassigned), the
-  all_to_all back (send and receive buffers) — each beside the whole values
+  all_to_all back (send and receive buffers; none in place) — each beside the whole values
   and gradients this rank assembled for parameters it does not hold whole
   (made fresh each step, freed as the pieces are shown again) — and,
   for ``"muon"``, AdamW's step afterwards. Each exchange buffer is counted
@@ -129,6 +131,8 @@ class _Param:
     requires_grad: bool
     local_numel: int
     offload: bool
+    # Its group's collectives go through shared memory (the exchange in place).
+    shared_memory: bool
 
     @property
     def numel(self) -> int:
@@ -171,7 +175,7 @@ def _params(units: Sequence[UnitPlan]) -> list[_Param]:
                     _Param(
                         position, info.shape, pieces_of(fp.layout, info), _group_key(unit.strategy),
                         fp.layout.shard_rank, fp.layout.shard_world_size, fp.dtype, fp.grad_dtype,
-                        fp.requires_grad, info.local_numel, fp.offload,
+                        fp.requires_grad, info.local_numel, fp.offload, fp.reduction_frees_grad,
                     )
                 )
     return sorted(params, key=lambda p: p.position)
@@ -264,14 +268,17 @@ def owner_step_bytes(units: Sequence[UnitPlan], spec: OwnerOptimizer, device_typ
 def _exchange_bytes(group: list[_Owned]) -> tuple[int, int, int, int]:
     """One shard group's exchange on this rank: (the all_to_all to owners,
     the receive buffer while whole tensors are assembled, the whole values
-    and gradients assembled, the all_to_all back) in bytes."""
+    and gradients assembled, the all_to_all back) in bytes. In place
+    ([Note: the exchange in place] in optim/owner_step.py) the whole
+    tensors exist from before the all_to_all to owners, and nothing else."""
     rank, world = group[0].param.shard_rank, group[0].param.shard_world_size
     flags = 4 * len(group)  # one float32 flag per parameter of the plan
     stepped = [owned for owned in group if owned.param.requires_grad]
     moves = world > 1 and any(
         owned.param.piece(source) and source != owned.owner for owned in stepped for source in range(world)
     )
-    size = _itemsize(functools.reduce(torch.promote_types, {owned.param.dtype for owned in group}))
+    dtypes = {owned.param.dtype for owned in group}
+    size = _itemsize(functools.reduce(torch.promote_types, dtypes))
     sent = received = sent_back = received_back = whole = 0
     for owned in stepped:
         param = owned.param
@@ -286,6 +293,8 @@ def _exchange_bytes(group: list[_Owned]) -> tuple[int, int, int, int]:
             whole += 2 * param.numel * _itemsize(param.dtype)  # value and gradient
     if not moves:
         return flags, flags, whole, 0
+    if len(dtypes) == 1 and group[0].param.shared_memory:
+        return flags + whole, flags, whole, 0
     return flags + (sent + received) * size, flags + received * size, whole, (sent_back + received_back) * size
 
 
@@ -343,7 +352,7 @@ def muon_tensor_bytes(shape: torch.Size, dtype: torch.dtype = torch.float32, dev
     """The planned temporaries of torch.optim.Muon stepping one whole
     parameter of ``shape`` (the tensors its code names; not the matrix
     products' own workspace)."""
-    param = _Param(0, shape, (), "", 0, 1, dtype, dtype, True, math.prod(shape), False)
+    param = _Param(0, shape, (), "", 0, 1, dtype, dtype, True, math.prod(shape), False, False)
     return _muon_step_bytes([param], device_type)
 
 

@@ -2,7 +2,8 @@
 shared-memory all-to-all] in comm/shared_memory/collectives.py), which
 ``comm.all_to_all`` takes for CPU tensors of a group on one host: gloo's
 ``all_to_all_single`` bit for bit whatever the splits (uneven, zero, all
-zero), dtype and rounds (pieces many times a slot); within the slots the
+zero), dtype and rounds (pieces many times a slot), and from and into
+lists of tensors in place (``comm.all_to_all_pieces``); within the slots the
 group's other collectives reserved; splits that do not pair refused alike
 on every rank, the group going on; beside another collective, an error
 naming both. (A peer killed before it: tests/comm/test_failures.py.)"""
@@ -124,6 +125,55 @@ def _all_to_all_equals_gloo(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_to_all_through_shared_memory_equals_gloo(world_size: int) -> None:
     run_distributed(_all_to_all_equals_gloo, world_size)
+
+
+def _cut(total: int, generator: torch.Generator) -> list[int]:
+    """``total`` elements as random piece sizes, empty pieces among them."""
+    sizes = []
+    while total > 0:
+        size = min(total, int(torch.randint(0, 40, (1,), generator=generator)))
+        sizes.append(size)
+        total -= size
+    return [0, *sizes, 0]
+
+
+def _pieces_equal_gloo(rank: int, world_size: int) -> None:
+    """``comm.all_to_all_pieces``: inputs and outputs in separate tensors of
+    random sizes (empty ones too), pieces crossing the rounds of small slots
+    and the ranks' splits, equal gloo's all_to_all_single of the same bytes;
+    only where ``all_to_all_in_place`` says so, a clear error elsewhere."""
+    whole = dist.new_group(list(range(world_size)))
+    with shared_memory_slot_bytes(1000):
+        small = dist.new_group(list(range(world_size)))
+    gloo = _gloo_group(world_size)
+    cpu = torch.device("cpu")
+    assert comm.all_to_all_in_place(cpu, whole) and comm.all_to_all_in_place(cpu, small)
+    assert not comm.all_to_all_in_place(cpu, gloo) and not comm.all_to_all_in_place(torch.device("meta"), whole)
+    generator = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for most in (7, 3001):
+            for index, sends in enumerate(_split_matrices(world_size, most)):
+                inputs = _inputs(world_size, sends, dtype, salt=100 * most + index)
+                output_splits = [sends[writer][rank] for writer in range(world_size)]
+                expected = torch.empty(sum(output_splits), dtype=dtype)
+                dist.all_to_all_single(expected, inputs[rank].clone(), output_splits, sends[rank])
+                sent = list(inputs[rank].clone().split(_cut(inputs[rank].numel(), generator)))
+                for group in (whole, small):
+                    outputs = [torch.full((size,), 3, dtype=dtype) for size in _cut(expected.numel(), generator)]
+                    with _gloo_refused():
+                        comm.all_to_all_pieces(outputs, sent, output_splits, sends[rank], group)
+                    assert torch.equal(torch.cat(outputs), expected), (dtype, most, index, group is small)
+    sends = _split_matrices(world_size, 5)[0]
+    output_splits = [sends[writer][rank] for writer in range(world_size)]
+    with pytest.raises(RuntimeError, match=r"all_to_all_pieces: this group's collectives do not go through shared "
+                                           r"memory; check all_to_all_in_place first"):
+        comm.all_to_all_pieces([torch.empty(sum(output_splits))], [torch.empty(sum(sends[rank]))], output_splits,
+                               sends[rank], gloo)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_of_pieces_in_place_equals_gloo(world_size: int) -> None:
+    run_distributed(_pieces_equal_gloo, world_size)
 
 
 def _all_to_all_within_reserved_slots(rank: int, world_size: int) -> None:

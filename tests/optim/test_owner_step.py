@@ -6,6 +6,7 @@ equals one process on the global batch step by step, under every strategy
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Callable
 
@@ -18,6 +19,7 @@ from composable_shard import ShardingStrategy, full_shape
 from composable_shard.optim import owner_plans
 from composable_shard.runtime.lifecycle import live_units
 
+from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT
 from tests.support.optimizers import NewtonSchulzSGD, RowNormalizedSGD, StepRecorder, TensorNormalizedSGD
@@ -90,3 +92,42 @@ def _each_parameter_stepped_once_whole(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_whole_parameter_is_stepped_once_by_a_balanced_owner(world_size: int) -> None:
     run_distributed(_each_parameter_stepped_once_whole, world_size)
+
+
+def _both_exchanges_match_one_process(rank: int, world_size: int) -> None:
+    """The exchange in place (shared memory, the default group here) and
+    the one through send and receive buffers (a group made with the shared
+    memory switched off: gloo's messages) give the same training."""
+    from composable_shard import comm
+    from composable_shard.comm import transport
+
+    saved = os.environ.get(transport.ENV_SWITCH)
+    os.environ[transport.ENV_SWITCH] = "0"
+    try:
+        gloo_only = dist.new_group(list(range(world_size)))
+        assert not comm.all_to_all_in_place(torch.device("cpu"), gloo_only)  # decided here, switched off
+    finally:
+        if saved is None:
+            del os.environ[transport.ENV_SWITCH]
+        else:
+            os.environ[transport.ENV_SWITCH] = saved
+    assert comm.all_to_all_in_place(torch.device("cpu"), None)
+    try:
+        for group, path, collective in ((None, "in place", "all_to_all_pieces"), (gloo_only, "through buffers", "all_to_all")):
+            for name, (make, atol) in OPTIMIZERS.items():
+                shard = shard_manually(ShardingStrategy.FULL_SHARD, process_group=group)
+                spy = CollectiveSpy()
+                try:
+                    with spy.watching():
+                        run_parity(Parity(build=TinyGPT, shard=shard, make_optimizer=make, atol=atol, steps=3))
+                except AssertionError as error:
+                    raise AssertionError(f"{name}, the exchange {path}: {error}") from error
+                exchanges = {key: count for key, count in spy.counts().items() if key in ("all_to_all", "all_to_all_pieces")}
+                assert exchanges == {collective: 6}, (name, path, exchanges)  # to owners and back, 3 steps
+    finally:
+        dist.destroy_process_group(gloo_only)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_exchange_in_place_and_through_buffers_match_one_process(world_size: int) -> None:
+    run_distributed(_both_exchanges_match_one_process, world_size)

@@ -393,14 +393,15 @@ def holding_collective_tensors() -> Iterator[list[torch.Tensor]]:
 
 
 def measure_owner_case(
-    name: str, rank: int, world_size: int, *, hold_collective_tensors: bool = False
+    name: str, rank: int, world_size: int, *, hold_collective_tensors: bool = False, process_group: Any = None
 ) -> dict[str, Any]:
     """Plan ``OWNER_CASES[name]`` under FULL_SHARD for this rank, shard, train
     and return the plan's numbers beside the allocated ones: the state after
     a step, the whole step's peak, and ``optimizer.step()``'s own transient
     bytes (its peak above what was alive when it started).
     ``hold_collective_tensors``: measured while every tensor the step gives
-    its collectives stays referenced (``holding_collective_tensors``)."""
+    its collectives stays referenced (``holding_collective_tensors``).
+    ``process_group``: the units' group (the default one where None)."""
     from composable_shard.optim import last_step_traffic, owner_plans
     from composable_shard.planning.owner_memory import owner_optimizer as owner_optimizer_spec
     from composable_shard.planning.owner_memory import planned_owners
@@ -414,7 +415,7 @@ def measure_owner_case(
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block}, **inputs)
     optimizer = owner_optimizer(name, model)
     positions = {id(p): index for index, p in enumerate(model.parameters())}
-    cs.fully_shard(model, policy={Block})
+    cs.fully_shard(model, policy={Block}, process_group=process_group)
     described = cs.describe(model, optimizer=spec)
     tokens = rank_tokens(rank)
 

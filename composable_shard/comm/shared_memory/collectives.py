@@ -52,19 +52,23 @@ it copies out of each round the part of the piece the round holds. A rank
 copies its own piece once its rounds are published, while its peers read
 them. The data's signature is the group's total of bytes, the same on
 every rank. Any failure once the table was published leaves the group
-unusable, as a streamed collective's does. Pinned by
+unusable, as a streamed collective's does. What is sent and received may
+be several tensors each, laid back to back (``all_to_all_pieces``,
+``pieces.py``): a round's bytes are written from and read into them where
+they lie, with no buffer (the owner step's exchange in place). Pinned by
 tests/comm/test_shared_memory_all_to_all.py.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .files import GroupFiles
+from .pieces import Pieces, transfer
 from .slots import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
 
 __all__ = ["HostSharedMemory"]
@@ -204,9 +208,21 @@ class HostSharedMemory:
         rank ``q``, landing in ``output`` after what lower ranks sent it
         (synchronous): every rank's splits, then the pieces, in rounds
         ([Note: shared-memory all-to-all])."""
-        sends, expects = self._check_splits(output, input, output_splits, input_splits)
+        self.all_to_all_pieces([output], [input], output_splits, input_splits)
+
+    def all_to_all_pieces(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> None:
+        """``all_to_all`` of ``inputs`` laid back to back into ``outputs``
+        laid back to back (1-D tensors of one dtype), each read or written
+        where it is: no send or receive buffer."""
+        sends, expects, element_size = self._check_splits(outputs, inputs, output_splits, input_splits)
         capacity = min(self.files.slot_bytes, max(self.files.reserved_bytes, _LEAST_ROUND_BYTES))
-        row = torch.tensor([input.element_size(), capacity, *sends, *expects], dtype=torch.int64)
+        row = torch.tensor([element_size, capacity, *sends, *expects], dtype=torch.int64)
         table = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
         self.slots.enter("an all-to-all")
         try:
@@ -219,27 +235,25 @@ class HostSharedMemory:
             rows = table.view(self.world_size, row.numel()).tolist()
             _check_pairing(rows, self.world_size)  # alike on every rank: the group goes on
             try:
-                self._exchange(output, input, rows)
+                self._exchange(Pieces(outputs), Pieces(inputs), rows)
             except BaseException as error:
                 self._broken("an all-to-all", error)
                 raise
         finally:
             self.slots.leave()
 
-    def _exchange(self, output: torch.Tensor, input: torch.Tensor, rows: list[list[int]]) -> None:
+    def _exchange(self, output: Pieces, input: Pieces, rows: list[list[int]]) -> None:
         """An all-to-all's pieces, once every rank holds every rank's ``rows``
         (the caller holds the ring; see the Note)."""
         rank, world_size = self.rank, self.world_size
         sends = [row[_SENDS_AT : _SENDS_AT + world_size] for row in rows]  # sends[w][p]: bytes w sends p
         capacity = min(row[1] for row in rows)
-        input_bytes = _bytes_of(input)
         input_at = _offsets(sends[rank])
         output_at = _offsets([sends[writer][rank] for writer in range(world_size)])
         own = sends[rank][rank]
 
         def copy_own() -> None:
-            own_bytes = input_bytes[input_at[rank] : input_at[rank] + own]
-            _bytes_of(output)[output_at[rank] : output_at[rank] + own].copy_(own_bytes)
+            transfer(input, input_at[rank], output, output_at[rank], own)
 
         # Where each rank's piece for each peer starts in its stream (its own left out).
         streams = [_offsets([0 if peer == writer else sends[writer][peer] for peer in range(world_size)]) for writer in range(world_size)]
@@ -251,22 +265,21 @@ class HostSharedMemory:
         peers = [peer for peer in range(world_size) if peer != rank]
 
         def write(region: torch.Tensor, start: int, length: int) -> None:
+            into = Pieces([region])
             for peer in peers:
                 low, high = _overlap(streams[rank][peer], sends[rank][peer], start, length)
                 if high > low:
-                    at = input_at[peer] + low - streams[rank][peer]
-                    region[low - start : high - start].copy_(input_bytes[at : at + high - low])
+                    transfer(input, input_at[peer] + low - streams[rank][peer], into, low - start, high - low)
 
         def read(slot: int, start: int, length: int) -> None:
             # The writer's round covers its stream from ``start``, up to ``capacity`` bytes.
-            if not _has_storage(output):
+            if not output.has_storage():
                 return
-            output_bytes = _bytes_of(output)
             for writer in peers:
                 low, high = _overlap(streams[writer][rank], sends[writer][rank], start, capacity)
                 if high > low:
-                    at = output_at[writer] + low - streams[writer][rank]
-                    output_bytes[at : at + high - low].copy_(self.files.region(writer, slot, high - start)[low - start :])
+                    region = Pieces([self.files.region(writer, slot, high - start)])
+                    transfer(region, low - start, output, output_at[writer] + low - streams[writer][rank], high - low)
 
         mine = totals[rank]
         rounds = [(index * capacity, max(0, min(capacity, mine - index * capacity))) for index in range(count)]
@@ -331,23 +344,33 @@ class HostSharedMemory:
         return piece
 
     def _check_splits(
-        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """An all-to-all's bytes to and from each rank, once its tensors and
-        splits fit each other (checked before anything is issued)."""
-        if input.dim() != 1 or output.dim() != 1 or input.dtype != output.dtype:
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> tuple[list[int], list[int], int]:
+        """An all-to-all's bytes to and from each rank and its element size,
+        once its tensors and splits fit each other (checked before anything
+        is issued)."""
+        tensors = [*inputs, *outputs]
+        dtypes = {tensor.dtype for tensor in tensors}
+        if not inputs or not outputs or len(dtypes) != 1 or any(tensor.dim() != 1 for tensor in tensors):
             raise ValueError(
-                f"shared-memory all-to-all: input and output must be 1-D tensors of one dtype, got {input.dtype} "
-                f"{tuple(input.shape)} and {output.dtype} {tuple(output.shape)}"
+                "shared-memory all-to-all: inputs and outputs must be 1-D tensors of one dtype, got "
+                f"{[(t.dtype, tuple(t.shape)) for t in inputs]} and {[(t.dtype, tuple(t.shape)) for t in outputs]}"
             )
-        for name, splits, tensor in (("input", input_splits, input), ("output", output_splits, output)):
-            if len(splits) != self.world_size or min(splits, default=0) < 0 or sum(splits) != tensor.numel():
+        for name, splits, numel in (
+            ("input", input_splits, sum(t.numel() for t in inputs)),
+            ("output", output_splits, sum(t.numel() for t in outputs)),
+        ):
+            if len(splits) != self.world_size or min(splits, default=0) < 0 or sum(splits) != numel:
                 raise ValueError(
                     f"shared-memory all-to-all: {name}_splits {list(splits)} must be {self.world_size} counts "
-                    f"(one per rank), none negative, summing to the {name}'s {tensor.numel()} elements"
+                    f"(one per rank), none negative, summing to the {name}'s {numel} elements"
                 )
-        size = input.element_size()
-        return [count * size for count in input_splits], [count * size for count in output_splits]
+        size = inputs[0].element_size()
+        return [count * size for count in input_splits], [count * size for count in output_splits], size
 
     def _check_sizes(self, what: str, whole: torch.Tensor, chunk: torch.Tensor) -> None:
         if whole.numel() != chunk.numel() * self.world_size or whole.dtype != chunk.dtype:

@@ -1,0 +1,63 @@
+"""Owns: several contiguous tensors read and written as one byte sequence,
+laid back to back without a copy — what a shared-memory all-to-all sends
+from and receives into ([Note: shared-memory all-to-all] in collectives.py).
+
+Knows nothing of: slots, rounds, process groups.
+
+Public names: ``Pieces``, ``transfer``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+
+__all__ = ["Pieces", "transfer"]
+
+
+class Pieces:
+    """``tensors`` (contiguous) as one sequence of bytes, in order."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if not tensor.is_contiguous():
+                raise ValueError("shared-memory collectives need contiguous tensors")
+        # Empty tensors hold no byte: leaving them out keeps every start unique.
+        self._bytes = [tensor.reshape(-1).view(torch.uint8) for tensor in tensors if tensor.numel()]
+        self._starts: list[int] = []
+        at = 0
+        for piece in self._bytes:
+            self._starts.append(at)
+            at += piece.numel()
+        self.nbytes = at
+
+    def has_storage(self) -> bool:
+        """False once some piece's storage was resized away (a freed buffer:
+        nothing may be written into it)."""
+        return all(
+            piece.untyped_storage().nbytes() >= piece.storage_offset() + piece.numel() for piece in self._bytes
+        )
+
+    def _locate(self, at: int) -> tuple[int, int]:
+        """The piece holding byte ``at``, and where in it."""
+        index = bisect.bisect_right(self._starts, at) - 1
+        return index, at - self._starts[index]
+
+
+def transfer(source: Pieces, source_at: int, target: Pieces, target_at: int, nbytes: int) -> None:
+    """Copy ``nbytes`` bytes from ``source`` (from byte ``source_at``) to
+    ``target`` (from byte ``target_at``), piece by piece."""
+    if source_at < 0 or target_at < 0 or source_at + nbytes > source.nbytes or target_at + nbytes > target.nbytes:
+        raise ValueError(
+            f"shared-memory transfer of {nbytes} bytes from byte {source_at} of {source.nbytes} to byte "
+            f"{target_at} of {target.nbytes}: out of range"
+        )
+    while nbytes > 0:
+        source_index, source_offset = source._locate(source_at)
+        target_index, target_offset = target._locate(target_at)
+        source_piece, target_piece = source._bytes[source_index], target._bytes[target_index]
+        length = min(nbytes, source_piece.numel() - source_offset, target_piece.numel() - target_offset)
+        target_piece[target_offset : target_offset + length].copy_(source_piece[source_offset : source_offset + length])
+        source_at, target_at, nbytes = source_at + length, target_at + length, nbytes - length
