@@ -95,10 +95,11 @@ def test_owner_optimizer_plan_equals_allocated_bytes_with_gloo(world_size: int) 
     assert all(any(r["sent_to_owners"] for r in records if r["case"] == f"owner:{name}") for name in OWNER_CASES)
 
 
-def _measure_owner_cases_through_buffers(rank: int, world_size: int) -> list[dict]:
+def _measure_owner_cases_through_buffers(rank: int, world_size: int, hold: bool = False) -> list[dict]:
     """The cases on a group made with the shared memory switched off, whose
     exchange goes through send and receive buffers (gloo's messages), the
-    plan made likewise."""
+    plan made likewise; ``hold``: every tensor given to the collectives kept
+    referenced (``holding_collective_tensors``)."""
     import os
 
     import torch.distributed as dist
@@ -111,7 +112,10 @@ def _measure_owner_cases_through_buffers(rank: int, world_size: int) -> list[dic
     try:
         group = dist.new_group(list(range(world_size)))
         assert not comm.all_to_all_in_place(torch.device("cpu"), group)
-        return [measure_owner_case(name, rank, world_size, process_group=group) for name in OWNER_CASES]
+        return [
+            measure_owner_case(name, rank, world_size, process_group=group, hold_collective_tensors=hold)
+            for name in OWNER_CASES
+        ]
     finally:
         if saved is None:
             del os.environ[transport.ENV_SWITCH]
@@ -134,19 +138,17 @@ def test_owner_optimizer_plan_equals_allocated_bytes_through_buffers() -> None:
             _check_owner_record(record, whole_step_peak=False)
 
 
-def _measure_owner_cases_holding(rank: int, world_size: int) -> list[dict]:
-    return [measure_owner_case(name, rank, world_size, hold_collective_tensors=True) for name in OWNER_CASES]
-
-
 def test_owner_step_transients_do_not_wait_for_the_collectives_to_let_go() -> None:
-    """[Note: the exchange frees its buffers itself]: with every tensor the
-    step gives its collectives still referenced after they return (as gloo's
-    worker thread may hold them, for as long as the scheduler decides),
-    optimizer.step() allocates what the plan counts, and the peak holds."""
-    results = run_distributed(_measure_owner_cases_holding, 2, timeout=300)
+    """[Note: the exchange frees its buffers itself]: through gloo's
+    messages (the exchange's buffers), with every tensor the step gives its
+    collectives still referenced after they return (as gloo's worker thread
+    may hold them, for as long as the scheduler decides), optimizer.step()
+    allocates what the plan counts. (Through shared memory the exchange has
+    no buffer to hold: [Note: the exchange in place].)"""
+    results = run_distributed(_measure_owner_cases_through_buffers, 2, True, timeout=300)
     for records in results:
         for record in records:  # type: ignore[union-attr]
-            _check_owner_record(record)
+            _check_owner_record(record, whole_step_peak=False)
 
 
 def test_owner_state_is_whole_on_one_rank_per_parameter() -> None:

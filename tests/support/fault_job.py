@@ -16,8 +16,8 @@ at the forward point: only the group's timeout can end the wait);
 are all-reduced, in one bucket; rank 1 dies instead of issuing step 2's
 first all-reduce); ``all_to_all`` (shared memory only: the optimizer steps
 whole parameters on their owners, ``NewtonSchulzSGD``; rank 1 dies instead
-of issuing step 2's first all-to-all, which sends the gradients to their
-owners); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+of issuing step 2's first all-to-all, ``comm.all_to_all_pieces``, which
+sends the gradients to their owners); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
 in rounds; rank 1 dies in step 2 in the middle of the first collective of
 more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
@@ -77,7 +77,9 @@ def _arm(fault: str) -> None:
     elif fault == "all_reduce":
         comm.all_reduce = at("all_reduce", 1, 1, comm.all_reduce)
     elif fault == "all_to_all":
-        comm.all_to_all = at("all_to_all", 1, 1, comm.all_to_all)
+        # Through shared memory the owner step exchanges in place ([Note: the
+        # exchange in place] in composable_shard/optim/owner_step.py).
+        comm.all_to_all_pieces = at("all_to_all", 1, 1, comm.all_to_all_pieces)
     elif fault == "stream":
         real_stream = HostSharedMemory._stream
 
