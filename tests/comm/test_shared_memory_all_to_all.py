@@ -11,7 +11,6 @@ naming both. (A peer killed before it: tests/comm/test_failures.py.)"""
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator
 
 import pytest
@@ -20,9 +19,8 @@ import torch.distributed as dist
 
 from composable_shard import comm
 from composable_shard.comm import process_group, shared_memory, transport
-from composable_shard.comm.transport import ENV_SWITCH
 
-from tests.support.comm_spies import shared_memory_slot_bytes
+from tests.support.comm_spies import gloo_only_group, shared_memory_slot_bytes
 from tests.support.harness_pool import run_distributed
 
 
@@ -39,17 +37,6 @@ def _gloo_refused() -> Iterator[None]:
         yield
     finally:
         process_group.all_to_all = real
-
-
-def _gloo_group(world_size: int) -> dist.ProcessGroup:
-    """A new group that decided on gloo (the switch off on every rank)."""
-    os.environ[ENV_SWITCH] = "0"
-    try:
-        group = dist.new_group(list(range(world_size)))
-        assert transport.shared_memory_of(group) is None
-    finally:
-        os.environ.pop(ENV_SWITCH, None)
-    return group
 
 
 def _split_matrices(world_size: int, most: int) -> list[list[list[int]]]:
@@ -93,7 +80,7 @@ def _all_to_all_equals_gloo(rank: int, world_size: int) -> None:
         small = dist.new_group(list(range(world_size)))
         assert transport.shared_memory_of(small) is not None
     assert transport.shared_memory_of(whole) is not None
-    gloo = _gloo_group(world_size)
+    gloo = gloo_only_group(world_size)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for most in (1, 7, 3001):
             for index, sends in enumerate(_split_matrices(world_size, most)):
@@ -145,7 +132,7 @@ def _pieces_equal_gloo(rank: int, world_size: int) -> None:
     whole = dist.new_group(list(range(world_size)))
     with shared_memory_slot_bytes(1000):
         small = dist.new_group(list(range(world_size)))
-    gloo = _gloo_group(world_size)
+    gloo = gloo_only_group(world_size)
     cpu = torch.device("cpu")
     assert comm.all_to_all_in_place(cpu, whole) and comm.all_to_all_in_place(cpu, small)
     assert not comm.all_to_all_in_place(cpu, gloo) and not comm.all_to_all_in_place(torch.device("meta"), whole)
@@ -225,7 +212,7 @@ def _unpaired_splits_refused_alike(rank: int, world_size: int) -> None:
         comm.all_to_all(torch.empty(1), torch.zeros(1), [1] + [0] * (world_size - 1), [1], group)
     with pytest.raises(ValueError, match=r"output_splits .* summing to the output's 5 elements"):
         comm.all_to_all(torch.empty(5), torch.zeros(1), [1] + [0] * (world_size - 1), [1] + [0] * (world_size - 1), group)
-    expected = _exchange(rank, world_size, sends, inputs, _gloo_group(world_size))
+    expected = _exchange(rank, world_size, sends, inputs, gloo_only_group(world_size))
     with _gloo_refused():
         assert torch.equal(_exchange(rank, world_size, sends, inputs, group), expected)
 

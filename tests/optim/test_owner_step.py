@@ -6,7 +6,6 @@ equals one process on the global batch step by step, under every strategy
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Callable
 
@@ -19,7 +18,7 @@ from composable_shard import ShardingStrategy, full_shape
 from composable_shard.optim import owner_plans
 from composable_shard.runtime.lifecycle import live_units
 
-from tests.support.comm_spies import CollectiveSpy
+from tests.support.comm_spies import CollectiveSpy, gloo_only_group
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT
 from tests.support.optimizers import NewtonSchulzSGD, RowNormalizedSGD, StepRecorder, TensorNormalizedSGD
@@ -99,18 +98,9 @@ def _both_exchanges_match_one_process(rank: int, world_size: int) -> None:
     the one through send and receive buffers (a group made with the shared
     memory switched off: gloo's messages) give the same training."""
     from composable_shard import comm
-    from composable_shard.comm import transport
 
-    saved = os.environ.get(transport.ENV_SWITCH)
-    os.environ[transport.ENV_SWITCH] = "0"
-    try:
-        gloo_only = dist.new_group(list(range(world_size)))
-        assert not comm.all_to_all_in_place(torch.device("cpu"), gloo_only)  # decided here, switched off
-    finally:
-        if saved is None:
-            del os.environ[transport.ENV_SWITCH]
-        else:
-            os.environ[transport.ENV_SWITCH] = saved
+    gloo_only = gloo_only_group(world_size)
+    assert not comm.all_to_all_in_place(torch.device("cpu"), gloo_only)
     assert comm.all_to_all_in_place(torch.device("cpu"), None)
     try:
         for group, path, collective in ((None, "in place", "all_to_all_pieces"), (gloo_only, "through buffers", "all_to_all")):

@@ -17,6 +17,7 @@ import torch
 import composable_shard as cs
 from composable_shard.planning.owner_memory import OwnerOptimizer, owner_state_bytes
 
+from tests.support.comm_spies import gloo_only_group
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT
 from tests.support.plan_measure import OWNER_CASES, _wide_gpt, measure_owner_case
@@ -100,29 +101,19 @@ def _measure_owner_cases_through_buffers(rank: int, world_size: int, hold: bool 
     exchange goes through send and receive buffers (gloo's messages), the
     plan made likewise; ``hold``: every tensor given to the collectives kept
     referenced (``holding_collective_tensors``)."""
-    import os
-
     import torch.distributed as dist
 
     from composable_shard import comm
-    from composable_shard.comm import transport
 
-    saved = os.environ.get(transport.ENV_SWITCH)
-    os.environ[transport.ENV_SWITCH] = "0"
+    group = gloo_only_group(world_size)
     try:
-        group = dist.new_group(list(range(world_size)))
         assert not comm.all_to_all_in_place(torch.device("cpu"), group)
         return [
             measure_owner_case(name, rank, world_size, process_group=group, hold_collective_tensors=hold)
             for name in OWNER_CASES
         ]
     finally:
-        if saved is None:
-            del os.environ[transport.ENV_SWITCH]
-        else:
-            os.environ[transport.ENV_SWITCH] = saved
         dist.destroy_process_group(group)
-
 
 def test_owner_optimizer_plan_equals_allocated_bytes_through_buffers() -> None:
     """[Note: the exchange in place] is the shared memory's; elsewhere the

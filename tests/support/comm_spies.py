@@ -164,3 +164,27 @@ def shared_memory_slot_bytes(slot_bytes: int) -> Iterator[None]:
         yield
     finally:
         shared_memory.SLOT_BYTES = saved
+
+
+def gloo_only_group(world_size: int) -> Any:
+    """A new group of every rank that decided on gloo's messages, not shared
+    memory (the switch off on every rank while it decides; the environment
+    is restored after: the worker serves other tests)."""
+    import os
+
+    import torch.distributed as dist
+
+    from composable_shard.comm import transport
+
+    saved = os.environ.get(transport.ENV_SWITCH)
+    os.environ[transport.ENV_SWITCH] = "0"
+    try:
+        group = dist.new_group(list(range(world_size)))
+        if transport.shared_memory_of(group) is not None:  # decided here, with the switch off
+            raise AssertionError("gloo_only_group: the new group took shared memory with the switch off")
+    finally:
+        if saved is None:
+            del os.environ[transport.ENV_SWITCH]
+        else:
+            os.environ[transport.ENV_SWITCH] = saved
+    return group
