@@ -17,7 +17,7 @@ import torch
 import composable_shard as cs
 from composable_shard.planning.owner_memory import OwnerOptimizer, owner_state_bytes
 
-from tests.support.comm_spies import gloo_only_group
+from tests.support.comm_spies import gloo_only_group, shared_memory_switched_off
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT
 from tests.support.plan_measure import OWNER_CASES, _wide_gpt, measure_owner_case
@@ -108,10 +108,11 @@ def _measure_owner_cases_through_buffers(rank: int, world_size: int, hold: bool 
     group = gloo_only_group(world_size)
     try:
         assert not comm.all_to_all_in_place(torch.device("cpu"), group)
-        return [
-            measure_owner_case(name, rank, world_size, process_group=group, hold_collective_tensors=hold)
-            for name in OWNER_CASES
-        ]
+        with shared_memory_switched_off():  # the plans too
+            return [
+                measure_owner_case(name, rank, world_size, process_group=group, hold_collective_tensors=hold)
+                for name in OWNER_CASES
+            ]
     finally:
         dist.destroy_process_group(group)
 

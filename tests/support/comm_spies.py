@@ -166,25 +166,35 @@ def shared_memory_slot_bytes(slot_bytes: int) -> Iterator[None]:
         shared_memory.SLOT_BYTES = saved
 
 
-def gloo_only_group(world_size: int) -> Any:
-    """A new group of every rank that decided on gloo's messages, not shared
-    memory (the switch off on every rank while it decides; the environment
-    is restored after: the worker serves other tests)."""
+@contextlib.contextmanager
+def shared_memory_switched_off() -> Iterator[None]:
+    """Groups that decide their transport inside, and plans made inside,
+    take gloo's messages, not shared memory (the environment is restored
+    after: the worker serves other tests)."""
     import os
-
-    import torch.distributed as dist
 
     from composable_shard.comm import transport
 
     saved = os.environ.get(transport.ENV_SWITCH)
     os.environ[transport.ENV_SWITCH] = "0"
     try:
-        group = dist.new_group(list(range(world_size)))
-        if transport.shared_memory_of(group) is not None:  # decided here, with the switch off
-            raise AssertionError("gloo_only_group: the new group took shared memory with the switch off")
+        yield
     finally:
         if saved is None:
             del os.environ[transport.ENV_SWITCH]
         else:
             os.environ[transport.ENV_SWITCH] = saved
+
+
+def gloo_only_group(world_size: int) -> Any:
+    """A new group of every rank that decided on gloo's messages, not shared
+    memory."""
+    import torch.distributed as dist
+
+    from composable_shard.comm import transport
+
+    with shared_memory_switched_off():
+        group = dist.new_group(list(range(world_size)))
+        if transport.shared_memory_of(group) is not None:  # decided here, with the switch off
+            raise AssertionError("gloo_only_group: the new group took shared memory with the switch off")
     return group
