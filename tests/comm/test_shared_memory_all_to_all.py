@@ -152,6 +152,20 @@ def _pieces_equal_gloo(rank: int, world_size: int) -> None:
                     assert torch.equal(torch.cat(outputs), expected), (dtype, most, index, group is small)
     sends = _split_matrices(world_size, 5)[0]
     output_splits = [sends[writer][rank] for writer in range(world_size)]
+    # A strided piece is refused before anything is issued: the group goes on.
+    strided = torch.zeros(2 * sum(sends[rank]))[::2]
+    with pytest.raises(ValueError, match=r"shared-memory collectives need contiguous tensors"):
+        comm.all_to_all_pieces([torch.empty(sum(output_splits))], [strided], output_splits, sends[rank], whole)
+    # The same group's next all-to-all is right: rank w sends element i as 1000 w + i.
+    outputs = [torch.empty(sum(output_splits))]
+    sent = [torch.arange(sum(sends[rank]), dtype=torch.float32) + 1000 * rank]
+    comm.all_to_all_pieces(outputs, sent, output_splits, sends[rank], whole)
+    starts = [sum(sends[writer][:rank]) for writer in range(world_size)]
+    expected = torch.cat([
+        torch.arange(starts[writer], starts[writer] + sends[writer][rank], dtype=torch.float32) + 1000 * writer
+        for writer in range(world_size)
+    ])
+    assert torch.equal(outputs[0], expected)
     with pytest.raises(RuntimeError, match=r"all_to_all_pieces: this group's collectives do not go through shared "
                                            r"memory; check all_to_all_in_place first"):
         comm.all_to_all_pieces([torch.empty(sum(output_splits))], [torch.empty(sum(sends[rank]))], output_splits,

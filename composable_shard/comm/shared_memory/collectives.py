@@ -221,6 +221,7 @@ class HostSharedMemory:
         laid back to back (1-D tensors of one dtype), each read or written
         where it is: no send or receive buffer."""
         sends, expects, element_size = self._check_splits(outputs, inputs, output_splits, input_splits)
+        received, sent = Pieces(outputs), Pieces(inputs)  # refuses strided tensors before anything is issued
         capacity = min(self.files.slot_bytes, max(self.files.reserved_bytes, _LEAST_ROUND_BYTES))
         row = torch.tensor([element_size, capacity, *sends, *expects], dtype=torch.int64)
         table = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
@@ -235,7 +236,7 @@ class HostSharedMemory:
             rows = table.view(self.world_size, row.numel()).tolist()
             _check_pairing(rows, self.world_size)  # alike on every rank: the group goes on
             try:
-                self._exchange(Pieces(outputs), Pieces(inputs), rows)
+                self._exchange(received, sent, rows)
             except BaseException as error:
                 self._broken("an all-to-all", error)
                 raise
