@@ -108,6 +108,10 @@ class _Exchange:
     stepped: list[OwnedParam]
     # The gradient each parameter of the plan showed before the step.
     saved_grads: list[torch.Tensor | None]
+    # Whether some piece moves (``_moves_pieces``), and whether it moves in
+    # place ([Note: the exchange in place]): decided once, for both directions.
+    moves: bool
+    in_place: bool
 
 
 # The owners of each optimizer's parameters, with the key they were made for.
@@ -242,7 +246,8 @@ def _gather_to_owners(plan: OwnerPlan, traffic: StepTraffic) -> _Exchange:
     if plan.world_size > 1:
         comm.all_reduce_max(flags, plan.group)
     stepped = [owned for owned, flag in zip(plan.params, flags.tolist()) if flag]
-    exchange = _Exchange(plan, stepped, [owned.param.grad for owned in plan.params])
+    moves = _moves_pieces(stepped)
+    exchange = _Exchange(plan, stepped, [owned.param.grad for owned in plan.params], moves, _in_place(plan, moves))
     # What each rank sends: for every destination, its pieces of the
     # parameters that rank owns — value, then gradient.
     sends: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
@@ -251,40 +256,34 @@ def _gather_to_owners(plan: OwnerPlan, traffic: StepTraffic) -> _Exchange:
         if owned.owner != rank and stop > start:
             value, grad = _local_value_and_grad(owned)
             sends[owned.owner] += [value, grad]
-    sizes = _sizes_to_owner(plan, stepped)
-    buffer, received, wholes = None, None, {}
-    if _in_place(plan, stepped):
-        # [Note: the exchange in place]: the whole tensors receive the pieces.
-        wholes = {
-            id(owned): _new_whole(owned) for owned in stepped if owned.owner == rank and not _held_whole(owned, rank)
-        }
-        targets = [
-            [whole[start:stop] for owned in stepped if id(owned) in wholes
-             for start, stop in [owned.pieces[source]] if source != rank and stop > start
-             for whole in wholes[id(owned)]]
-            for source in range(plan.world_size)
-        ]  # fmt: skip
-        _exchange_in_place(plan, sends, targets, traffic, to_owners=True)
-    else:
-        received, buffer = _exchange(plan, sends, sizes, _moves_pieces(stepped), traffic, to_owners=True)
+    # The parameters this rank owns and assembles from pieces.
+    assembled = [owned for owned in stepped if owned.owner == rank and not _held_whole(owned, rank)]
+    buffer = None
+    if exchange.in_place:  # the whole tensors receive the pieces
+        wholes = {id(owned): _new_whole(owned) for owned in assembled}
+        _exchange_in_place(plan, sends, _whole_pieces(plan, assembled, wholes), traffic, to_owners=True)
+    else:  # the whole tensors are made once the receive buffer holds the pieces
+        received, buffer = _exchange(plan, sends, _sizes_to_owner(plan, stepped), moves, traffic, to_owners=True)
+        wholes = {id(owned): _new_whole(owned) for owned in assembled}
+        for into, got in zip(_whole_pieces(plan, assembled, wholes), received):
+            for piece, values in zip(into, got):
+                piece.copy_(values)
     for owned in stepped:
         if owned.owner != rank:
             owned.param.grad = None  # hidden from this rank's optimizer
         else:
-            _show_whole(owned, received, rank, wholes.get(id(owned)))
+            _show_whole(owned, rank, wholes.get(id(owned)))
     _free(buffer)  # [Note: the exchange frees its buffers itself]
     _free(flags)
     return exchange
 
 
-def _in_place(plan: OwnerPlan, stepped: list[OwnedParam]) -> bool:
+def _in_place(plan: OwnerPlan, moves: bool) -> bool:
     """Whether this exchange moves its pieces where they lie ([Note: the
     exchange in place]): some piece moves, the group's transport reads and
     writes in place, and one dtype holds every flat parameter of the plan.
     The same answer on every rank of the group."""
-    if plan.world_size == 1 or not _moves_pieces(stepped):
-        return False
-    if len({owned.handle.layout.dtype for owned in plan.params}) > 1:
+    if not moves or len({owned.handle.layout.dtype for owned in plan.params}) > 1:
         return False
     return comm.all_to_all_in_place(_device_of(plan), plan.group)
 
@@ -304,6 +303,20 @@ def _new_whole(owned: OwnedParam) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _whole_pieces(
+    plan: OwnerPlan, assembled: list[OwnedParam], wholes: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Where each source rank's pieces land in the whole values and
+    gradients of ``assembled``, in the order it sends them (per parameter,
+    value then gradient)."""
+    targets: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
+    for owned in assembled:
+        for source, (start, stop) in enumerate(owned.pieces):
+            if source != plan.rank and stop > start:
+                targets[source] += [whole[start:stop] for whole in wholes[id(owned)]]
+    return targets
+
+
 def _sizes_to_owner(plan: OwnerPlan, stepped: list[OwnedParam]) -> list[list[int]]:
     """Sizes of what this rank receives from each source rank, in order: a
     value piece and a gradient piece per parameter it owns."""
@@ -317,37 +330,21 @@ def _sizes_to_owner(plan: OwnerPlan, stepped: list[OwnedParam]) -> list[list[int
     return sizes
 
 
-def _show_whole(
-    owned: OwnedParam,
-    received: list[list[torch.Tensor]] | None,
-    rank: int,
-    whole: tuple[torch.Tensor, torch.Tensor] | None,
-) -> None:
+def _show_whole(owned: OwnedParam, rank: int, whole: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """On the owner: point the parameter's data and grad at whole tensors —
-    a view of the shard where it holds the parameter whole, else ``whole``
-    (the peers' pieces received in place) or new tensors filled from
-    ``received``; this rank's own piece is copied in."""
+    views of the shard where it holds the parameter whole (``whole`` None:
+    nothing moves), else ``whole``, the peers' pieces in it, with this
+    rank's own piece copied in."""
     handle, param = owned.handle, owned.param
-    value, grad = _local_value_and_grad(owned)
-    start, stop = owned.pieces[rank]
-    if stop - start == owned.numel:
-        whole_value, whole_grad = value.view(owned.shape), grad.view(owned.shape)  # in place: nothing moves
-    else:
-        if whole is not None:
-            whole_value, whole_grad = whole
-        else:
-            whole_value = torch.empty(owned.numel, dtype=value.dtype, device=value.device)
-            whole_grad = torch.empty(owned.numel, dtype=grad.dtype, device=grad.device)
-            for source, (piece_start, piece_stop) in enumerate(owned.pieces):
-                if source != rank and piece_stop > piece_start and received is not None:
-                    whole_value[piece_start:piece_stop].copy_(received[source].pop(0))
-                    whole_grad[piece_start:piece_stop].copy_(received[source].pop(0))
-        whole_value[start:stop].copy_(value)
-        whole_grad[start:stop].copy_(grad)
-        whole_value, whole_grad = whole_value.view(owned.shape), whole_grad.view(owned.shape)
+    whole_value, whole_grad = _local_value_and_grad(owned)
+    if whole is not None:
+        start, stop = owned.pieces[rank]
+        whole[0][start:stop].copy_(whole_value)
+        whole[1][start:stop].copy_(whole_grad)
+        whole_value, whole_grad = whole
     param.grad = None
-    handle.show_local_data(owned.index, whole_value, full=True)
-    param.grad = whole_grad.to(_grad_dtype(handle))
+    handle.show_local_data(owned.index, whole_value.view(owned.shape), full=True)
+    param.grad = whole_grad.view(owned.shape).to(_grad_dtype(handle))
 
 
 def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:
@@ -372,11 +369,11 @@ def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:
         start, stop = owned.pieces[rank]
         if owned.owner != rank and stop > start:
             pieces[owned.owner].append(owned.handle.local_shard_view(owned.handle.layout.params[owned.index]))
-    if _in_place(plan, exchange.stepped):
+    if exchange.in_place:
         _exchange_in_place(plan, sends, pieces, traffic, to_owners=False)  # into the shard itself
         return
     sizes = [[piece.numel() for piece in from_owner] for from_owner in pieces]
-    received, buffer = _exchange(plan, sends, sizes, _moves_pieces(exchange.stepped), traffic, to_owners=False)
+    received, buffer = _exchange(plan, sends, sizes, exchange.moves, traffic, to_owners=False)
     for from_owner, received_from in zip(pieces, received):
         for piece, new_values in zip(from_owner, received_from):
             piece.copy_(new_values)
@@ -438,7 +435,8 @@ def _exchange_in_place(
     straight into the tensors ``targets`` names for what each rank sends
     here ([Note: the exchange in place]; one dtype, so no conversion)."""
     # An empty tensor first in each list: its dtype, where a rank moves nothing.
-    empty = torch.empty(0, dtype=_dtype_of(plan), device=_device_of(plan))
+    dtype = _dtype_of(plan)
+    empty = torch.empty(0, dtype=dtype, device=_device_of(plan))
     inputs = [empty, *(tensor.reshape(-1) for tensors in sends for tensor in tensors)]
     outputs = [empty, *(tensor for tensors in targets for tensor in tensors)]
     input_splits = [sum(t.numel() for t in tensors) for tensors in sends]
@@ -449,7 +447,7 @@ def _exchange_in_place(
         traffic.to_owners += sent
     else:
         traffic.from_owners += sent
-    traffic.bytes_sent += sent * _dtype_of(plan).itemsize
+    traffic.bytes_sent += sent * dtype.itemsize
 
 
 def _free(buffer: torch.Tensor | None) -> None:

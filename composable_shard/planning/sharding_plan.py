@@ -146,13 +146,17 @@ class ShardingPlan:
     layouts: list[UnitLayout] = field(default_factory=list)
     # The policy the budgeted plan was given (what layout_policy() wraps).
     base_policy: Policy | set[type[nn.Module]] | None = field(default=None, repr=False, compare=False)
-    # Whether small units' all-gathers and reductions are coalesced in this
-    # plan, and the size of their buckets (None: comm.GATHER_BUCKET_BYTES
-    # and comm.REDUCE_BUCKET_BYTES; 0: none). [Note: a layout chosen for a
-    # memory budget]: a budget that holds the most sharded layouts only with
-    # smaller buckets, or none, chooses them.
-    coalesced: bool = True
+    # The size of the buckets of small units' all-gathers and reductions
+    # (None: comm.GATHER_BUCKET_BYTES and comm.REDUCE_BUCKET_BYTES; 0: none).
+    # [Note: a layout chosen for a memory budget]: a budget that holds the
+    # most sharded layouts only with smaller buckets, or none, chooses them.
     bucket_bytes: int | None = None
+
+    @property
+    def coalesced(self) -> bool:
+        """Whether small units' all-gathers and reductions are coalesced in
+        this plan (``bucket_bytes`` is not 0)."""
+        return self.bucket_bytes != 0
 
     def layout_policy(self) -> LayoutPolicy:
         """The policy that applies this plan's chosen layouts:
@@ -495,7 +499,7 @@ def _assemble(
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
     grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    reduce_bucket, gather_bucket = _bucket_sizes(bucket_bytes) if world_size > 1 else (0, 0)
+    reduce_bucket, gather_bucket = comm.bucket_sizes(bucket_bytes) if world_size > 1 else (0, 0)
     moments = step_moments(
         units,
         optimizer_step=step_bytes,
@@ -554,13 +558,6 @@ def _assemble(
         optimizer_in_backward=in_backward,
         moments=moments,
         runtime=runtime,
-        coalesced=bucket_bytes != 0,
         bucket_bytes=bucket_bytes,
     )
 
-
-def _bucket_sizes(bucket_bytes: int | None) -> tuple[int, int]:
-    """The reduce and gather bucket sizes of a plan's ``bucket_bytes``."""
-    if bucket_bytes is None:
-        return comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES
-    return bucket_bytes, bucket_bytes

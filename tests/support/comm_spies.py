@@ -10,7 +10,9 @@ import collections
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any, Callable, Iterator, TypeVar
+from unittest import mock
 
 import torch
 
@@ -86,30 +88,18 @@ class CommSpy:
             setattr(comm, name, original)
 
 
-@contextlib.contextmanager
-def reduce_bucket_bytes(nbytes: int) -> Iterator[None]:
+def reduce_bucket_bytes(nbytes: int) -> contextlib.AbstractContextManager[Any]:
     """Units sharded and trees initialised inside reduce small gradients in
     buckets of ``nbytes`` ([Note: coalesced reductions]; 0: every flat
     parameter alone); restored after (the worker serves other tests)."""
-    saved = comm.REDUCE_BUCKET_BYTES
-    comm.REDUCE_BUCKET_BYTES = nbytes
-    try:
-        yield
-    finally:
-        comm.REDUCE_BUCKET_BYTES = saved
+    return mock.patch.object(comm, "REDUCE_BUCKET_BYTES", nbytes)
 
 
-@contextlib.contextmanager
-def gather_bucket_bytes(nbytes: int) -> Iterator[None]:
+def gather_bucket_bytes(nbytes: int) -> contextlib.AbstractContextManager[Any]:
     """Trees initialised inside coalesce the all-gathers of small units up
     to ``nbytes`` ([Note: coalesced all-gathers]; 0: every flat parameter
     alone); restored after."""
-    saved = comm.GATHER_BUCKET_BYTES
-    comm.GATHER_BUCKET_BYTES = nbytes
-    try:
-        yield
-    finally:
-        comm.GATHER_BUCKET_BYTES = saved
+    return mock.patch.object(comm, "GATHER_BUCKET_BYTES", nbytes)
 
 
 @contextlib.contextmanager
@@ -152,38 +142,21 @@ def with_collectives_alone(fn: _Fn) -> _Fn:
     return _run_under(collectives_alone, fn)
 
 
-@contextlib.contextmanager
-def shared_memory_slot_bytes(slot_bytes: int) -> Iterator[None]:
+def shared_memory_slot_bytes(slot_bytes: int) -> contextlib.AbstractContextManager[Any]:
     """Groups set up inside get shared-memory slots of ``slot_bytes`` (the
     module's value is restored after: the worker serves other tests)."""
     from composable_shard.comm import shared_memory
 
-    saved = shared_memory.SLOT_BYTES
-    shared_memory.SLOT_BYTES = slot_bytes
-    try:
-        yield
-    finally:
-        shared_memory.SLOT_BYTES = saved
+    return mock.patch.object(shared_memory, "SLOT_BYTES", slot_bytes)
 
 
-@contextlib.contextmanager
-def shared_memory_switched_off() -> Iterator[None]:
+def shared_memory_switched_off() -> contextlib.AbstractContextManager[Any]:
     """Groups that decide their transport inside, and plans made inside,
     take gloo's messages, not shared memory (the environment is restored
     after: the worker serves other tests)."""
-    import os
-
     from composable_shard.comm import transport
 
-    saved = os.environ.get(transport.ENV_SWITCH)
-    os.environ[transport.ENV_SWITCH] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[transport.ENV_SWITCH]
-        else:
-            os.environ[transport.ENV_SWITCH] = saved
+    return mock.patch.dict(os.environ, {transport.ENV_SWITCH: "0"})
 
 
 def gloo_only_group(world_size: int) -> Any:
