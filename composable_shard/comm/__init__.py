@@ -33,8 +33,7 @@ transport allows: ``all_to_all_in_place``, ``all_to_all_pieces``),
 ``broadcast``, ``Work``,
 ``PendingCollective``, ``inputs_in_use``, ``expect_collective_bytes``; a
 gradient's reduction: ``GradReduceSettings``, ``reduce_grad``,
-``finish_grad_reduction``, several at once: ``REDUCE_BUCKET_BYTES``
-(a tree's sizes: ``bucket_sizes``),
+``finish_grad_reduction``, several at once: ``REDUCE_BUCKET_BYTES``,
 ``bucketable_bytes``, ``collective_bytes_per_group``, ``can_reduce_together``,
 ``reduce_grads_together``, ``split_reduced``; ``ReductionOverrides``, ``settings_with``,
 ``check_overrides``; a gradient norm from per-group parts:
@@ -87,7 +86,6 @@ __all__ = [
     "GradReduceSettings",
     "reduce_grad",
     "REDUCE_BUCKET_BYTES",
-    "bucket_sizes",
     "bucketable_bytes",
     "collective_bytes_per_group",
     "can_reduce_together",
@@ -330,15 +328,6 @@ def reduce_grad(
 # flat parameter reserves shared memory (``fully_shard``): set it before
 # both; 0 reduces every flat parameter alone.
 REDUCE_BUCKET_BYTES = 1 << 20
-
-
-def bucket_sizes(bucket_bytes: int | None) -> tuple[int, int]:
-    """The reduce and gather bucket sizes of a tree whose bucket size is
-    ``bucket_bytes`` (None: ``REDUCE_BUCKET_BYTES`` and
-    ``GATHER_BUCKET_BYTES``, read now; an int: both; 0: no buckets)."""
-    if bucket_bytes is None:
-        return REDUCE_BUCKET_BYTES, GATHER_BUCKET_BYTES
-    return bucket_bytes, bucket_bytes
 
 
 def bucketable_bytes(padded_numel: int, reduce_dtype: torch.dtype, bucket_bytes: int) -> int:

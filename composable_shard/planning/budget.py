@@ -213,7 +213,7 @@ def choose_bucket_size(
     the defaults' ``ValueError`` when none fits."""
     if world_size == 1:  # no buckets on one rank
         return choose(None)
-    largest = min(comm.bucket_sizes(None))
+    largest = min(comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES)
     smaller = [
         size
         for size in SMALLER_BUCKETS

@@ -499,7 +499,7 @@ def _assemble(
     # [Note: optimizer in backward, planned]: the hooks free every gradient.
     grads = 0 if in_backward else all_grads
     optim = sum(by_kind.values())
-    reduce_bucket, gather_bucket = comm.bucket_sizes(bucket_bytes) if world_size > 1 else (0, 0)
+    reduce_bucket, gather_bucket = _bucket_sizes(bucket_bytes) if world_size > 1 else (0, 0)
     moments = step_moments(
         units,
         optimizer_step=step_bytes,
@@ -561,3 +561,11 @@ def _assemble(
         bucket_bytes=bucket_bytes,
     )
 
+
+def _bucket_sizes(bucket_bytes: int | None) -> tuple[int, int]:
+    """The reduce and gather bucket sizes of a plan's ``bucket_bytes`` (the
+    rule ``runtime/root.py`` applies to a root's: None for the comm
+    defaults)."""
+    if bucket_bytes is None:
+        return comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES
+    return bucket_bytes, bucket_bytes

@@ -209,7 +209,7 @@ def _buckets_line(bucket_bytes: int | None) -> str:
             f"small units' all-gathers and reductions in buckets of up to {_bucket_size(bucket_bytes)}: the budget "
             "holds the most sharded layouts only with buckets this small"
         )
-    reduce, gather = comm.bucket_sizes(None)
+    gather, reduce = comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES
     if gather == reduce == 0:
         return "small units' collectives not coalesced: composable_shard.comm's bucket sizes are 0"
     if gather == reduce:

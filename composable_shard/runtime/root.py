@@ -33,15 +33,14 @@ def lazy_init(state: UnitState) -> RootContext:
     # forward) may have work in flight on its scheduler: finished first.
     for earlier in {id(u.root_context): u.root_context for u in units if u.root_context is not None}.values():
         earlier.scheduler.wait_for_all()
-    reduce_bucket, gather_bucket = comm.bucket_sizes(state.bucket_bytes)
     context = RootContext(
         state,
         units,
         Scheduler(
             state.compute_device,
             limit_all_gathers=state.config.limit_all_gathers,
-            bucket_bytes=reduce_bucket,
-            gather_bucket_bytes=gather_bucket,
+            bucket_bytes=comm.REDUCE_BUCKET_BYTES if state.bucket_bytes is None else state.bucket_bytes,
+            gather_bucket_bytes=comm.GATHER_BUCKET_BYTES if state.bucket_bytes is None else state.bucket_bytes,
         ),
     )
     for name, unit in named_units:
