@@ -28,8 +28,11 @@ from tests.support.harness_pool import run_distributed
 # the waiting thread 0.4-0.6%, the whole process 0.7-1.1%, of which its
 # idle gloo and harness threads cost 0.35-0.45% asleep; the old back-off,
 # capped at 0.2 ms, 4-7% here, 7-9% in the issue); the bounds leave room
-# for a loaded machine.
-_WAIT_CPU_BOUND = {"process": 0.03, "waiting thread": 0.015}
+# for a loaded machine. The process is bounded by what it costs above its
+# own cost asleep just before: its other threads' share is not the wait's,
+# and in a warm worker late in a suite it once measured 2.64% asleep (the
+# process 3.44% while waiting, the waiting thread 0.80%).
+_WAIT_CPU_BOUND = {"process above asleep": 0.03, "waiting thread": 0.015}
 _LATE_S = 1.5
 
 
@@ -61,6 +64,7 @@ def _late_peer_wait_cost(rank: int, world_size: int) -> dict[str, float] | None:
             "waiting thread": (time.thread_time() - thread_start) / wall,
             "process asleep": asleep,
         }
+        fraction["process above asleep"] = fraction["process"] - asleep
     else:
         time.sleep(1.0 + _LATE_S)
         comm.all_gather_into(output, torch.full((4,), 2.0), group, async_op=True).wait()
