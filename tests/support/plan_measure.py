@@ -186,9 +186,12 @@ def cpu_peak_above_start(fn: Callable[[], None]) -> int:
     return peak
 
 
-def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") -> dict[str, Any]:
+def measure_case(
+    name: str, rank: int, world_size: int, *, device: str = "cpu", process_group: Any = None
+) -> dict[str, Any]:
     """Plan ``name`` for this rank, shard it, train two steps and return
-    the plan's numbers beside the allocated ones."""
+    the plan's numbers beside the allocated ones. ``process_group``: the
+    units' group (the default one where None)."""
     build, kwargs, kind, manual = CASES[name]
     torch.manual_seed(0)
     with torch.device(device):
@@ -197,12 +200,12 @@ def measure_case(name: str, rank: int, world_size: int, *, device: str = "cpu") 
     shard_kwargs = {k: v for k, v in kwargs.items() if k not in _PLAN_ONLY and k != "optimizer_in_backward"}
     prefetch = {k: v for k, v in kwargs.items() if k in _PLAN_ONLY}
     if manual:
-        _manual(model)
+        _manual(model, process_group=process_group)
     # Activations are measured on an unsharded model only: with manual units
     # already sharded the plan has none, and the peak is not compared.
     inputs = {} if manual else {"input_shape": (BATCH, SEQ)}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **inputs, **kwargs)
-    cs.fully_shard(model, **shard_kwargs, **prefetch)
+    cs.fully_shard(model, **shard_kwargs, **prefetch, process_group=process_group)
     described = cs.describe(model, optimizer=kind, optimizer_in_backward=in_backward)
     optimizer: Any = _StepsInBackward(kind, model) if in_backward else _optimizer(kind, model.parameters())
     tokens = rank_tokens(rank, device=device)
