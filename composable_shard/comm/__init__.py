@@ -162,7 +162,16 @@ def all_gather_together(
     each output gets its piece of every rank's row, in rank order: the same
     bytes as gathering each alone. The pieces are copied once the work is
     waited on (at once where the launch waited, or enqueued it in stream
-    order: NCCL)."""
+    order: NCCL). Through shared memory, where no shard needs a cast, the
+    same bytes move with neither buffer (``all_gather_pieces``)."""
+    if shards[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        # Through shared memory each shard is written from, and each row read
+        # into, where it lies: nothing side by side, no rows to copy out.
+        # A cast (mixed precision) goes through the side-by-side buffer.
+        nbytes = sum(shard.numel() for shard in shards) * outputs[0].element_size()
+        shared = transport.host_transport(shards[0], group, nbytes)
+        if shared is not None and all(shard.dtype == outputs[0].dtype for shard in shards):
+            return PendingCollective(shared.all_gather_pieces(outputs, shards, async_op=async_op), outputs[0], ())
     sizes = [shard.numel() for shard in shards]
     world_size = outputs[0].numel() // sizes[0]
     combined = outputs[0].new_empty(sum(sizes))

@@ -54,6 +54,8 @@ for at once (a unit's own all-gather) is a moment of its own: every
 member's buffer, the shards side by side and the gathered rows; a
 prefetched one keeps the rows (and, through gloo, the side-by-side shards
 and gloo's copy) until the next unit's pre-forward or pre-backward.
+Through shared memory, where no shard needs a cast, the bucket has neither
+(``all_gather_pieces`` reads and writes in place): only the buffers.
 Forward frees only units that ran. Checked against the allocator by
 tests/planning/test_plan.py and against the collectives by
 tests/runtime/test_coalesced_all_gathers.py.
@@ -281,8 +283,10 @@ def step_moments(
             members = bucket_from(index, step)
             if len(members) > 1:
                 fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
-                rows = sum(fp.padded_numel * _itemsize(fp.param_dtype) for fp in fps)
-                side_by_side = sum(fp.shard_numel * _itemsize(fp.param_dtype) for fp in fps)
+                # Through shared memory, shards needing no cast are read and written in place.
+                in_place = fps[0].reduction_frees_grad and all(fp.dtype == fp.param_dtype for fp in fps)
+                rows = 0 if in_place else sum(fp.padded_numel * _itemsize(fp.param_dtype) for fp in fps)
+                side_by_side = 0 if in_place else sum(fp.shard_numel * _itemsize(fp.param_dtype) for fp in fps)
                 copy = sum(fp.all_gather_copy_bytes for fp in fps)
                 for i in members:
                     gathered[i] = units[i].bytes_of("unsharded_bytes")

@@ -39,9 +39,11 @@ the orders and handles). Units some ranks skip never join (they leave the forwar
 first forward's order leaves them out).
 
 Memory: the followers' buffers exist from the bucket's issue, at most
-``bucket_bytes`` beyond what would be gathered anyway, and the issue holds
-the side-by-side shards and the gathered rows until the wait (``plan``
-counts them: [Note: coalesced all-gathers, planned] in
+``bucket_bytes`` beyond what would be gathered anyway. Through shared
+memory nothing else (each shard is written from, and each row read into,
+where it lies: ``all_gather_pieces``); otherwise, or where a shard needs a
+cast, the issue holds the side-by-side shards and the gathered rows until
+the wait (``plan`` counts them: [Note: coalesced all-gathers, planned] in
 planning/step_replay.py). Pinned by tests/runtime/test_coalesced_all_gathers.py.
 """
 

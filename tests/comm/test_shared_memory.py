@@ -527,3 +527,58 @@ def _one_transport_whether_compiled_or_not(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_compiled_and_eager_ranks_use_the_groups_one_transport(world_size: int) -> None:
     run_distributed(_one_transport_whether_compiled_or_not, world_size, timeout=120)
+
+
+def _all_gather_pieces_is_gloos_all_gather_of_each(rank: int, world_size: int) -> None:
+    """A coalesced all-gather through shared memory writes each shard from,
+    and reads each row into, where it lies: every output equals gloo's
+    all-gather of its shard alone, for shards of random sizes (empty ones
+    among them) in one slot and streamed through slots of 1,000 bytes, and
+    a peer taking the side-by-side path (a cast) sees the same bytes."""
+    generator = torch.Generator().manual_seed(7)
+    with shared_memory_slot_bytes(1000):
+        group = dist.new_group(list(range(world_size)))
+    shared = transport.shared_memory_of(group)
+    assert shared is not None, "ranks of one host share memory"
+    for trial in range(6):
+        sizes = torch.randint(0, 700, (1 + trial,), generator=generator).tolist()
+        if trial == 2:
+            sizes[0] = 0
+        every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
+        outputs = [torch.full((size * world_size,), 7.0) for size in sizes]
+        for async_op in (False, True):
+            pending = comm.all_gather_together(outputs, every_rank[rank], group, async_op=async_op)
+            assert pending.output is outputs[0] and pending.inputs == (), "no side-by-side buffer, no rows"
+            if pending.work is not None:
+                pending.work.wait()
+            for index, (output, size) in enumerate(zip(outputs, sizes)):
+                expected = torch.empty(size * world_size)
+                dist.all_gather_into_tensor(expected, every_rank[rank][index], group=group)
+                assert torch.equal(output, expected), (trial, index, sizes, async_op)
+                assert torch.equal(output, torch.cat([shards[index] for shards in every_rank])), (trial, index)
+    # One rank's shards need a cast (side by side), the others' none: the same bytes.
+    sizes = [300, 11, 520]
+    every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
+    shards = [s.double() if rank == 0 else s for s in every_rank[rank]]
+    outputs = [torch.empty(size * world_size) for size in sizes]
+    pending = comm.all_gather_together(outputs, shards, group, async_op=True)
+    assert (pending.output is outputs[0]) == (rank != 0), "only the cast takes the side-by-side buffer"
+    pending.work.wait()
+    for index, output in enumerate(outputs):
+        assert torch.equal(output, torch.cat([each[index] for each in every_rank])), index
+    # Outputs that do not fit their shards are refused before anything is issued; the group goes on.
+    with pytest.raises(ValueError, match=r"all-gather: output has 5 torch.float32 elements, expected"):
+        shared.all_gather_pieces([torch.empty(world_size), torch.empty(5)], [torch.zeros(1), torch.zeros(2)], async_op=False)
+    with pytest.raises(ValueError, match=r"2 outputs for 1 shards"):
+        shared.all_gather_pieces([torch.empty(world_size)] * 2, [torch.zeros(1)], async_op=False)
+    with pytest.raises(ValueError, match=r"need contiguous tensors"):
+        shared.all_gather_pieces([torch.empty(2 * world_size)], [torch.zeros(4)[::2]], async_op=False)
+    output = torch.empty(world_size)
+    comm.all_gather_together([output], [torch.full((1,), float(rank))], group, async_op=False)
+    assert torch.equal(output, torch.arange(world_size, dtype=torch.float32))
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_all_gather_through_shared_memory_writes_and_reads_in_place(world_size: int) -> None:
+    run_distributed(_all_gather_pieces_is_gloos_all_gather_of_each, world_size)

@@ -41,9 +41,10 @@ EXPECTED = {
     ("lora", "roomy"): [NS] * 9,
     ("lora", "tight"): [SGO] + [FS] * 6 + [SGO] * 2,
     ("gpt", "roomy"): [NS] * 7,
-    # The all-FULL_SHARD peak holds a bucket of the blocks' all-gathers
-    # ([Note: coalesced all-gathers]): keeping every unit gathered fits it.
-    ("gpt", "tight"): [SGO] * 7,
+    # The all-FULL_SHARD peak is the reduction of the bucket of every
+    # unit's gradients ([Note: coalesced reductions]): keeping the blocks
+    # gathered fits it, the root (the largest unit) resharded.
+    ("gpt", "tight"): [FS] + [SGO] * 6,
 }
 
 
@@ -273,7 +274,7 @@ def _buckets_off_at_run_time(rank: int, world_size: int) -> None:
             lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         together = spy.counts()["all_gather_together"] + spy.counts()["reduce_grads_together"]
         assert (together == 0) == (which == "alone"), (which, spy.counts())
-        assert spy.counts()["all_gather_into"] > 0
+        assert spy.all_gathers_issued() > 0
 
 
 def test_a_budget_held_only_without_buckets_runs_each_unit_alone() -> None:
@@ -431,12 +432,12 @@ def _intermediate_buckets_at_run_time(rank: int, world_size: int) -> None:
             loss = lm_loss(model(inputs), targets)
         with backward.watching():
             loss.backward()
-        # A coalesced all-gather is one all_gather_into of the side-by-side shards.
+        # (buckets, units gathered alone)
         counts.append(
             tuple(  # type: ignore[arg-type]
                 (
                     spy.counts()["all_gather_together"],
-                    spy.counts()["all_gather_into"] - spy.counts()["all_gather_together"],
+                    spy.all_gathers_issued() - spy.counts()["all_gather_together"],
                 )
                 for spy in (forward, backward)
             )

@@ -32,9 +32,18 @@ class CollectiveSpy:
         self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
         # (name, numel of the first tensor argument: a reduce-scatter's output).
         self.sizes: list[tuple[str, int]] = []
+        # The calls made from outside comm (the runtime's), not from one another.
+        self.outermost: list[str] = []
+        self._depth = 0
 
     def counts(self) -> collections.Counter[str]:
         return collections.Counter(name for name, _ in self.calls)
+
+    def all_gathers_issued(self) -> int:
+        """The all-gathers the runtime issued: each unit's own
+        (``all_gather_into``) and each bucket's (``all_gather_together``,
+        one collective whichever way the transport moves it)."""
+        return sum(name in ("all_gather_into", "all_gather_together") for name in self.outermost)
 
     def dtypes(self, name: str) -> set[torch.dtype]:
         return {dtype for called, dtypes in self.calls if called == name for dtype in dtypes}
@@ -45,7 +54,13 @@ class CollectiveSpy:
             self.calls.append((name, tuple(a.dtype for a in tensors)))
             if tensors:
                 self.sizes.append((name, tensors[0].numel()))
-            return function(*args, **kwargs)
+            if self._depth == 0:
+                self.outermost.append(name)
+            self._depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         return spy
 

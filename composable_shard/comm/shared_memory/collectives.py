@@ -25,7 +25,10 @@ pieces in rank order, read where they lie, so each element sums in the same
 order whatever the rounds. An all-reduce's round carries a piece of this
 rank's whole tensor, as an all-gather's does; every rank sums every rank's
 piece in rank order (its own read back from its slot), so every rank gets
-the same bits, as replicas must. The measurements behind the transport and the
+the same bits, as replicas must. Several shards gathered in one collective
+(``all_gather_pieces``, a bucket of small units) are one stream of their
+bytes back to back, written from each shard and read into each output's
+row where they lie. The measurements behind the transport and the
 slot size are in docs/design/comm.md. Pinned by
 tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
@@ -117,6 +120,51 @@ class HostSharedMemory:
         self.slots.enter("an all-gather")
         try:
             work = self._gather(output, shard, ALL_GATHER, "an all-gather")
+        finally:
+            self.slots.leave()
+        return _waited_unless(async_op, work)
+
+    def all_gather_pieces(
+        self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], *, async_op: bool
+    ) -> SharedMemoryWork | None:
+        """``all_gather`` of several shards in one collective: this rank's
+        ``shards`` laid back to back are its stream, and each output
+        (``world_size`` rows of its shard's size) gets every rank's shard of
+        it in its row, in rank order. Read and written where they lie: no
+        side-by-side copy of the shards and no gathered rows to copy out
+        (the bytes a peer sees are those of one all-gather of the shards
+        laid side by side). ``shards`` are not used after this call returns."""
+        if len(outputs) != len(shards) or not shards:
+            raise ValueError(
+                f"shared-memory all-gather of pieces: {len(outputs)} outputs for {len(shards)} shards "
+                "(one output per shard, at least one)"
+            )
+        for output, shard in zip(outputs, shards):
+            self._check_sizes("all-gather: output", output, shard)
+        sent = Pieces(shards)  # refuses strided shards before anything is issued
+        rows = [_bytes_of(output).view(self.world_size, -1) for output in outputs]
+        starts = _offsets([row.shape[1] for row in rows])
+        self.slots.enter("an all-gather")
+        try:
+            for row, shard in zip(rows, shards):
+                row[self.rank].copy_(_bytes_of(shard))
+
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                transfer(sent, start, Pieces([region]), 0, length)
+
+            def read(slot: int, start: int, length: int) -> None:
+                for peer in range(self.world_size):
+                    if peer == self.rank:
+                        continue
+                    region = self.files.region(peer, slot, length)
+                    for output, row, at in zip(outputs, rows, starts):
+                        low, high = _overlap(at, row.shape[1], start, length)
+                        # A buffer its owner freed before waiting (an error path): nobody reads it.
+                        if high > low and _has_storage(output):
+                            row[peer, low - at : high - at].copy_(region[low - start : high - start])
+
+            rounds = _rounds(sent.nbytes, self._gather_piece)
+            work = self._stream("an all-gather", signature_of(ALL_GATHER, sent.nbytes), rounds, write, read)
         finally:
             self.slots.leave()
         return _waited_unless(async_op, work)
