@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 
 from . import process_group, transport
 from .groups import ShardGroups
-from .process_group import ChunkOfAllReduce
+from .process_group import ChunkOfAllReduce, FreedAtWait
 from .overrides import ReductionOverrides, check_overrides, settings_with
 from .reduction import GradReduceSettings, mean_of_sum, owned, prepare_for_sum
 from .shared_memory import SharedMemoryWork, eagerly, outside_graph
@@ -109,7 +109,7 @@ class PendingCollective:
     waited on (the backend may still be reading or writing them).
     """
 
-    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | GatheredThenCopied | None
+    work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | GatheredThenCopied | FreedAtWait | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
 
@@ -184,16 +184,20 @@ def all_gather_together(
         copy_out()
         return PendingCollective(None, gathered, ())
     inputs = (combined,) if inputs_in_use(work) else ()
-    return PendingCollective(GatheredThenCopied(work, copy_out), gathered, inputs)
+    # On CPU both buffers go once copied out (``FreedAtWait``: a backend's
+    # thread may hold them longer).
+    freed = (gathered, combined) if combined.device.type == "cpu" else ()
+    return PendingCollective(GatheredThenCopied(work, copy_out, freed), gathered, inputs)
 
 
 class GatheredThenCopied:
     """An all-gather's work whose (first) wait also copies the result out
     (``all_gather_together``)."""
 
-    def __init__(self, work: Any, copy_out: Any) -> None:
+    def __init__(self, work: Any, copy_out: Any, freed: tuple[torch.Tensor, ...] = ()) -> None:
         self._work = work
         self._copy_out = copy_out
+        self._freed = freed
 
     def wait(self, *timeout: Any) -> bool:
         if self._work is not None:
@@ -201,6 +205,9 @@ class GatheredThenCopied:
             self._work = None
             copy_out, self._copy_out = self._copy_out, None
             copy_out()
+            for tensor in self._freed:
+                tensor.untyped_storage().resize_(0)
+            self._freed = ()
         return True
 
 
@@ -317,6 +324,9 @@ def reduce_grad(
             # Copied out already (shared memory): the padded gradient is
             # freed now rather than at the wait, one unit's less at peak.
             return PendingCollective(work, output, ())
+        if work is not None and summed_grad.device.type == "cpu":
+            # Nobody reads it after the wait.
+            return PendingCollective(FreedAtWait(work, (summed_grad,)), output, (summed_grad, computed_grad))
         return PendingCollective(work, output, (summed_grad, computed_grad))
     work = None
     if groups.replicate_group is not None and settings.all_reduce:
@@ -414,8 +424,12 @@ def reduce_grads_together(
         combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
-        inputs = (combined, *read_on_lane) if inputs_in_use(work) else read_on_lane
-        return PendingCollective(work, output, inputs)
+        if not inputs_in_use(work):
+            return PendingCollective(work, output, read_on_lane)
+        if work is not None and combined.device.type == "cpu":
+            # Nobody reads it after the wait.
+            return PendingCollective(FreedAtWait(work, (combined,)), output, (combined, *read_on_lane))
+        return PendingCollective(work, output, (combined, *read_on_lane))
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
     return PendingCollective(work, combined, read_on_lane)
