@@ -13,7 +13,11 @@ pre-hook (back to its parent unit's label after ``u``'s forward), and
 ``backward of 'u'`` from the moment a gradient reaches ``u``'s outputs (back
 to the parent's label once the gradient reaches ``u``'s inputs); backward
 opens with ``start of backward`` (the loss and the root's last layers), so
-``backward of '<root>'`` is the tail after every other unit. Parameters,
+``backward of '<root>'`` is the tail after every other unit; what is live
+as backward ends (its last op: the loss and the seed gradient autograd
+holds, little else) is ``at_end``. As in the usual loop (``loss =
+loss_fn(model(x))``), the model's output is not kept past the loss: what
+backward needs of it, the graph saved. Parameters,
 buffers, inputs and parameter gradients are excluded (the plan counts those
 as sharded or unsharded parameters and gradients); a storage created in
 backward with a trainable parameter's shape is a parameter gradient piece.
@@ -37,11 +41,16 @@ __all__ = ["ActivationProfile", "measure_activations"]
 @dataclass(frozen=True)
 class ActivationProfile:
     """Peak activation bytes over the step and per window label, the bytes
-    live when each window opened, and the largest single storage."""
+    live when each window opened and when backward ended, and the largest
+    single storage."""
 
     peak: int
     by_window: dict[str, int]
     at_open: dict[str, int] = field(default_factory=dict)
+    # Live as the backward's last op ran (the last window's close), and
+    # once it returned (the loss, kept by the loop through the step).
+    at_end: int = 0
+    after_backward: int = 0
     # The largest single activation storage of the step (glibc's mmap
     # threshold follows the largest freed allocation: planning/runtime_memory.py).
     largest: int = 0
@@ -78,7 +87,11 @@ class _Timeline(TorchDispatchMode):
             self.events.append((self.window, ref, -self.live.pop(ref)))
         return out
 
-    def profile(self, ignored: set[StorageWeakRef]) -> ActivationProfile:
+    def live_bytes(self, ignored: set[StorageWeakRef]) -> int:
+        """Bytes of the recorded storages still alive now."""
+        return sum(nbytes for ref, nbytes in self.live.items() if ref not in ignored and not ref.expired())
+
+    def profile(self, ignored: set[StorageWeakRef], after_backward: int) -> ActivationProfile:
         current = peak = largest = 0
         by_window: dict[str, int] = {}
         at_open: dict[str, int] = {}
@@ -90,7 +103,9 @@ class _Timeline(TorchDispatchMode):
             peak = max(peak, current)
             largest = max(largest, delta)
             by_window[window] = max(by_window.get(window, 0), current)
-        return ActivationProfile(peak, by_window, at_open, largest)
+        return ActivationProfile(
+            peak, by_window, at_open, at_end=current, after_backward=after_backward, largest=largest
+        )
 
 
 def measure_activations(
@@ -137,6 +152,7 @@ def measure_activations(
                 timeline.window = "forward of '<root>'"
                 output = torch.func.functional_call(module, {**params, **buffers}, fake_args)
                 loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+                del output  # not kept past the loss (see [Note: activation windows])
                 timeline.in_backward = True
                 timeline.window = "start of backward"
                 if loss.requires_grad and trainable:
@@ -145,7 +161,7 @@ def measure_activations(
             for hook in hooks:
                 hook.remove()
         ignored = {StorageWeakRef(g.untyped_storage()) for g in param_grads if g is not None}
-        return timeline.profile(ignored)
+        return timeline.profile(ignored, after_backward=timeline.live_bytes(ignored))
 
 
 def _window_hooks(module: nn.Module, unit_names: dict[int, str], timeline: _Timeline) -> list[Any]:

@@ -183,6 +183,8 @@ def step_moments(
     all_grads: int,
     activations: Mapping[str, int],
     activations_at_open: Mapping[str, int] | None = None,
+    activations_at_end: int | None = None,
+    activations_after_backward: int = 0,
     holds_freed_buffer: bool = False,
     prefetch_after_reduction: bool = False,
     in_backward_steps: Sequence[int] | None = None,
@@ -195,7 +197,9 @@ def step_moments(
     ``activations``: measured activation bytes by moment label (``"forward
     of 'name'"``, ``"backward of 'name'"``), absent when not measured;
     ``activations_at_open``: the bytes live when each of those windows
-    opened. ``holds_freed_buffer``: the lanes hold the buffer a post-forward
+    opened; ``activations_at_end``: as backward ended, where its final
+    callbacks run (None: the last window's peak); ``activations_after_backward``:
+    once it returned (the loss). ``holds_freed_buffer``: the lanes hold the buffer a post-forward
     freed until the next all-gather allocated its own (CUDA).
     ``prefetch_after_reduction``: ``BACKWARD_PRE`` prefetches at the
     ``BACKWARD_POST`` point, as on CPU ([Note: backward prefetch on CPU] in
@@ -252,14 +256,14 @@ def step_moments(
             finish(i, unsharded_grads, comm, acts)
         in_flight, flying, flying_is_bucket = 0, [], False
 
-    def issue_bucket(bucket: list[int], unsharded_grads: int, window: str | None) -> None:
+    def issue_bucket(bucket: list[int], unsharded_grads: int, acts: int) -> None:
         """``bucket`` is issued (``unsharded_grads``: besides its own): the
         reduction in flight finishes first, then the held gradients are
         cast, laid side by side and reduced in one collective
         (``comm.reduce_grads_together``)."""
         nonlocal in_flight, flying, flying_is_bucket
         held = sum(units[i].bytes_of("unsharded_grad_bytes") for i in bucket)
-        finish_flying(unsharded_grads + held, 0, activations.get(window, 0) if window else 0)
+        finish_flying(unsharded_grads + held, 0, acts)
         members = trainable_of(bucket)
         sizes = [_itemsize(fp.reduce_dtype) for fp in members]
         casts = sum(fp.padded_numel * size for fp, size in zip(members, sizes) if fp.reduce_dtype != fp.param_dtype)
@@ -267,7 +271,7 @@ def step_moments(
         sharded = members[0].is_sharded
         output = sum(fp.shard_numel * size for fp, size in zip(members, sizes)) if sharded else 0
         label = f"reduction of the bucket of {names_of(bucket)}"
-        moment(label, reduced, unsharded_grads + held + casts, combined + output, window)
+        moment(label, reduced, unsharded_grads + held + casts, combined + output, acts=acts)
         # Through shared memory the input was copied out; gloo keeps it.
         in_flight = output + (0 if sharded and members[0].reduction_frees_grad else combined)
         flying, flying_is_bucket = bucket, True
@@ -412,10 +416,13 @@ def step_moments(
         # Activations peak as the unit's backward starts; its gradient pieces
         # and the flat gradient exist at its end, when most are freed: what
         # is live then is what the next unit's backward opens with.
-        closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else None
+        # The first unit's backward (the root's) closes as backward ends.
+        closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else activations_at_end
         window = f"backward of '{name}'"
         moment(f"start of backward of '{name}'", reduced, held + held_in_bucket(), in_flight + source, window)
         moment(f"backward of '{name}'", reduced, held + held_in_bucket() + pieces, in_flight + source, acts=closing)
+        # Its post-backward runs there too: what is live as the next opens.
+        closed = closing if closing is not None else activations.get(window, 0)
         # Post-backward: the unit's gradient is held for a bucket, which is
         # issued first where it cannot join ([Note: coalesced reductions,
         # planned]); or the reduction in flight finishes (its output becomes
@@ -426,32 +433,35 @@ def step_moments(
         if before:
             # Its own gradient is counted once: in the new bucket when it joined it.
             joined = bool(rule.held) and rule.held[-1] == index
-            issue_bucket(before, held + held_in_bucket() + (0 if joined else own), window)
+            issue_bucket(before, held + held_in_bucket() + (0 if joined else own), closed)
         if after:
-            issue_bucket(after, held + held_in_bucket(), window)
+            issue_bucket(after, held + held_in_bucket(), closed)
         if rule.held and rule.held[-1] == index:
-            moment(f"gradient of '{name}' held for a bucket", reduced, held + held_in_bucket(), in_flight, window)
+            moment(f"gradient of '{name}' held for a bucket", reduced, held + held_in_bucket(), in_flight, acts=closed)
         elif not after:
             if flying and not finished_early:
-                finish_flying(held + held_in_bucket() + own, 0, activations.get(window, 0))
+                finish_flying(held + held_in_bucket() + own, 0, closed)
             converting = unit.bytes_of("conversion_bytes")
             issuing = unit.bytes_of("reduction_issue_bytes")
-            moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, window)
+            moment(f"reduce-scatter of '{name}'", reduced, held + converting, issuing, acts=closed)
             in_flight, flying, flying_is_bucket = unit.bytes_of("reduction_bytes"), [index], False
         gathered.pop(index, None)
         if prefetch is BackwardPrefetch.BACKWARD_POST and index > 0:
             source = gather(index - 1, -1, waited=False)
             # This unit's backward is over: what is live as the next opens.
             moment(f"prefetch after '{name}'", reduced, held + held_in_bucket(), in_flight + source, window, acts=closing)
-    if rule.held:  # end of backward: the held bucket is issued, then waited on
-        issue_bucket(rule.close(), 0, None)
-    finish_flying(0, 0, 0)  # the root's reduction, or the last bucket's
+    # End of backward, in its final callback: the held bucket is issued,
+    # then the reduction in flight (the root's, or the last bucket's) waited on.
+    end = activations_at_end or 0
+    if rule.held:
+        issue_bucket(rule.close(), 0, end)
+    finish_flying(0, 0, end)
     if in_backward_steps is None:
-        moments.append(StepPeak(OPTIMIZER_STEP, all_grads, 0, 0, 0, optimizer_step))
+        moments.append(StepPeak(OPTIMIZER_STEP, all_grads, 0, 0, 0, optimizer_step, activations_after_backward))
     elif hooks_after_backward:
         # Offloaded: every hook deferred to here, units in backward order.
         for index in range(len(units) - 1, -1, -1):
             label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
-            moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index]))
+            moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index], end))
             reduced -= units[index].bytes_of("grad_bytes")
     return moments

@@ -53,6 +53,13 @@ def _lora_gpt() -> nn.Module:
     return model
 
 
+def planned_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The loss the measured step computes (``lm_loss``), as the plan's
+    ``loss_fn``: targets of the step's shape (their values do not matter to
+    memory)."""
+    return lm_loss(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
+
+
 def _manual(model: nn.Module, **kwargs: Any) -> None:
     for block in model.blocks:  # type: ignore[union-attr]
         cs.fully_shard(block, **kwargs)
@@ -203,7 +210,7 @@ def measure_case(
         _manual(model, process_group=process_group)
     # Activations are measured on an unsharded model only: with manual units
     # already sharded the plan has none, and the peak is not compared.
-    inputs = {} if manual else {"input_shape": (BATCH, SEQ)}
+    inputs = {} if manual else {"input_shape": (BATCH, SEQ), "loss_fn": planned_loss}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **inputs, **kwargs)
     cs.fully_shard(model, **shard_kwargs, **prefetch, process_group=process_group)
     described = cs.describe(model, optimizer=kind, optimizer_in_backward=in_backward)
