@@ -317,27 +317,65 @@ def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dic
     return kinds
 
 
+# [Note: Adam's single-tensor step, planned]
+# torch.optim's Adam and AdamW on CPU (no foreach) step one parameter after
+# the other: ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``,
+# then ``param.addcdiv_(exp_avg, denom, ...)``. Dividing by a Python float
+# wraps it as a 0-dim float64 tensor and casts that to the parameter's dtype;
+# while the quotient is allocated, the square root, both scalars and the
+# previous parameter's ``denom`` (the loop's variable, rebound only after)
+# are alive. The worst of that over the parameters, in the optimizer's order
+# (``module.parameters()``'s: ``FlatParamPlan.param_positions``), is the
+# step's temporaries; one parameter's optimizer in its hook has no previous
+# one. Checked against the allocator by tests/planning/test_plan.py.
+_WRAPPED_FLOAT_BYTES = 8
+
+
+def _local_params(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
+    """(position in ``module.parameters()``, local bytes, item size) of each
+    parameter of a trainable flat parameter on this rank (one entry of the
+    largest local part where the layout is not known)."""
+    size = _itemsize(fp.dtype)
+    if fp.layout is None or len(fp.param_positions) != len(fp.layout.params):
+        return [(0, fp.max_local_numel * size, size)]
+    return [(pos, info.local_numel * size, size) for pos, info in zip(fp.param_positions, fp.layout.params)]
+
+
+def _single_tensor_adam_bytes(params: Sequence[tuple[int, int, int]], *, previous_alive: bool) -> int:
+    """[Note: Adam's single-tensor step, planned] over ``params`` (position,
+    bytes, item size), stepped in position order."""
+    worst = previous = 0
+    for _, nbytes, size in sorted(params):
+        worst = max(worst, previous + 2 * nbytes + _WRAPPED_FLOAT_BYTES + size)
+        previous = nbytes if previous_alive else 0
+    return worst
+
+
 def optimizer_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, device_type: str) -> int:
     """Temporaries of one ``optimizer.step()``: Adam's foreach path (CUDA)
     keeps ``sqrt(exp_avg_sq)`` for every parameter at once; the per-parameter
-    path (CPU) two parameter-sized temporaries for the largest parameter."""
+    path (CPU) two parameter-sized temporaries, the previous parameter's
+    ``denom`` and two scalars ([Note: Adam's single-tensor step, planned])."""
     if optimizer not in ("adam", "adamw"):
         return 0
     trainable = [fp for fp in flat_params if fp.requires_grad]
     if device_type == "cuda":
         return sum(fp.local_numel * _itemsize(fp.dtype) for fp in trainable)
-    return max((2 * fp.max_local_numel * _itemsize(fp.dtype) for fp in trainable), default=0)
+    return _single_tensor_adam_bytes([p for fp in trainable for p in _local_params(fp)], previous_alive=True)
 
 
 def in_backward_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, device_type: str) -> int:
     """Temporaries of one hook's step of a per-parameter optimizer ([Note:
     optimizer in backward, planned]): Adam's single-tensor path (CPU) two
-    temporaries the size of the parameter, its foreach path (CUDA, over one
-    tensor) one; the largest parameter of ``flat_params`` decides."""
+    temporaries the size of the parameter and two scalars, its foreach path
+    (CUDA, over one tensor) one; the largest parameter of ``flat_params``
+    decides."""
     if optimizer not in ("adam", "adamw"):
         return 0
-    largest = max((fp.max_local_numel * _itemsize(fp.dtype) for fp in flat_params if fp.requires_grad), default=0)
-    return largest if device_type == "cuda" else 2 * largest
+    trainable = [fp for fp in flat_params if fp.requires_grad]
+    if device_type == "cuda":
+        return max((fp.max_local_numel * _itemsize(fp.dtype) for fp in trainable), default=0)
+    return _single_tensor_adam_bytes([p for fp in trainable for p in _local_params(fp)], previous_alive=False)
 
 
 def freed_allocation_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:

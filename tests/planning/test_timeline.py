@@ -87,11 +87,13 @@ def test_optimizer_in_backward_keeps_no_gradient_after_the_step() -> None:
     hooks = [label for label in labels if label.startswith("optimizer step in backward of")]
     assert [h.split("'")[1] for h in hooks] == ["blocks.2", "blocks.1", "blocks.0", "<root>"]
     # Each hook moment holds its own unit's gradient and one parameter's step
-    # temporaries (CPU AdamW: two of the largest parameter), none of the others'.
+    # temporaries (CPU AdamW: two of the largest parameter and the two
+    # scalars of its division, [Note: Adam's single-tensor step, planned]),
+    # none of the others'.
     by_label = {m.moment: m for m in stepped.moments}
     root = by_label["optimizer step in backward of '<root>'"]
     assert root.sharded_grads == stepped.units[0].shard_bytes
-    assert root.optimizer_step == 2 * max(fp.max_local_numel for fp in stepped.units[0].flat_params) * 4
+    assert root.optimizer_step == 2 * max(fp.max_local_numel for fp in stepped.units[0].flat_params) * 4 + 8 + 4
     assert all(m.sharded_grads == 0 for m in stepped.moments if not m.moment.startswith("optimizer step"))
     assert "each freed by the optimizer step in its hooks" in str(stepped)
 
