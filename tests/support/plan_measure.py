@@ -421,7 +421,7 @@ def measure_owner_case(
     gc.collect()  # earlier cases' models are garbage cycles
     torch.manual_seed(0)
     model = _wide_gpt()
-    inputs = {"input_shape": (BATCH, SEQ)}
+    inputs = {"input_shape": (BATCH, SEQ), "loss_fn": planned_loss}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block}, **inputs)
     optimizer = owner_optimizer(name, model)
     positions = {id(p): index for index, p in enumerate(model.parameters())}
