@@ -17,7 +17,8 @@
 #   PYTHON=...    the interpreter the environments are made from (default python3).
 #   PYTEST_ARGS   extra pytest arguments (e.g. "-x" or "tests/plan/test_plan.py").
 #
-# Versions are exact (2.6.0, not 2.6). The test extra is pinned to releases that
+# Versions are exact (2.6.0, not 2.6). The test extra (pyproject.toml, lightning and
+# heavyball pinned there as here) is pinned to releases that
 # work with each torch: transformers >= 5 needs torch >= 2.6, so older torch gets
 # transformers 4.46.3 / peft 0.13.2 (and numpy < 2, as those releases were built for).
 # The suite runs against this checkout (PYTHONPATH), never an installed copy.
@@ -84,7 +85,7 @@ for version in "${VERSIONS[@]}"; do
         # shellcheck disable=SC2046  # extra_for's words are separate requirements
         if ! { "$PYTHON" -m venv "$env_dir" \
                && "$env_dir/bin/python" -m pip install "${pip_args[@]}" "torch==$version" $(extra_for "$version") \
-                    pytest expecttest safetensors xxhash matplotlib; } >"$log" 2>&1; then
+                    pytest expecttest safetensors xxhash matplotlib lightning==2.6.0 heavyball==3.2.1; } >"$log" 2>&1; then
             results+=("torch $version: INSTALL FAILED (see $log)")
             status=1
             continue
