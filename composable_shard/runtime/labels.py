@@ -37,6 +37,14 @@ def hook_label(state: UnitState, hook: str) -> ContextManager[None]:
     return _Unlabelled(state, hook)
 
 
+# Dynamo before torch 2.11 cannot rebuild a generator context manager that a
+# traced function returned when the block it guards breaks the graph ("NYI:
+# Returning a @contextmanager object", torch 2.9.1; 2.11 and 2.13 rebuild
+# it): there every hook runs under the generator itself, as the with
+# statement's own call, without the cheap path (tests/training/test_compile.py).
+_RETURNED_CONTEXTS_SURVIVE_GRAPH_BREAKS = torch.__version__ >= "2.11"
+
+
 @contextlib.contextmanager
 def _labelled(state: UnitState, hook: str) -> Iterator[None]:
     profiling = _profiler_enabled()
@@ -92,3 +100,7 @@ def _profiler_enabled() -> bool:
     # constant False: dynamo cannot trace this query's bool result and would
     # break the graph once more per hook (tests/training/test_compile.py counts them).
     return not torch.compiler.is_compiling() and torch._C._autograd._profiler_enabled()
+
+
+if not _RETURNED_CONTEXTS_SURVIVE_GRAPH_BREAKS:
+    hook_label = _labelled  # noqa: F811  (see the flag)
