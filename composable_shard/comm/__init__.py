@@ -205,8 +205,7 @@ class GatheredThenCopied:
             self._work = None
             copy_out, self._copy_out = self._copy_out, None
             copy_out()
-            for tensor in self._freed:
-                tensor.untyped_storage().resize_(0)
+            process_group.free_storage(*self._freed)
             self._freed = ()
         return True
 
@@ -324,10 +323,8 @@ def reduce_grad(
             # Copied out already (shared memory): the padded gradient is
             # freed now rather than at the wait, one unit's less at peak.
             return PendingCollective(work, output, ())
-        if work is not None and summed_grad.device.type == "cpu":
-            # Nobody reads it after the wait.
-            return PendingCollective(FreedAtWait(work, (summed_grad,)), output, (summed_grad, computed_grad))
-        return PendingCollective(work, output, (summed_grad, computed_grad))
+        # Nobody reads the input after the wait.
+        return PendingCollective(FreedAtWait.around(work, (summed_grad,)), output, (summed_grad, computed_grad))
     work = None
     if groups.replicate_group is not None and settings.all_reduce:
         if carried is not None:
@@ -426,10 +423,8 @@ def reduce_grads_together(
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
         if not inputs_in_use(work):
             return PendingCollective(work, output, read_on_lane)
-        if work is not None and combined.device.type == "cpu":
-            # Nobody reads it after the wait.
-            return PendingCollective(FreedAtWait(work, (combined,)), output, (combined, *read_on_lane))
-        return PendingCollective(work, output, (combined, *read_on_lane))
+        # Nobody reads the input after the wait.
+        return PendingCollective(FreedAtWait.around(work, (combined,)), output, (combined, *read_on_lane))
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
     return PendingCollective(work, combined, read_on_lane)

@@ -8,7 +8,7 @@ Knows nothing of: shared memory (the other transport), which transport a
 collective takes (``transport``), modules, flat parameters, streams.
 
 Public names: ``all_gather_into``, ``reduce_scatter``, ``message_method``,
-``ChunkOfAllReduce``, ``FreedAtWait``, ``all_reduce``, ``all_reduce_max``, ``broadcast``,
+``ChunkOfAllReduce``, ``FreedAtWait``, ``free_storage``, ``all_reduce``, ``all_reduce_max``, ``broadcast``,
 ``broadcast_object``, ``all_gather_object``.
 """
 
@@ -27,6 +27,7 @@ __all__ = [
     "message_method",
     "ChunkOfAllReduce",
     "FreedAtWait",
+    "free_storage",
     "all_reduce",
     "all_reduce_max",
     "broadcast",
@@ -117,18 +118,37 @@ class FreedAtWait:
         self._work: Any = work
         self._temporaries = temporaries
 
+    @classmethod
+    def around(cls, work: Any, temporaries: tuple[torch.Tensor, ...]) -> Any:
+        """``work`` freeing ``temporaries`` at its wait where they are CPU
+        tensors a backend's thread may hold; ``work`` itself otherwise (none
+        to wait for, or CUDA: the caching allocator orders frees by stream)."""
+        if work is None or temporaries[0].device.type != "cpu":
+            return work
+        return cls(work, temporaries)
+
     def wait(self, *timeout: Any) -> bool:
         """As ``Work.wait`` (an optional timeout is passed on)."""
         if self._work is not None:
             self._work.wait(*timeout)
             self._work = None
-            for tensor in self._temporaries:
-                tensor.untyped_storage().resize_(0)
+            free_storage(*self._temporaries)
             self._temporaries = ()
         return True
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
+
+
+def free_storage(*tensors: torch.Tensor | None) -> None:
+    """Release the bytes of tensors a collective used, now and on this
+    thread, whoever else still references them (None: nothing); their views
+    must not be read afterwards. gloo's ``Work`` drops its own references on
+    its worker thread, after marking the work complete and outside the
+    profiler's view of memory (``FreedAtWait``)."""
+    for tensor in tensors:
+        if tensor is not None:
+            tensor.untyped_storage().resize_(0)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> dist.Work | None:

@@ -52,7 +52,7 @@ def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup
     tags_work = process_group.all_gather_into(gathered, mine, group=group, async_op=async_op)
     if not async_op:
         mismatch = _mismatch(gathered, tag, group)
-        _free(mine, gathered)
+        process_group.free_storage(mine, gathered)
         if mismatch is not None:
             raise mismatch
         return launch()
@@ -88,7 +88,8 @@ class TagCheckedWork:
         self._work = work
         self._tags_work: Any = tags_work
         self._gathered = gathered
-        # This rank's tag as sent (freed with ``gathered``: see ``_free``).
+        # This rank's tag as sent (freed with ``gathered`` once read:
+        # ``process_group.free_storage``).
         self._mine = mine
         self._tag = tag
         self._group = group
@@ -109,7 +110,7 @@ class TagCheckedWork:
             self._tags_work.wait(*timeout)
             self._tags_work = None
             mismatch = _mismatch(self._gathered, self._tag, self._group)
-            _free(self._mine, self._gathered)
+            process_group.free_storage(self._mine, self._gathered)
             if mismatch is not None:
                 # The backend still writes into the output, which the caller
                 # frees once this raises: let the mispaired collective end first.
@@ -122,19 +123,6 @@ class TagCheckedWork:
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
-
-
-def _free(*tensors: torch.Tensor | None) -> None:
-    """Free the tag exchange's own tensors once it was waited on and read.
-    gloo's ``Work`` holds references to them and drops those on its worker
-    thread after marking the work complete, at a moment the OS scheduler
-    picks (and outside the profiler's view of memory): resized to zero bytes
-    here, they go now, on this thread, whoever still holds them (as
-    [Note: the exchange frees its buffers itself] in
-    composable_shard/optim/owner_step.py)."""
-    for tensor in tensors:
-        if tensor is not None:
-            tensor.untyped_storage().resize_(0)
 
 
 def _mismatch(gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> RuntimeError | None:

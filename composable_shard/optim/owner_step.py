@@ -63,7 +63,7 @@ the buffer is still alive for a moment the scheduler decides: measured on a
 busy two-core machine, the send and receive buffers outlived their use in
 about one step of six, adding up to the whole exchange (460 KB on a 1.6 MB
 model) to the step's transient bytes. So the exchange frees the storage
-of each buffer it made (``_free``: resized to zero bytes, which no holder
+of each buffer it made (``comm.process_group.free_storage``: resized to zero bytes, which no holder
 of a reference can delay) once its data has been used: the flags after the
 all_reduce, the send buffer when the all_to_all returns, the receive buffer
 when its pieces have been copied out. The plan (planning/owner_memory.py)
@@ -80,6 +80,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..comm.process_group import free_storage
 from ..handle import FlatParamHandle
 from ..runtime.optimizer_checks import flattens_parameters, is_elementwise
 from ..runtime.state import UnitState
@@ -273,8 +274,8 @@ def _gather_to_owners(plan: OwnerPlan, traffic: StepTraffic) -> _Exchange:
             owned.param.grad = None  # hidden from this rank's optimizer
         else:
             _show_whole(owned, rank, wholes.get(id(owned)))
-    _free(buffer)  # [Note: the exchange frees its buffers itself]
-    _free(flags)
+    free_storage(buffer)  # [Note: the exchange frees its buffers itself]
+    free_storage(flags)
     return exchange
 
 
@@ -377,7 +378,7 @@ def _scatter_from_owners(exchange: _Exchange, traffic: StepTraffic) -> None:
     for from_owner, received_from in zip(pieces, received):
         for piece, new_values in zip(from_owner, received_from):
             piece.copy_(new_values)
-    _free(buffer)  # [Note: the exchange frees its buffers itself]
+    free_storage(buffer)  # [Note: the exchange frees its buffers itself]
 
 
 def _moves_pieces(stepped: list[OwnedParam]) -> bool:
@@ -399,7 +400,7 @@ def _exchange(
     in the widest floating dtype of the group's flat parameters (a narrower
     one round-trips through it exactly): the pieces received from each rank
     (views of the receive buffer) and that buffer, for the caller to
-    ``_free`` once it has copied them out (the send buffer is freed here)."""
+    ``free_storage`` once it has copied them out (the send buffer is freed here)."""
     received: list[list[torch.Tensor]] = [[] for _ in range(plan.world_size)]
     if plan.world_size == 1 or not moves_pieces:
         return received, None
@@ -413,7 +414,7 @@ def _exchange(
     comm.all_to_all(flat_out, flat_in, output_splits, input_splits, plan.group)
     sent = sum(input_splits)
     element_size = flat_in.element_size()
-    _free(flat_in)  # [Note: the exchange frees its buffers itself]
+    free_storage(flat_in)  # [Note: the exchange frees its buffers itself]
     if to_owners:
         traffic.to_owners += sent
     else:
@@ -448,14 +449,6 @@ def _exchange_in_place(
     else:
         traffic.from_owners += sent
     traffic.bytes_sent += sent * dtype.itemsize
-
-
-def _free(buffer: torch.Tensor | None) -> None:
-    """Release the bytes of a buffer the exchange made and has used, now,
-    whoever else still references it ([Note: the exchange frees its buffers
-    itself]); its views must not be read afterwards."""
-    if buffer is not None:
-        buffer.untyped_storage().resize_(0)
 
 
 def _restore(exchanges: list[_Exchange]) -> None:

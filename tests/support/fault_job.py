@@ -71,7 +71,27 @@ def _arm(fault: str) -> None:
         return call
 
     if fault in ("forward", "stop"):
-        comm.all_gather_into = at("all_gather_into", 2, 1, comm.all_gather_into)
+        # The second all-gather the runtime issues in step 1, a unit's own or
+        # a bucket's (through shared memory a bucket moves in place, without
+        # all_gather_into; through gloo it calls it, counted once).
+        inside = [False]
+
+        def gathering(real: Callable[..., Any]) -> Callable[..., Any]:
+            counted = at("all_gather_into", 2, 1, real)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if inside[0]:
+                    return real(*args, **kwargs)
+                inside[0] = True
+                try:
+                    return counted(*args, **kwargs)
+                finally:
+                    inside[0] = False
+
+            return call
+
+        comm.all_gather_into = gathering(comm.all_gather_into)
+        comm.all_gather_together = gathering(comm.all_gather_together)
     elif fault == "backward":
         comm.reduce_scatter = at("reduce_scatter", 1, 1, comm.reduce_scatter)
     elif fault == "all_reduce":
