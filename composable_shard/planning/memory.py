@@ -124,6 +124,14 @@ class FlatParamPlan:
         return self.padded_numel * _itemsize(self.param_dtype) if self.needs_unshard_storage else 0
 
     @property
+    def gathers_in_place(self) -> bool:
+        """Whether a coalesced all-gather reads and writes this shard where
+        it lies: the group's collectives go through shared memory (as
+        ``reduction_frees_grad`` says) and the shard needs no cast
+        (``comm.all_gather_together``)."""
+        return self.reduction_frees_grad and self.dtype == self.param_dtype
+
+    @property
     def gather_source_bytes(self) -> int:
         """A temporary copy of the shard in the compute dtype/device for the
         all-gather (mixed precision or offload)."""

@@ -287,8 +287,7 @@ def step_moments(
             members = bucket_from(index, step)
             if len(members) > 1:
                 fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
-                # Through shared memory, shards needing no cast are read and written in place.
-                in_place = fps[0].reduction_frees_grad and all(fp.dtype == fp.param_dtype for fp in fps)
+                in_place = all(fp.gathers_in_place for fp in fps)
                 rows = 0 if in_place else sum(fp.padded_numel * _itemsize(fp.param_dtype) for fp in fps)
                 side_by_side = 0 if in_place else sum(fp.shard_numel * _itemsize(fp.param_dtype) for fp in fps)
                 copy = sum(fp.all_gather_copy_bytes for fp in fps)
