@@ -52,7 +52,8 @@ from .runtime.optimizer_checks import register_elementwise_optimizer
 from .runtime.skipped_units import set_may_be_skipped
 from .runtime.lifecycle import OptimizerStepExtension as _OptimizerStepExtension
 from .runtime.lifecycle import register_optimizer_step_extension as _register_optimizer_step_extension
-from .optim import full_shape
+from .optim import full_shape, set_flat_step
+from .optim import flat_step as _flat_step
 from .optim import owner_step as _owner_step
 from . import interop as interop  # the subpackage stays an attribute: composable_shard.interop
 from .interop import (
@@ -89,6 +90,11 @@ _sys.modules.setdefault(f"{__name__}.plan", planning)
 _register_optimizer_step_extension(
     _OptimizerStepExtension(_owner_step.before_step, _owner_step.after_step, _owner_step.settle)
 )
+# Elementwise torch.optim optimizers step the runs of parameters that lie back
+# to back in a shard as one tensor ([Note: the flat step] in optim/flat_step.py).
+_register_optimizer_step_extension(
+    _OptimizerStepExtension(_flat_step.before_step, _flat_step.after_step, _flat_step.settle)
+)
 
 __all__ = [
     "fully_shard",
@@ -122,6 +128,7 @@ __all__ = [
     "UnshardHandle",
     "register_elementwise_optimizer",
     "full_shape",
+    "set_flat_step",
     "set_may_be_skipped",
     "plan",
     "describe",

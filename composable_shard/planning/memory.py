@@ -26,6 +26,7 @@ import torch
 from .. import comm
 from ..api import BackwardPrefetch, ShardingStrategy
 from ..handle.layout import FlatParamLayout
+from ..optim.flat_runs import flat_runs, flat_step_enabled
 
 __all__ = [
     "OPTIMIZERS",
@@ -316,7 +317,7 @@ def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dic
             if kind == "step":
                 # Every trainable parameter gets a .grad, empty where this rank
                 # holds none of it ([Note: empty gradients on empty ranges]),
-                # so torch.optim keeps a step for each.
+                # so torch.optim keeps a step for each (the flat step too).
                 kinds[kind] += _STEP_BYTES * fp.param_count
             elif kind == "momentum_buffer":
                 kinds[kind] += fp.local_numel * _itemsize(fp.grad_dtype)
@@ -332,10 +333,12 @@ def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dic
 # wraps it as a 0-dim float64 tensor and casts that to the parameter's dtype;
 # while the quotient is allocated, the square root, both scalars and the
 # previous parameter's ``denom`` (the loop's variable, rebound only after)
-# are alive. The worst of that over the parameters, in the optimizer's order
-# (``module.parameters()``'s: ``FlatParamPlan.param_positions``), is the
-# step's temporaries; one parameter's optimizer in its hook has no previous
-# one. Checked against the allocator by tests/planning/test_plan.py.
+# are alive. The worst of that over the tensors stepped, in the optimizer's
+# order (``module.parameters()``'s: ``FlatParamPlan.param_positions``), is
+# the step's temporaries; a tensor is a run of parameters that lie back to
+# back in the shard ([Note: the flat step] in optim/flat_step.py: its
+# temporaries are the run's), else a parameter. One parameter's optimizer
+# in its hook has no previous one. Checked against the allocator by tests/planning/test_plan.py.
 _WRAPPED_FLOAT_BYTES = 8
 
 
@@ -347,6 +350,30 @@ def _local_params(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
     if fp.layout is None or len(fp.param_positions) != len(fp.layout.params):
         return [(0, fp.max_local_numel * size, size)]
     return [(pos, info.local_numel * size, size) for pos, info in zip(fp.param_positions, fp.layout.params)]
+
+
+def _stepped_tensors(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
+    """``_local_params`` as the optimizer steps them: each run of parameters
+    consecutive in ``module.parameters()`` that lie back to back in the
+    shard as one tensor ([Note: the flat step] in optim/flat_step.py), at
+    its first parameter's position."""
+    params = _local_params(fp)
+    if fp.layout is None or len(params) != len(fp.layout.params) or not flat_step_enabled():
+        return params
+    stepped = []
+    for run in flat_runs(fp.layout.params):
+        # Split where the optimizer's order is not the layout's.
+        pieces: list[list[tuple[int, int, int]]] = [[params[run[0]]]]
+        for index in run[1:]:
+            if params[index][0] == params[index - 1][0] + 1:
+                pieces[-1].append(params[index])
+            else:
+                pieces.append([params[index]])
+        for piece in pieces:
+            nbytes = sum(nbytes for _, nbytes, _ in piece)
+            # A piece of empty parameters only is stepped parameter by parameter.
+            stepped += [(piece[0][0], nbytes, piece[0][2])] if nbytes else piece
+    return stepped
 
 
 def _single_tensor_adam_bytes(params: Sequence[tuple[int, int, int]], *, previous_alive: bool) -> int:
@@ -369,7 +396,7 @@ def optimizer_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, d
     trainable = [fp for fp in flat_params if fp.requires_grad]
     if device_type == "cuda":
         return sum(fp.local_numel * _itemsize(fp.dtype) for fp in trainable)
-    return _single_tensor_adam_bytes([p for fp in trainable for p in _local_params(fp)], previous_alive=True)
+    return _single_tensor_adam_bytes([p for fp in trainable for p in _stepped_tensors(fp)], previous_alive=True)
 
 
 def in_backward_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, device_type: str) -> int:

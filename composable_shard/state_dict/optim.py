@@ -319,7 +319,10 @@ def set_optimizer_state_dict(
     else:
         _check(params, state_dict, options, what, owned)
         state = {
-            fqn: {key: _local_value(op, key, value, owned) for key, value in state_dict["state"][fqn].items()}
+            fqn: {
+                key: _local_value(op, key, value, owned, optimizer.state.get(op.param, {}).get(key))
+                for key, value in state_dict["state"][fqn].items()
+            }
             for fqn, op in _by_fqn(params).items()
             if fqn in state_dict["state"]
         }
@@ -409,17 +412,35 @@ def _owned_problems(fqn: str, op: OptimParam, values: Any) -> list[tuple[str, st
     return problems
 
 
-def _local_value(op: OptimParam, key: str, value: Any, owned: dict[int, bool]) -> Any:
+def _local_value(op: OptimParam, key: str, value: Any, owned: dict[int, bool], current: Any) -> Any:
     """This rank's part of a checked state value (a new tensor, or the
-    state dict's own whole buffer, never a view into a larger tensor); an
+    state dict's own whole buffer, never a view into a larger tensor, unless
+    it is the memory of ``current``, the live state it was read into); an
     owner-stepped parameter's whole value."""
     if op.entry is None or id(op.param) in owned or not is_param_shaped(key, value, op.entry.info.shape):
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
     info = op.entry.info
     local = read_range(value, info.local_start, info.local_numel, op.entry.local_box)
+    if is_sharded_tensor(value) and _same_memory(local, current):
+        # Read in place into the live tensor (a view of a run's state under
+        # the flat step: [Note: the flat step] in optim/flat_step.py): keep it.
+        return current
     nbytes = local.numel() * local.element_size()
     spans_storage = local.storage_offset() == 0 and local.untyped_storage().nbytes() == nbytes
     return local if spans_storage and is_sharded_tensor(value) else local.clone()
+
+
+def _same_memory(local: torch.Tensor, current: Any) -> bool:
+    return (
+        isinstance(current, torch.Tensor)
+        and type(current) is torch.Tensor
+        and local.numel() > 0
+        and local.shape == current.shape
+        and local.dtype == current.dtype
+        and local.is_contiguous()
+        and current.is_contiguous()
+        and local.data_ptr() == current.data_ptr()
+    )
 
 
 def _load(

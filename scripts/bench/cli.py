@@ -140,7 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.probe_layers < 1 or args.memory_steps < 1:
             p.error("--config largest needs --probe-layers and --memory-steps of at least 1")
     default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
-    default_modes = [m for m in default_modes if m != "cs_unbucketed"]  # on request: before/after coalescing
+    # On request: before/after coalescing, and before/after the flat step.
+    default_modes = [m for m in default_modes if m not in ("cs_unbucketed", "cs_per_param_step")]
     if args.optimizer_in_backward:
         default_modes = [m for m in default_modes if m not in ("ddp", "local")]
     if args.optimizer == "muon":

@@ -160,8 +160,22 @@ class Peer:
     loss_compared: bool = True
 
 
+def build_composable_shard_per_param_step(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """composable_shard with its optimizer stepping each parameter alone
+    ([Note: the flat step] off for it)."""
+    from composable_shard.optim import set_flat_step
+
+    model, optimizer = build_composable_shard(args, device)
+    set_flat_step(optimizer, False)
+    return model, optimizer
+
+
 PEERS: dict[str, Peer] = {
     "composable_shard": Peer(build_composable_shard),
+    # The same with each parameter stepped alone by the optimizer (before the flat step).
+    "cs_per_param_step": Peer(build_composable_shard_per_param_step),
     # The same with every gradient reduced in a collective of its own (before coalescing).
     "cs_unbucketed": Peer(build_composable_shard_unbucketed),
     "fsdp1": Peer(build_fsdp1),

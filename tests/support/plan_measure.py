@@ -486,10 +486,12 @@ def measure_owner_case(
 
 
 def _state_by_kind(optimizer: Any) -> dict[str, int]:
-    kinds: dict[str, int] = {}
+    """Bytes of the distinct storages behind each kind of state (the
+    parameters of a run of the flat step hold views of one tensor per kind)."""
+    kinds: dict[str, list[torch.Tensor]] = {}
     for state in optimizer.state.values():
         for kind, value in state.items():
             if torch.is_tensor(value):
-                kinds[kind] = kinds.get(kind, 0) + value.untyped_storage().nbytes()
-    return kinds
+                kinds.setdefault(kind, []).append(value)
+    return {kind: unique_storage_bytes(values) for kind, values in kinds.items()}
 

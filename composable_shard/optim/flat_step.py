@@ -1,0 +1,466 @@
+"""Owns: the flat step — torch's elementwise optimizers step each run of a
+unit's parameters that lie back to back in its shard as one tensor, around
+the optimizer's own ``step``; the parameters' optimizer state stays theirs.
+
+Knows nothing of: the optimizers' update rules, hooks, collectives.
+
+Public names: ``set_flat_step``, ``before_step``, ``after_step``, ``settle``.
+
+[Note: the flat step]
+Between steps every parameter of a unit is a 1-D view of the unit's shard,
+and its ``.grad`` a view of the sharded gradient at the same offset. An
+elementwise optimizer ([Note: optimizers over shards] in
+runtime/optimizer_checks.py) computes the same element from the same
+element wherever it lies, so stepping the parameters ``p1 .. pk`` of one
+parameter group one after the other is stepping the one tensor they tile
+when they lie back to back. torch's single-tensor optimizers (the default
+on CPU) pay per tensor, a dozen Python-level operations each: on the
+bench's many-small GPT (65 units, 772 parameters, a fake group of 2)
+AdamW's step took 30 ms over the views and 15 ms flat.
+
+``before_step`` finds, in each parameter group, the runs of at least two
+parameters of one flat parameter (on the CPU) that are consecutive in the
+group's order and in the layout, with nothing between them in the shard
+(parameters of which this rank holds nothing ride along); a run is stepped
+flat when each parameter still shows its range of the shard and a
+``.grad`` in its dtype, the non-empty ones views of one flat gradient at
+the same offsets (a gradient the user replaced or cleared makes its run
+step per parameter: a cleared one is skipped, as torch skips it). In the
+group's ``params`` one tensor per run takes the run's place, with the
+run's range of the gradient as its ``.grad`` and the run's state as its
+state. The optimizer's own ``step`` runs unchanged. ``after_step`` puts the
+group's own list back and gives each parameter its state: every tensor of
+the run's state the size of the run as the parameter's range of it (a
+view: a write to either reaches both), every 0-dim tensor (the step count)
+as the first parameter's own and a copy of it for each other parameter,
+brought up to date after every step (never one object for several
+parameters: a parameter stepped alone later, or a state dict loaded into
+an optimizer that steps per parameter, counts its own steps). So
+``optimizer.state[p]`` holds what per-parameter stepping would hold, in
+the same format (``state_dict``, checkpoints and their sizes unchanged;
+only the order of ``optimizer.state``'s entries may differ). A run's state
+is the run's own while every parameter holds what ``after_step`` gave it
+with equal step counts; else it is made from the parameters' states: their
+tensors' one tensor where they are views of it at the run's offsets (state
+loaded in place), else a concatenation (separate tensors, after
+``load_state_dict``), when every parameter has state of the same form and
+equal scalars; none when none has any (the optimizer makes it at its first
+step); else the run is stepped per parameter.
+
+Where it applies: the eleven ``torch.optim`` classes of
+``ELEMENTWISE_OPTIMIZERS`` by exact type (not classes declared with
+``register_elementwise_optimizer``, whose state may have any form), not
+``differentiable``, stepped without a closure (the closure makes the
+gradients after this hook), on an optimizer without step hooks of its own
+(they would see the runs), outside ``torch.compile``, over plain
+parameters (a tensor-parallel one shows a ``DTensor``) of shards on the
+CPU (on CUDA torch's default foreach path already steps all tensors in a
+few kernels, and this path has not run on a GPU). Everything else steps as
+before; ``set_flat_step(optimizer, False)`` or
+``COMPOSABLE_SHARD_FLAT_STEP=0`` switches it off. The results are bitwise
+those of per-parameter stepping (every update is elementwise; pinned for
+all eleven); the single-tensor path's temporaries are a run's instead of a
+parameter's, which the plan counts ([Note: Adam's single-tensor step,
+planned] in planning/memory.py, with ``flat_runs`` of optim/flat_runs.py).
+A step that raised leaves the runs in the groups: ``settle`` (the
+lifecycle's gate, at the next forward, state-dict call or step) puts the
+groups back and gives the parameters the runs' state first. Pinned by
+tests/optim/test_flat_step.py.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..handle import FlatParamHandle
+from ..handle.layout import ParamInfo
+from ..runtime.lifecycle import live_units
+from ..runtime.optimizer_checks import ELEMENTWISE_OPTIMIZERS
+from .flat_runs import FLAT_STEP_ENV, flat_step_enabled
+
+__all__ = ["before_step", "after_step", "settle", "set_flat_step"]
+
+_STEPPABLE = frozenset(ELEMENTWISE_OPTIMIZERS)
+
+
+@dataclass
+class _Run:
+    """Parameters of one group that lie back to back in one shard, in the
+    group's and the layout's order: stepped as one tensor when their
+    gradients do too."""
+
+    # Weak, as every reference here: an optimizer does not keep a model alive.
+    handle: weakref.ReferenceType[FlatParamHandle]
+    params: list[torch.nn.Parameter]
+    # Each parameter's first element within the run, and element count.
+    starts: list[int]
+    numels: list[int]
+    # The run's first element in the shard, and its element count.
+    offset: int
+    numel: int
+    # The state the optimizer stepped last (None: none yet), the state dict
+    # after_step gave each parameter and the values it put in them.
+    state: dict[str, Any] | None = None
+    state_values: tuple = ()
+    made: list[dict[str, Any]] = field(default_factory=list)
+    made_values: list[tuple] = field(default_factory=list)
+    # Each 0-dim value of the run's state (the first parameter's own) with
+    # the other parameters' copies of it, brought up to date after a step.
+    scalars: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    # The tensor this step steps.
+    flat: torch.Tensor | None = None
+
+
+@dataclass
+class _GroupRuns:
+    """The runs of one parameter group, for the list of parameters it had."""
+
+    key: tuple[int, ...]
+    runs: list[_Run]
+
+
+@dataclass
+class _Swap:
+    """One parameter group's list of parameters, replaced for a step."""
+
+    group: dict[str, Any]
+    params: list[torch.nn.Parameter]
+    runs: list[_Run]
+
+
+# Per optimizer, per parameter group: its runs.
+_RUNS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_GroupRuns | None]] = weakref.WeakKeyDictionary()
+_IN_FLIGHT: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Swap]] = weakref.WeakKeyDictionary()
+# id(parameter) -> (handle, index), for the live units with the given key.
+_PLACES: dict[str, Any] = {"key": None, "where": {}}
+
+
+# Optimizers set_flat_step(optimizer, False) switched to per-parameter stepping.
+_PER_PARAMETER: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def set_flat_step(optimizer: torch.optim.Optimizer, enabled: bool = True) -> None:
+    """Whether ``optimizer`` may step the runs of parameters that lie back
+    to back in a unit's shard as one tensor ([Note: the flat step]; on by
+    default for torch.optim's elementwise optimizers over CPU shards). The
+    results are the same either way; off, each parameter is stepped alone
+    (the environment variable ``COMPOSABLE_SHARD_FLAT_STEP=0`` switches it
+    off for every optimizer)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"set_flat_step: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if enabled:
+        _PER_PARAMETER.discard(optimizer)
+    else:
+        _PER_PARAMETER.add(optimizer)
+
+
+def _enabled(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
+    return (
+        type(optimizer) in _STEPPABLE
+        and optimizer not in _PER_PARAMETER
+        and len(args) <= 1  # the optimizer itself; a closure would follow it
+        and kwargs.get("closure") is None
+        and not optimizer.defaults.get("differentiable", False)
+        and not optimizer._optimizer_step_pre_hooks
+        and not optimizer._optimizer_step_post_hooks
+        and flat_step_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _places() -> dict[int, tuple[weakref.ReferenceType[FlatParamHandle], int]]:
+    units = live_units()
+    key = tuple((unit.build_index, id(unit)) for unit in units)
+    if _PLACES["key"] != key:
+        where = {}
+        for unit in units:
+            for handle in unit.handles:
+                for index, (param, spec) in enumerate(zip(handle.orig_params, handle.tp_specs)):
+                    if spec is None:
+                        where[id(param)] = (weakref.ref(handle), index)
+        _PLACES.update(key=key, where=where)
+    return _PLACES["where"]
+
+
+def before_step(optimizer: torch.optim.Optimizer, units: list, args: tuple, kwargs: dict) -> None:
+    """Replace each group's runs by one tensor each ([Note: the flat step])."""
+    if not _enabled(optimizer, args, kwargs):
+        return
+    where = _places()
+    if not where:
+        return
+    groups = optimizer.param_groups
+    cached = _RUNS.setdefault(optimizer, [])
+    del cached[len(groups) :]
+    cached.extend([None] * (len(groups) - len(cached)))
+    swaps: list[_Swap] = []
+    try:
+        for position, group in enumerate(groups):
+            params = group["params"]
+            key = tuple(map(id, params))
+            group_runs = cached[position]
+            if group_runs is None or group_runs.key != key:
+                group_runs = cached[position] = _GroupRuns(key, _find_runs(params, where))
+            runs = [run for run in group_runs.runs if _ready(run) and _take_state(optimizer, run)]
+            if not runs:
+                continue
+            swaps.append(_Swap(group, params, runs))
+            firsts = {id(run.params[0]): run for run in runs}
+            in_runs = {id(param) for run in runs for param in run.params}
+            stepped: list[torch.Tensor] = []
+            for param in params:
+                run = firsts.get(id(param))
+                if run is not None:
+                    flat = run.flat
+                    assert flat is not None  # _ready set it
+                    stepped.append(flat)
+                    if run.state is not None:
+                        optimizer.state[flat] = run.state
+                elif id(param) not in in_runs:
+                    stepped.append(param)
+            group["params"] = stepped
+    except BaseException:
+        _restore(optimizer, swaps, stepped=False)
+        raise
+    if swaps:
+        _IN_FLIGHT[optimizer] = swaps
+
+
+def after_step(optimizer: torch.optim.Optimizer) -> None:
+    """Put the groups' own parameters back, each with its state."""
+    swaps = _IN_FLIGHT.pop(optimizer, None)
+    if swaps is not None:
+        _restore(optimizer, swaps, stepped=True)
+
+
+def settle() -> None:
+    """A step that raised: put the groups back (the state the runs have, as
+    after a step: elementwise, what was stepped is the parameters')."""
+    while _IN_FLIGHT:
+        optimizer, swaps = _IN_FLIGHT.popitem()
+        _restore(optimizer, swaps, stepped=True)
+
+
+def _find_runs(params: list, where: dict[int, tuple[weakref.ReferenceType[FlatParamHandle], int]]) -> list[_Run]:
+    """The runs of ``params`` by their layouts (gradients are checked at
+    each step by ``_ready``)."""
+    runs: list[_Run] = []
+    members: list[tuple[torch.nn.Parameter, ParamInfo]] = []
+    handle: FlatParamHandle | None = None
+    last_index = -2
+    end: int | None = None  # shard offset after the last non-empty member
+
+    def close() -> None:
+        if handle is not None and len(members) > 1 and end is not None:
+            runs.append(_make_run(handle, members))
+
+    for param in params:
+        place = where.get(id(param))
+        owner = place[0]() if place is not None else None
+        if owner is None or not owner.requires_grad or owner.sharded_flat_param.device.type != "cpu":
+            close()
+            members, handle, last_index, end = [], None, -2, None
+            continue
+        index = place[1]  # type: ignore[index]  # owner is set only with a place
+        info = owner.layout.params[index]
+        joins = owner is handle and index == last_index + 1
+        if joins and info.local_numel and end is not None:
+            joins = info.shard_offset == end
+        if not joins:
+            close()
+            members, handle, end = [], owner, None
+        members.append((param, info))
+        last_index = index
+        if info.local_numel:
+            end = info.shard_offset + info.local_numel
+    close()
+    return runs
+
+
+def _make_run(handle: FlatParamHandle, members: list[tuple[torch.nn.Parameter, ParamInfo]]) -> _Run:
+    filled = [info for _, info in members if info.local_numel]
+    offset = filled[0].shard_offset
+    numel = filled[-1].shard_offset + filled[-1].local_numel - offset
+    starts, numels, position = [], [], 0
+    for _, info in members:
+        if info.local_numel:
+            position = info.shard_offset - offset
+        starts.append(position)
+        numels.append(info.local_numel)
+        position += info.local_numel
+    return _Run(weakref.ref(handle), [param for param, _ in members], starts, numels, offset, numel)
+
+
+def _ready(run: _Run) -> bool:
+    """Whether every parameter of ``run`` shows its range of the shard and
+    a ``.grad`` in its dtype, the non-empty ones contiguous views of one
+    flat gradient at the same offsets (as the runtime sets them, unless
+    the user replaced one); then ``run.flat`` is the tensor to step."""
+    handle = run.handle()
+    if handle is None:
+        return False
+    shard = handle.sharded_flat_param
+    size = shard.element_size()
+    base_ptr = shard.data_ptr() + run.offset * size
+    first_grad: torch.Tensor | None = None
+    first_start = grad_ptr = 0
+    for param, start, numel in zip(run.params, run.starts, run.numels):
+        grad = param.grad
+        if grad is None or type(grad) is not torch.Tensor or grad.dtype != param.dtype:
+            return False
+        if not numel:
+            continue
+        if param.data_ptr() != base_ptr + start * size or not grad.is_contiguous():
+            return False
+        if first_grad is None:
+            first_grad, first_start, grad_ptr = grad, start, grad.data_ptr() - start * size
+            if first_grad._base is None:
+                return False
+        elif grad._base is not first_grad._base or grad.data_ptr() != grad_ptr + start * size:
+            return False
+    assert first_grad is not None  # a run has a non-empty member
+    flat = shard.detach().narrow(0, run.offset, run.numel)
+    flat.grad = first_grad.detach().as_strided((run.numel,), (1,), first_grad.storage_offset() - first_start)
+    run.flat = flat
+    return True
+
+
+def _take_state(optimizer: torch.optim.Optimizer, run: _Run) -> bool:
+    """Give ``run`` its state: the run's own while every parameter still
+    holds what ``after_step`` gave it, else one made from the parameters'
+    (None where none has any); False where the parameters' states have no
+    common form (the run is then stepped per parameter)."""
+    states = [optimizer.state.get(param) for param in run.params]
+    if (
+        run.made
+        and all(
+            mine is theirs and len(theirs) == len(values) and all(map(operator.is_, theirs.values(), values))
+            for mine, theirs, values in zip(run.made, states, run.made_values)
+        )
+        and all(torch.equal(torch.stack(copies), value.expand(len(copies))) for value, copies in run.scalars)
+    ):
+        return True
+    run.made, run.made_values, run.state, run.state_values, run.scalars = [], [], None, (), []
+    if all(not state for state in states):
+        return True
+    if not all(states):
+        return False
+    joined = _join_states(run, states)  # type: ignore[arg-type]  # all present
+    if joined is None:
+        return False
+    run.state = joined
+    return True
+
+
+def _join_states(run: _Run, states: list[dict[str, Any]]) -> dict[str, Any] | None:
+    keys = list(states[0])
+    if any(list(state) != keys for state in states):
+        return None
+    joined: dict[str, Any] = {}
+    for key in keys:
+        values = [state[key] for state in states]
+        first = values[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0:
+            if not all(isinstance(v, torch.Tensor) and v.dim() == 0 and torch.equal(v, first) for v in values):
+                return None
+            joined[key] = first  # the first parameter's own: the others' copies follow it
+        elif isinstance(first, torch.Tensor):
+            if not all(
+                type(v) is torch.Tensor and v.shape == param.shape and v.dtype == first.dtype
+                for v, param in zip(values, run.params)
+            ):
+                return None
+            joined[key] = _tiled(run, values)
+            if joined[key] is None:  # separate tensors (a fresh load): one copy
+                flat = torch.zeros(run.numel, dtype=first.dtype, device=first.device)
+                for value, start, numel in zip(values, run.starts, run.numels):
+                    flat[start : start + numel].copy_(value.reshape(-1))
+                joined[key] = flat
+        else:
+            if any(type(v) is not type(first) or v != first for v in values):
+                return None
+            joined[key] = first
+    return joined
+
+
+def _tiled(run: _Run, values: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor ``values`` are contiguous views of at the run's
+    offsets (state loaded in place into a run's views), else None."""
+    filled = [(value, start) for value, start, numel in zip(values, run.starts, run.numels) if numel]
+    first, first_start = filled[0]
+    base = first._base
+    if base is None or first.storage_offset() < first_start:
+        return None
+    size = first.element_size()
+    origin = first.data_ptr() - first_start * size
+    for value, start in filled:
+        if value._base is not base or not value.is_contiguous() or value.data_ptr() != origin + start * size:
+            return None
+    offset = first.storage_offset() - first_start
+    if (offset + run.numel) * size > first.untyped_storage().nbytes():
+        return None
+    return base.detach().as_strided((run.numel,), (1,), offset)
+
+
+def _restore(optimizer: torch.optim.Optimizer, swaps: list[_Swap], *, stepped: bool) -> None:
+    for swap in swaps:
+        swap.group["params"] = swap.params
+        for run in swap.runs:
+            state = optimizer.state.pop(run.flat, None) if run.flat is not None else None
+            run.flat = None
+            if state is None or not stepped:
+                continue  # nothing stepped: the parameters' own state is as it was
+            values = tuple(state.values())
+            if (
+                state is run.state
+                and run.made
+                and len(values) == len(run.state_values)
+                and all(map(operator.is_, values, run.state_values))
+            ):
+                # Stepped in place: the parameters' views show it, and their
+                # scalars follow the first's.
+                for value, copies in run.scalars:
+                    torch._foreach_copy_(copies, [value] * len(copies))
+                continue
+            _spread(optimizer, run, state)
+
+
+def _spread(optimizer: torch.optim.Optimizer, run: _Run, state: dict[str, Any]) -> None:
+    """Give each parameter its range of the run's state ([Note: the flat
+    step]): tensors as views, 0-dim tensors as the first parameter's own
+    object and copies of it for the others (never shared: a parameter
+    stepped alone later, or a state dict loaded into per-parameter
+    stepping, counts its own steps)."""
+    made: list[dict[str, Any]] = [{} for _ in run.params]
+    scalars: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            copies = [value.clone() for _ in run.params[1:]]
+            for mine, piece in zip(made, [value, *copies]):
+                mine[key] = piece
+            scalars.append((value, copies))
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 1 or value.numel() != run.numel:
+                raise RuntimeError(
+                    f"composable_shard: {type(optimizer).__name__}'s state '{key}' has shape {tuple(value.shape)} "
+                    f"for a run of {run.numel} elements, so it is not elementwise. Set {FLAT_STEP_ENV}=0 "
+                    "and report this."
+                )
+            for mine, start, numel in zip(made, run.starts, run.numels):
+                mine[key] = value.narrow(0, start, numel)
+            continue
+        for mine in made:
+            mine[key] = value
+    for param, mine in zip(run.params, made):
+        optimizer.state[param] = mine
+    run.state = state
+    run.state_values = tuple(state.values())
+    run.made = made
+    run.made_values = [tuple(mine.values()) for mine in made]
+    run.scalars = scalars
