@@ -16,22 +16,32 @@ parameter group one after the other is stepping the one tensor they tile
 when they lie back to back. torch's single-tensor optimizers (the default
 on CPU) pay per tensor, a dozen Python-level operations each: on the
 bench's many-small GPT (65 units, 772 parameters, a fake group of 2)
-AdamW's step took 30 ms over the views and 15 ms flat.
+AdamW's step with the usual two groups took 30 ms over the views and 16
+ms flat.
 
 ``before_step`` finds, in each parameter group, the runs of at least two
-parameters of one flat parameter (on the CPU) that are consecutive in the
-group's order and in the layout, with nothing between them in the shard
-(parameters of which this rank holds nothing ride along); a run is stepped
-flat when each parameter still shows its range of the shard and a
+parameters of one flat parameter (on the CPU) that are consecutive in its
+layout with nothing between them in the shard, whatever their order in the
+group (parameters of which this rank holds nothing ride along); a run is
+stepped flat when each parameter still shows its range of the shard and a
 ``.grad`` in its dtype, the non-empty ones views of one flat gradient at
 the same offsets (a gradient the user replaced or cleared makes its run
-step per parameter: a cleared one is skipped, as torch skips it). In the
-group's ``params`` one tensor per run takes the run's place, with the
-run's range of the gradient as its ``.grad`` and the run's state as its
-state. The optimizer's own ``step`` runs unchanged. ``after_step`` puts the
-group's own list back and gives each parameter its state: every tensor of
-the run's state the size of the run as the parameter's range of it (a
-view: a write to either reaches both), every 0-dim tensor (the step count)
+step per parameter: a cleared one is skipped, as torch skips it). One
+tensor per run takes the place of the run's first parameter in the group's
+``params`` (the others leave it), with the run's range of the gradient as
+its ``.grad`` and the run's state as its state. AdamW's usual groups split
+the parameters by weight decay (matrices decayed, biases and norms not),
+which interleaves them in every layout; groups that differ in
+``weight_decay`` alone (a float ``lr``, not fused) are one class, whose runs
+span them: they are stepped in a group added for the step with the
+class's hyperparameters and no weight decay, each decayed parameter
+having been multiplied by ``1 - lr * weight_decay`` of its own group first
+(AdamW's decoupled decay, the operation it does before the update, so the
+bits are the same). The optimizer's own ``step`` runs unchanged.
+``after_step`` puts the groups' own lists back (and drops the added group)
+and gives each parameter its state: every tensor of the run's state the
+size of the run as the parameter's range of it (a view: a write to either
+reaches both), every 0-dim tensor (the step count)
 as the first parameter's own and a copy of it for each other parameter,
 brought up to date after every step (never one object for several
 parameters: a parameter stepped alone later, or a state dict loaded into
@@ -78,7 +88,6 @@ from typing import Any
 import torch
 
 from ..handle import FlatParamHandle
-from ..handle.layout import ParamInfo
 from ..runtime.lifecycle import live_units
 from ..runtime.optimizer_checks import ELEMENTWISE_OPTIMIZERS
 from .flat_runs import FLAT_STEP_ENV, flat_step_enabled
@@ -103,6 +112,8 @@ class _Run:
     # The run's first element in the shard, and its element count.
     offset: int
     numel: int
+    # The index in ``optimizer.param_groups`` of each parameter's group.
+    groups: list[int] = field(default_factory=list)
     # The state the optimizer stepped last (None: none yet), the state dict
     # after_step gave each parameter and the values it put in them.
     state: dict[str, Any] | None = None
@@ -117,25 +128,20 @@ class _Run:
 
 
 @dataclass
-class _GroupRuns:
-    """The runs of one parameter group, for the list of parameters it had."""
-
-    key: tuple[int, ...]
-    runs: list[_Run]
-
-
-@dataclass
 class _Swap:
-    """One parameter group's list of parameters, replaced for a step."""
+    """What one step changed in the optimizer's groups, to put back."""
 
-    group: dict[str, Any]
-    params: list[torch.nn.Parameter]
-    runs: list[_Run]
+    # Each group whose list of parameters was replaced, with its own list.
+    replaced: list[tuple[dict[str, Any], list[torch.nn.Parameter]]] = field(default_factory=list)
+    # Groups added for runs over several groups ([Note: the flat step]).
+    added: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[_Run] = field(default_factory=list)
 
 
-# Per optimizer, per parameter group: its runs.
-_RUNS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_GroupRuns | None]] = weakref.WeakKeyDictionary()
-_IN_FLIGHT: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Swap]] = weakref.WeakKeyDictionary()
+# Per optimizer: the runs of each class of groups, keyed by the groups'
+# indices and their parameters' ids.
+_RUNS: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[tuple, list[_Run]]] = weakref.WeakKeyDictionary()
+_IN_FLIGHT: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap] = weakref.WeakKeyDictionary()
 # id(parameter) -> (handle, index), for the live units with the given key.
 _PLACES: dict[str, Any] = {"key": None, "where": {}}
 
@@ -188,112 +194,171 @@ def _places() -> dict[int, tuple[weakref.ReferenceType[FlatParamHandle], int]]:
 
 
 def before_step(optimizer: torch.optim.Optimizer, units: list, args: tuple, kwargs: dict) -> None:
-    """Replace each group's runs by one tensor each ([Note: the flat step])."""
+    """Replace the runs of each class of groups by one tensor each ([Note:
+    the flat step])."""
     if not _enabled(optimizer, args, kwargs):
         return
     where = _places()
     if not where:
         return
     groups = optimizer.param_groups
-    cached = _RUNS.setdefault(optimizer, [])
-    del cached[len(groups) :]
-    cached.extend([None] * (len(groups) - len(cached)))
-    swaps: list[_Swap] = []
+    cache = _RUNS.setdefault(optimizer, {})
+    used: dict[tuple, list[_Run]] = {}
+    swap = _Swap()
     try:
-        for position, group in enumerate(groups):
-            params = group["params"]
-            key = tuple(map(id, params))
-            group_runs = cached[position]
-            if group_runs is None or group_runs.key != key:
-                group_runs = cached[position] = _GroupRuns(key, _find_runs(params, where))
-            runs = [run for run in group_runs.runs if _ready(run) and _take_state(optimizer, run)]
-            if not runs:
-                continue
-            swaps.append(_Swap(group, params, runs))
-            firsts = {id(run.params[0]): run for run in runs}
-            in_runs = {id(param) for run in runs for param in run.params}
-            stepped: list[torch.Tensor] = []
-            for param in params:
-                run = firsts.get(id(param))
-                if run is not None:
-                    flat = run.flat
-                    assert flat is not None  # _ready set it
-                    stepped.append(flat)
-                    if run.state is not None:
-                        optimizer.state[flat] = run.state
-                elif id(param) not in in_runs:
-                    stepped.append(param)
-            group["params"] = stepped
+        for members in _classes(optimizer):
+            key = (tuple(members), tuple(tuple(map(id, groups[g]["params"])) for g in members))
+            runs = cache.get(key)
+            if runs is None:
+                runs = _find_runs([(g, groups[g]["params"]) for g in members], where)
+            used[key] = runs
+            ready = [run for run in runs if _ready(run) and _take_state(optimizer, run)]
+            if ready:
+                _put_runs_in_groups(optimizer, members, ready, swap)
+        cache.clear()
+        cache.update(used)
     except BaseException:
-        _restore(optimizer, swaps, stepped=False)
+        _restore(optimizer, swap, stepped=False)
         raise
-    if swaps:
-        _IN_FLIGHT[optimizer] = swaps
+    if swap.runs:
+        _IN_FLIGHT[optimizer] = swap
+
+
+def _classes(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    """The parameter groups stepped together: AdamW's groups that differ in
+    ``weight_decay`` alone (a float ``lr``, not fused) form one class, whose
+    runs may span parameters of several of them; any other group is a
+    class of its own."""
+    groups = optimizer.param_groups
+    if type(optimizer) is not torch.optim.AdamW:
+        return [[index] for index in range(len(groups))]
+    classes: dict[object, list[int]] = {}
+    for index, group in enumerate(groups):
+        key: object = ("alone", index)
+        if isinstance(group["lr"], float) and not group.get("fused") and isinstance(group["weight_decay"], float):
+            hyper = tuple(sorted((k, v) for k, v in group.items() if k not in ("params", "weight_decay")))
+            try:
+                hash(hyper)
+                key = hyper
+            except TypeError:  # a value that does not hash (a tensor): alone
+                pass
+        classes.setdefault(key, []).append(index)
+    return list(classes.values())
+
+
+def _put_runs_in_groups(optimizer: torch.optim.Optimizer, members: list[int], runs: list[_Run], swap: _Swap) -> None:
+    """Step each of ``runs`` as one tensor: in its group, at its first
+    parameter's place, for a class of one group; else in a group added for
+    the step, with the class's hyperparameters and the weight decay of each
+    parameter's own group applied first (AdamW's ``param.mul_(1 - lr *
+    weight_decay)``, before its update, as AdamW does), none by the step."""
+    groups = optimizer.param_groups
+    in_runs = {id(param) for run in runs for param in run.params}
+    if len(members) == 1:
+        group = groups[members[0]]
+        params = group["params"]
+        place = {id(param): index for index, param in enumerate(params)}
+        firsts = {id(min(run.params, key=lambda param: place[id(param)])): run for run in runs}
+        stepped: list[torch.Tensor] = []
+        for param in params:
+            run = firsts.get(id(param))
+            if run is not None:
+                stepped.append(run.flat)  # type: ignore[arg-type]  # _ready set it
+            elif id(param) not in in_runs:
+                stepped.append(param)
+        swap.replaced.append((group, params))
+        group["params"] = stepped
+    else:
+        decays = {g: groups[g]["weight_decay"] for g in members}
+        for g in members:
+            swap.replaced.append((groups[g], groups[g]["params"]))
+            groups[g]["params"] = [param for param in groups[g]["params"] if id(param) not in in_runs]
+        added = {k: v for k, v in groups[members[0]].items() if k != "params"}
+        if len(set(decays.values())) > 1:
+            added["weight_decay"] = 0.0
+            with torch.no_grad():
+                for run in runs:
+                    for param, g in zip(run.params, run.groups):
+                        if decays[g] != 0:
+                            param.mul_(1 - groups[g]["lr"] * decays[g])
+        added["params"] = [run.flat for run in runs]
+        groups.append(added)
+        swap.added.append(added)
+    for run in runs:
+        if run.state is not None:
+            optimizer.state[run.flat] = run.state  # type: ignore[index]  # _ready set it
+    swap.runs += runs
 
 
 def after_step(optimizer: torch.optim.Optimizer) -> None:
     """Put the groups' own parameters back, each with its state."""
-    swaps = _IN_FLIGHT.pop(optimizer, None)
-    if swaps is not None:
-        _restore(optimizer, swaps, stepped=True)
+    swap = _IN_FLIGHT.pop(optimizer, None)
+    if swap is not None:
+        _restore(optimizer, swap, stepped=True)
 
 
 def settle() -> None:
     """A step that raised: put the groups back (the state the runs have, as
     after a step: elementwise, what was stepped is the parameters')."""
     while _IN_FLIGHT:
-        optimizer, swaps = _IN_FLIGHT.popitem()
-        _restore(optimizer, swaps, stepped=True)
+        optimizer, swap = _IN_FLIGHT.popitem()
+        _restore(optimizer, swap, stepped=True)
 
 
-def _find_runs(params: list, where: dict[int, tuple[weakref.ReferenceType[FlatParamHandle], int]]) -> list[_Run]:
-    """The runs of ``params`` by their layouts (gradients are checked at
-    each step by ``_ready``)."""
+def _find_runs(
+    classes: list[tuple[int, list]], where: dict[int, tuple[weakref.ReferenceType[FlatParamHandle], int]]
+) -> list[_Run]:
+    """The runs of the parameters of a class of groups, by their layouts
+    (gradients are checked at each step by ``_ready``): parameters of one
+    flat parameter on the CPU, consecutive in its layout with nothing
+    between them in the shard, in the class's groups whatever their order
+    there."""
+    by_handle: dict[int, tuple[FlatParamHandle, list[tuple[int, torch.nn.Parameter, int]]]] = {}
+    for g, params in classes:
+        for param in params:
+            place = where.get(id(param))
+            owner = place[0]() if place is not None else None
+            if owner is not None and owner.requires_grad and owner.sharded_flat_param.device.type == "cpu":
+                by_handle.setdefault(id(owner), (owner, []))[1].append((place[1], param, g))  # type: ignore[index]
     runs: list[_Run] = []
-    members: list[tuple[torch.nn.Parameter, ParamInfo]] = []
-    handle: FlatParamHandle | None = None
-    last_index = -2
-    end: int | None = None  # shard offset after the last non-empty member
-
-    def close() -> None:
-        if handle is not None and len(members) > 1 and end is not None:
+    for handle, placed in by_handle.values():
+        placed.sort(key=lambda item: item[0])
+        members: list[tuple[int, torch.nn.Parameter, int]] = []
+        end: int | None = None  # shard offset after the last non-empty member
+        for index, param, g in placed:
+            info = handle.layout.params[index]
+            joins = (
+                bool(members)
+                and index == members[-1][0] + 1
+                and (not info.local_numel or end is None or info.shard_offset == end)
+            )
+            if not joins:
+                if len(members) > 1 and end is not None:
+                    runs.append(_make_run(handle, members))
+                members, end = [], None
+            members.append((index, param, g))
+            if info.local_numel:
+                end = info.shard_offset + info.local_numel
+        if len(members) > 1 and end is not None:
             runs.append(_make_run(handle, members))
-
-    for param in params:
-        place = where.get(id(param))
-        owner = place[0]() if place is not None else None
-        if owner is None or not owner.requires_grad or owner.sharded_flat_param.device.type != "cpu":
-            close()
-            members, handle, last_index, end = [], None, -2, None
-            continue
-        index = place[1]  # type: ignore[index]  # owner is set only with a place
-        info = owner.layout.params[index]
-        joins = owner is handle and index == last_index + 1
-        if joins and info.local_numel and end is not None:
-            joins = info.shard_offset == end
-        if not joins:
-            close()
-            members, handle, end = [], owner, None
-        members.append((param, info))
-        last_index = index
-        if info.local_numel:
-            end = info.shard_offset + info.local_numel
-    close()
     return runs
 
 
-def _make_run(handle: FlatParamHandle, members: list[tuple[torch.nn.Parameter, ParamInfo]]) -> _Run:
-    filled = [info for _, info in members if info.local_numel]
+def _make_run(handle: FlatParamHandle, members: list[tuple[int, torch.nn.Parameter, int]]) -> _Run:
+    infos = [handle.layout.params[index] for index, _, _ in members]
+    filled = [info for info in infos if info.local_numel]
     offset = filled[0].shard_offset
     numel = filled[-1].shard_offset + filled[-1].local_numel - offset
     starts, numels, position = [], [], 0
-    for _, info in members:
+    for info in infos:
         if info.local_numel:
             position = info.shard_offset - offset
         starts.append(position)
         numels.append(info.local_numel)
         position += info.local_numel
-    return _Run(weakref.ref(handle), [param for param, _ in members], starts, numels, offset, numel)
+    params = [param for _, param, _ in members]
+    groups = [g for _, _, g in members]
+    return _Run(weakref.ref(handle), params, starts, numels, offset, numel, groups)
 
 
 def _ready(run: _Run) -> bool:
@@ -407,27 +472,33 @@ def _tiled(run: _Run, values: list[torch.Tensor]) -> torch.Tensor | None:
     return base.detach().as_strided((run.numel,), (1,), offset)
 
 
-def _restore(optimizer: torch.optim.Optimizer, swaps: list[_Swap], *, stepped: bool) -> None:
-    for swap in swaps:
-        swap.group["params"] = swap.params
-        for run in swap.runs:
-            state = optimizer.state.pop(run.flat, None) if run.flat is not None else None
-            run.flat = None
-            if state is None or not stepped:
-                continue  # nothing stepped: the parameters' own state is as it was
-            values = tuple(state.values())
-            if (
-                state is run.state
-                and run.made
-                and len(values) == len(run.state_values)
-                and all(map(operator.is_, values, run.state_values))
-            ):
-                # Stepped in place: the parameters' views show it, and their
-                # scalars follow the first's.
-                for value, copies in run.scalars:
-                    torch._foreach_copy_(copies, [value] * len(copies))
-                continue
-            _spread(optimizer, run, state)
+def _restore(optimizer: torch.optim.Optimizer, swap: _Swap, *, stepped: bool) -> None:
+    groups = optimizer.param_groups
+    for added in swap.added:
+        for index, group in enumerate(groups):
+            if group is added:
+                del groups[index]
+                break
+    for group, params in swap.replaced:
+        group["params"] = params
+    for run in swap.runs:
+        state = optimizer.state.pop(run.flat, None) if run.flat is not None else None
+        run.flat = None
+        if state is None or not stepped:
+            continue  # nothing stepped: the parameters' own state is as it was
+        values = tuple(state.values())
+        if (
+            state is run.state
+            and run.made
+            and len(values) == len(run.state_values)
+            and all(map(operator.is_, values, run.state_values))
+        ):
+            # Stepped in place: the parameters' views show it, and their
+            # scalars follow the first's.
+            for value, copies in run.scalars:
+                torch._foreach_copy_(copies, [value] * len(copies))
+            continue
+        _spread(optimizer, run, state)
 
 
 def _spread(optimizer: torch.optim.Optimizer, run: _Run, state: dict[str, Any]) -> None:

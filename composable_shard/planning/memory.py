@@ -353,26 +353,17 @@ def _local_params(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
 
 
 def _stepped_tensors(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
-    """``_local_params`` as the optimizer steps them: each run of parameters
-    consecutive in ``module.parameters()`` that lie back to back in the
-    shard as one tensor ([Note: the flat step] in optim/flat_step.py), at
-    its first parameter's position."""
+    """``_local_params`` as one optimizer over ``module.parameters()``
+    steps them: each run of parameters that lie back to back in the shard
+    as one tensor, at its first parameter's place ([Note: the flat step] in
+    optim/flat_step.py)."""
     params = _local_params(fp)
     if fp.layout is None or len(params) != len(fp.layout.params) or not flat_step_enabled():
         return params
     stepped = []
     for run in flat_runs(fp.layout.params):
-        # Split where the optimizer's order is not the layout's.
-        pieces: list[list[tuple[int, int, int]]] = [[params[run[0]]]]
-        for index in run[1:]:
-            if params[index][0] == params[index - 1][0] + 1:
-                pieces[-1].append(params[index])
-            else:
-                pieces.append([params[index]])
-        for piece in pieces:
-            nbytes = sum(nbytes for _, nbytes, _ in piece)
-            # A piece of empty parameters only is stepped parameter by parameter.
-            stepped += [(piece[0][0], nbytes, piece[0][2])] if nbytes else piece
+        pieces = [params[index] for index in run]
+        stepped.append((min(position for position, _, _ in pieces), sum(n for _, n, _ in pieces), pieces[0][2]))
     return stepped
 
 

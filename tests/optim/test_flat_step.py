@@ -130,44 +130,67 @@ def test_every_elementwise_optimizer_steps_flat_bitwise_as_per_parameter(strateg
     run_distributed(_every_optimizer_bitwise, 2, strategy)
 
 
-def _groups_and_user_changes(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)
-    model = TinyGPT()
-    flat, per_param = copy.deepcopy(model), copy.deepcopy(model)
-    shard_manually(ShardingStrategy.FULL_SHARD)(flat)
-    shard_manually(ShardingStrategy.FULL_SHARD)(per_param)
+def _decay_groups(m: nn.Module, **more: Any) -> list[dict[str, Any]]:
+    """Weight decay for the matrices only: the groups interleave within every
+    block's layout (``more``: extra options of the second group)."""
+    named = list(m.named_parameters())
+    decayed = [p for n, p in named if "weight" in n and "norm" not in n]
+    chosen = {id(p) for p in decayed}
+    return [
+        {"params": decayed, "weight_decay": 0.1},
+        {"params": [p for _, p in named if id(p) not in chosen], "weight_decay": 0.0, **more},
+    ]
 
-    def groups(m: nn.Module) -> list[dict[str, Any]]:
-        # Decay for matrices only: the groups interleave within every block.
-        named = list(m.named_parameters())
-        return [
-            {"params": [p for n, p in named if "weight" in n and "norm" not in n], "weight_decay": 0.1},
-            {"params": [p for n, p in named if not ("weight" in n and "norm" not in n)], "weight_decay": 0.0},
-        ]
 
-    flat_optimizer = torch.optim.AdamW(groups(flat), lr=1e-2)
-    per_param_optimizer = torch.optim.AdamW(groups(per_param), lr=1e-2)
-    for step in range(4):
-        for m in (flat, per_param):
-            _backward(m, step, rank, world_size)
-            block = m.blocks[1]
-            if step == 1:  # the user replaces one gradient: its run is stepped per parameter
-                block.norm.bias.grad = block.norm.bias.grad.clone()
-            if step == 2:  # and clears one: not stepped at all, as in one process
-                block.norm.weight.grad = None
-        flat_optimizer.step()
-        with _per_parameter():
-            per_param_optimizer.step()
-        _assert_same(flat, flat_optimizer, per_param, per_param_optimizer, f"groups, step {step}")
-        flat_optimizer.zero_grad()
-        per_param_optimizer.zero_grad()
-    norm = [flat.blocks[0].norm.weight, flat.blocks[0].norm.bias]
-    if all(p.numel() for p in norm):
-        assert _runs_share_state(flat_optimizer, norm)
+# Groups whose runs span both groups (AdamW differing in weight decay alone)
+# and groups stepped apart (another lr, or SGD).
+GROUP_CASES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], bool]] = {
+    "AdamW, decay groups": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), True),
+    "AdamW, decay groups, foreach": (lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=True), True),
+    "AdamW, another lr": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), False),
+    "SGD, decay groups": (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9), False),
+}
+
+
+def _groups_and_user_changes(rank: int, world_size: int) -> list[str]:
+    checked = []
+    for case, (make, spans_groups) in GROUP_CASES.items():
+        torch.manual_seed(0)
+        model = TinyGPT()
+        flat, per_param = copy.deepcopy(model), copy.deepcopy(model)
+        shard_manually(ShardingStrategy.FULL_SHARD)(flat)
+        shard_manually(ShardingStrategy.FULL_SHARD)(per_param)
+        more = {"lr": 3e-3} if case == "AdamW, another lr" else {}
+        flat_optimizer = make(_decay_groups(flat, **more))
+        per_param_optimizer = make(_decay_groups(per_param, **more))
+        for step in range(4):
+            for m in (flat, per_param):
+                _backward(m, step, rank, world_size)
+                block = m.blocks[1]
+                if step == 1:  # the user replaces one gradient: its run is stepped per parameter
+                    block.norm.bias.grad = block.norm.bias.grad.clone()
+                if step == 2:  # and clears one: not stepped at all, as in one process
+                    block.norm.weight.grad = None
+            flat_optimizer.step()
+            with _per_parameter():
+                per_param_optimizer.step()
+            assert len(flat_optimizer.param_groups) == 2  # the step's own group is gone
+            _assert_same(flat, flat_optimizer, per_param, per_param_optimizer, f"{case}, step {step}")
+            flat_optimizer.zero_grad()
+            per_param_optimizer.zero_grad()
+        block = flat.blocks[0]
+        norm, linear = [block.norm.weight, block.norm.bias], [block.fc_in.weight, block.fc_in.bias]
+        if all(p.numel() for p in norm):
+            assert _runs_share_state(flat_optimizer, norm), case
+        if all(p.numel() for p in linear):  # a weight and a bias of different groups
+            assert _runs_share_state(flat_optimizer, linear) == spans_groups, case
+            checked.append(case)
+    return checked
 
 
 def test_parameter_groups_and_gradients_the_user_changed() -> None:
-    run_distributed(_groups_and_user_changes, 2)
+    checked = run_distributed(_groups_and_user_changes, 2)
+    assert set().union(*checked) == set(GROUP_CASES)  # some rank holds both of a weight and its bias
 
 
 def _state_dicts(rank: int, world_size: int) -> None:
