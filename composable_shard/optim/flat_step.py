@@ -63,9 +63,10 @@ Where it applies: the eleven ``torch.optim`` classes of
 ``differentiable``, stepped without a closure (the closure makes the
 gradients after this hook), on an optimizer without step hooks of its own
 (they would see the runs), outside ``torch.compile``, over plain
-parameters (a tensor-parallel one shows a ``DTensor``) of shards on the
-CPU (on CUDA torch's default foreach path already steps all tensors in a
-few kernels, and this path has not run on a GPU). Everything else steps as
+parameters (a tensor-parallel one shows a ``DTensor``) of units that
+compute on the CPU (on CUDA torch's default foreach path already steps all
+tensors in a few kernels; CPU-offloaded shards of CUDA units are left
+alone too: this path has not run beside a GPU). Everything else steps as
 before; ``set_flat_step(optimizer, False)`` or
 ``COMPOSABLE_SHARD_FLAT_STEP=0`` switches it off. The results are bitwise
 those of per-parameter stepping (every update is elementwise; pinned for
@@ -235,7 +236,8 @@ def _classes(optimizer: torch.optim.Optimizer) -> list[list[int]]:
     classes: dict[object, list[int]] = {}
     for index, group in enumerate(groups):
         key: object = ("alone", index)
-        if isinstance(group["lr"], float) and not group.get("fused") and isinstance(group["weight_decay"], float):
+        decay = group["weight_decay"]
+        if isinstance(group["lr"], float) and not group.get("fused") and type(decay) in (int, float):
             hyper = tuple(sorted((k, v) for k, v in group.items() if k not in ("params", "weight_decay")))
             try:
                 hash(hyper)
@@ -318,7 +320,8 @@ def _find_runs(
         for param in params:
             place = where.get(id(param))
             owner = place[0]() if place is not None else None
-            if owner is not None and owner.requires_grad and owner.sharded_flat_param.device.type == "cpu":
+            # CPU training only: an offloaded shard's gradient comes from a device.
+            if owner is not None and owner.requires_grad and owner.compute_device.type == "cpu":
                 by_handle.setdefault(id(owner), (owner, []))[1].append((place[1], param, g))  # type: ignore[index]
     runs: list[_Run] = []
     for handle, placed in by_handle.values():

@@ -144,23 +144,24 @@ def _decay_groups(m: nn.Module, **more: Any) -> list[dict[str, Any]]:
 
 # Groups whose runs span both groups (AdamW differing in weight decay alone)
 # and groups stepped apart (another lr, or SGD).
-GROUP_CASES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], bool]] = {
-    "AdamW, decay groups": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), True),
-    "AdamW, decay groups, foreach": (lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=True), True),
-    "AdamW, another lr": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), False),
-    "SGD, decay groups": (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9), False),
+GROUP_CASES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], bool, dict[str, Any]]] = {
+    "AdamW, decay groups": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), True, {}),
+    "AdamW, decay groups (an int 0), foreach": (
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=True), True, {"weight_decay": 0}
+    ),
+    "AdamW, another lr": (lambda groups: torch.optim.AdamW(groups, lr=1e-2), False, {"lr": 3e-3}),
+    "SGD, decay groups": (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9), False, {}),
 }
 
 
 def _groups_and_user_changes(rank: int, world_size: int) -> list[str]:
     checked = []
-    for case, (make, spans_groups) in GROUP_CASES.items():
+    for case, (make, spans_groups, more) in GROUP_CASES.items():
         torch.manual_seed(0)
         model = TinyGPT()
         flat, per_param = copy.deepcopy(model), copy.deepcopy(model)
         shard_manually(ShardingStrategy.FULL_SHARD)(flat)
         shard_manually(ShardingStrategy.FULL_SHARD)(per_param)
-        more = {"lr": 3e-3} if case == "AdamW, another lr" else {}
         flat_optimizer = make(_decay_groups(flat, **more))
         per_param_optimizer = make(_decay_groups(per_param, **more))
         for step in range(4):
