@@ -422,7 +422,8 @@ def freed_allocation_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
                 fp.unsharded_grad_bytes,
                 fp.padded_numel * _itemsize(fp.reduce_dtype),
                 fp.grad_bytes,
-                fp.max_local_numel * _itemsize(fp.dtype),
+                # The optimizer's temporaries: a run's under the flat step.
+                max((nbytes for _, nbytes, _ in _stepped_tensors(fp)), default=0),
             ]
     return sizes
 
