@@ -91,7 +91,7 @@ import torch
 from ..handle import FlatParamHandle
 from ..runtime.lifecycle import live_units
 from ..runtime.optimizer_checks import ELEMENTWISE_OPTIMIZERS
-from .flat_runs import FLAT_STEP_ENV, flat_step_enabled
+from .flat_runs import FLAT_STEP_ENV, flat_runs, flat_step_enabled
 
 __all__ = ["before_step", "after_step", "settle", "set_flat_step"]
 
@@ -100,9 +100,9 @@ _STEPPABLE = frozenset(ELEMENTWISE_OPTIMIZERS)
 
 @dataclass
 class _Run:
-    """Parameters of one group that lie back to back in one shard, in the
-    group's and the layout's order: stepped as one tensor when their
-    gradients do too."""
+    """Parameters of one class of groups that lie back to back in one
+    shard, in layout order: stepped as one tensor when their gradients do
+    too."""
 
     # Weak, as every reference here: an optimizer does not keep a model alive.
     handle: weakref.ReferenceType[FlatParamHandle]
@@ -315,35 +315,28 @@ def _find_runs(
     flat parameter on the CPU, consecutive in its layout with nothing
     between them in the shard, in the class's groups whatever their order
     there."""
-    by_handle: dict[int, tuple[FlatParamHandle, list[tuple[int, torch.nn.Parameter, int]]]] = {}
+    # id(handle) -> the handle, and layout index -> (parameter, its group).
+    by_handle: dict[int, tuple[FlatParamHandle, dict[int, tuple[torch.nn.Parameter, int]]]] = {}
     for g, params in classes:
         for param in params:
             place = where.get(id(param))
             owner = place[0]() if place is not None else None
             # CPU training only: an offloaded shard's gradient comes from a device.
             if owner is not None and owner.requires_grad and owner.compute_device.type == "cpu":
-                by_handle.setdefault(id(owner), (owner, []))[1].append((place[1], param, g))  # type: ignore[index]
+                by_handle.setdefault(id(owner), (owner, {}))[1][place[1]] = (param, g)  # type: ignore[index]
     runs: list[_Run] = []
-    for handle, placed in by_handle.values():
-        placed.sort(key=lambda item: item[0])
-        members: list[tuple[int, torch.nn.Parameter, int]] = []
-        end: int | None = None  # shard offset after the last non-empty member
-        for index, param, g in placed:
-            info = handle.layout.params[index]
-            joins = (
-                bool(members)
-                and index == members[-1][0] + 1
-                and (not info.local_numel or end is None or info.shard_offset == end)
-            )
-            if not joins:
-                if len(members) > 1 and end is not None:
+    for handle, present in by_handle.values():
+        # The layout's runs (flat_runs: the plan's rule too), cut where a
+        # parameter of the run is not in the class.
+        for layout_run in flat_runs(handle.layout.params):
+            members: list[tuple[int, torch.nn.Parameter, int]] = []
+            for index in [*layout_run, None]:
+                if index is not None and index in present:
+                    members.append((index, *present[index]))
+                    continue
+                if len(members) > 1 and any(handle.layout.params[i].local_numel for i, _, _ in members):
                     runs.append(_make_run(handle, members))
-                members, end = [], None
-            members.append((index, param, g))
-            if info.local_numel:
-                end = info.shard_offset + info.local_numel
-        if len(members) > 1 and end is not None:
-            runs.append(_make_run(handle, members))
+                members = []
     return runs
 
 

@@ -432,8 +432,7 @@ def _local_value(op: OptimParam, key: str, value: Any, owned: dict[int, bool], c
 
 def _same_memory(local: torch.Tensor, current: Any) -> bool:
     return (
-        isinstance(current, torch.Tensor)
-        and type(current) is torch.Tensor
+        type(current) is torch.Tensor
         and local.numel() > 0
         and local.shape == current.shape
         and local.dtype == current.dtype
