@@ -112,6 +112,9 @@ class PendingCollective:
     work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | GatheredThenCopied | FreedAtWait | None
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
+    # A coalesced reduction's outputs where each is a tensor of its own
+    # (``output`` is the first): what ``split_reduced`` hands out.
+    outputs: tuple[torch.Tensor, ...] = ()
 
 
 def all_gather_into(
@@ -407,7 +410,10 @@ def reduce_grads_together(
     pre-divided by its own settings, then laid side by side per rank's
     chunk (a reduce-scatter's rank ``r`` gets every gradient's chunk ``r``,
     in order) or one after another (an all-reduce). Its output holds the
-    summed shards in order; ``split_reduced`` hands each gradient its own."""
+    summed shards in order; ``split_reduced`` hands each gradient its own.
+    A reduce-scatter through shared memory moves the same bytes without
+    the side-by-side copy, into one output per gradient
+    (``reduce_scatter_pieces``)."""
     summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
     groups = settings[0].groups
     # On CUDA the casts and the concatenation run on the reduction lane:
@@ -418,6 +424,16 @@ def reduce_grads_together(
     read_on_lane = (*summed, *unsharded_grads) if unsharded_grads[0].device.type == "cuda" else ()
     if groups.is_sharded:
         world_size = groups.shard_world_size
+        if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
+            # Through shared memory each chunk is written from, and each
+            # output summed into, where it lies: nothing side by side, and
+            # every gradient's shard is a tensor of its own (divided in place).
+            nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
+            shared = transport.host_transport(summed[0], groups.shard_group, nbytes - nbytes // world_size)
+            if shared is not None:
+                outputs = tuple(grad.new_empty(grad.numel() // world_size) for grad in summed)
+                work = shared.reduce_scatter_pieces(outputs, summed, async_op=async_op)
+                return PendingCollective(work, outputs[0], (), outputs)
         combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
@@ -437,7 +453,8 @@ def split_reduced(reduced: PendingCollective, sizes: list[int]) -> list[PendingC
     tensor of its own there (a sharded gradient's storage must be its own:
     parameters' ``.grad`` are views of it), by the division where that is
     all it does (no separate copy)."""
-    return [PendingCollective(None, piece, ()) for piece in reduced.output.split(sizes)]
+    pieces = reduced.outputs or reduced.output.split(sizes)
+    return [PendingCollective(None, piece, ()) for piece in pieces]
 
 
 def _reduce_with_comm_hook(unsharded_grad: torch.Tensor, settings: GradReduceSettings) -> PendingCollective:

@@ -40,7 +40,9 @@ counts as unsharded. Issuing a bucket finishes the reduction in flight,
 then holds the held gradients, their casts to the reduce dtype, the
 side-by-side copy and the output at once; in flight it keeps the output
 (and, through gloo, the copy). Its finish copies each unit's shard out of
-the output before the output goes. ``buckets_in_backward`` lists the
+the output before the output goes. A reduce-scatter through shared memory
+has no side-by-side copy, and its output is each unit's shard, divided in
+place: its finish copies only where a shard is cast to the gradient dtype. ``buckets_in_backward`` lists the
 buckets; tests/runtime/test_coalesced_reductions.py checks the runtime
 issues exactly these.
 
@@ -247,7 +249,13 @@ def step_moments(
         unit gets a copy of its shard of the output, then finishes)."""
         nonlocal in_flight, flying, flying_is_bucket
         if flying_is_bucket:
-            copies = sum(fp.shard_numel * _itemsize(fp.reduce_dtype) for fp in trainable_of(flying))
+            members = trainable_of(flying)
+            if members[0].is_sharded and members[0].reduction_frees_grad:
+                # Through shared memory each shard is an output of its own,
+                # divided in place: a copy only where the gradient dtype differs.
+                copies = sum(fp.grad_bytes for fp in members if fp.grad_dtype != fp.reduce_dtype)
+            else:
+                copies = sum(fp.shard_numel * _itemsize(fp.reduce_dtype) for fp in members)
             label = f"finish of the bucket of {names_of(flying)}"
             moments.append(
                 StepPeak(label, reduced, sum(gathered.values()), unsharded_grads, comm + in_flight + copies, 0, acts)
@@ -267,8 +275,11 @@ def step_moments(
         members = trainable_of(bucket)
         sizes = [_itemsize(fp.reduce_dtype) for fp in members]
         casts = sum(fp.padded_numel * size for fp, size in zip(members, sizes) if fp.reduce_dtype != fp.param_dtype)
-        combined = sum(fp.padded_numel * size for fp, size in zip(members, sizes))
         sharded = members[0].is_sharded
+        # Through shared memory a reduce-scatter reads each gradient where it
+        # lies (``reduce_scatter_pieces``): nothing side by side.
+        in_place = sharded and members[0].reduction_frees_grad
+        combined = 0 if in_place else sum(fp.padded_numel * size for fp, size in zip(members, sizes))
         output = sum(fp.shard_numel * size for fp, size in zip(members, sizes)) if sharded else 0
         label = f"reduction of the bucket of {names_of(bucket)}"
         moment(label, reduced, unsharded_grads + held + casts, combined + output, acts=acts)

@@ -20,12 +20,14 @@ so a unit's pre-backward trims only when the backward gathered
 high-water mark (farther below, this unit cannot make a new peak). Only
 bytes really gathered count (a flat parameter that is its own shard, as
 NO_SHARD's in its own dtype, brings none). Reading the levels costs a
-read of ``/proc/self/status``, so a check that finds the resident set
-below the mark by more than ``REACH_PER_GATHERED_BYTE`` times the unit's
-bytes and another ``TRIM_EVERY_BYTES`` starts the count again: by the same
-bound no unit before that much more was gathered can reach the mark, so
-each of their checks would have skipped too (nearer, every unit checks, as
-before).
+read of ``/proc/self/status`` (about 30 µs, a sixth of a small unit's
+pre-backward), so a check that finds the resident set ``gap``
+bytes below the mark also says when the next check is due: a unit's
+backward adds at most ``REACH_PER_GATHERED_BYTE`` times its gathered bytes
+to the resident set, so no unit reaches the mark before the units after
+this one gathered ``gap / REACH_PER_GATHERED_BYTE`` less this unit's
+bytes, and their checks are skipped (they would have found the mark out
+of reach too).
 ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0`` turns it off; without
 ``malloc_trim`` (musl, macOS) it does nothing. Measurements: docs/how-it-works.md
 ("Memory"). Pinned by tests/runtime/test_host_memory.py.
@@ -101,22 +103,30 @@ class HostMemoryTrimmer:
         self.trim_every_bytes = self.TRIM_EVERY_BYTES if trim_every_bytes is None else trim_every_bytes
         self._read_levels = read_levels
         self._bytes_since_trim = 0
+        # Bytes gathered since the last check, and how many more the last
+        # check said cannot reach the high-water mark.
+        self._bytes_since_check = 0
+        self._out_of_reach_bytes = 0
         self.trims = 0  # how many trims ran (tests and the bench read it)
+        self.checks = 0  # how many times the levels were read
 
     def unit_backward_starts(self, gathered_bytes: int) -> None:
         """A unit's backward starts; it gathered ``gathered_bytes`` (0 where
         its flat parameters are their own shards)."""
         self._bytes_since_trim += gathered_bytes
-        if self._bytes_since_trim < self.trim_every_bytes:
+        self._bytes_since_check += gathered_bytes
+        if self._bytes_since_trim < self.trim_every_bytes or self._bytes_since_check < self._out_of_reach_bytes:
             return
+        self._bytes_since_check, self._out_of_reach_bytes = 0, 0
         levels = self._read_levels()
+        self.checks += 1
         if levels is not None:
             resident, high_water = levels
             reach = self.REACH_PER_GATHERED_BYTE
             if resident + reach * gathered_bytes < high_water:
-                # Far from the peak: a trim now would only cost page faults.
-                if resident + reach * (gathered_bytes + self.trim_every_bytes) < high_water:
-                    self._bytes_since_trim = 0  # no check can trim before that many more bytes
+                # Far from the peak: a trim now would only cost page faults,
+                # and so would one until that many more bytes were gathered.
+                self._out_of_reach_bytes = (high_water - resident) // reach - gathered_bytes
                 return
         trim = malloc_trim()
         if trim is not None:

@@ -582,3 +582,76 @@ def _all_gather_pieces_is_gloos_all_gather_of_each(rank: int, world_size: int) -
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_coalesced_all_gather_through_shared_memory_writes_and_reads_in_place(world_size: int) -> None:
     run_distributed(_all_gather_pieces_is_gloos_all_gather_of_each, world_size)
+
+
+def _reduce_scatter_pieces_is_gloos_reduce_scatter_side_by_side(rank: int, world_size: int) -> None:
+    """A coalesced reduce-scatter through shared memory reads each input
+    and sums into each output where it lies: every output equals, bit for
+    bit, its part of the shared-memory reduce-scatter of the inputs' chunks
+    laid side by side (and gloo's: bit for bit at two ranks), for inputs of random sizes (empty ones among them) in one slot
+    and streamed through slots of 1,000 bytes; a peer reducing the
+    side-by-side tensor sees the same bytes (the sums equal gloo's); bad lists are refused before
+    anything is issued, and the group goes on."""
+    generator = torch.Generator().manual_seed(11)
+    with shared_memory_slot_bytes(1000):
+        group = dist.new_group(list(range(world_size)))
+    shared = transport.shared_memory_of(group)
+    assert shared is not None, "ranks of one host share memory"
+
+    def side_by_side(inputs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([each.view(world_size, -1) for each in inputs], dim=1).reshape(-1)
+
+    for trial in range(6):
+        chunks = torch.randint(0, 300, (1 + trial,), generator=generator).tolist()
+        if trial == 2:
+            chunks[0] = 0
+        every_rank = [[torch.randn(chunk * world_size, generator=generator) for chunk in chunks] for _ in range(world_size)]
+        for async_op in (False, True):
+            outputs = [torch.full((chunk,), 7.0) for chunk in chunks]
+            work = shared.reduce_scatter_pieces(outputs, [each.clone() for each in every_rank[rank]], async_op=async_op)
+            if work is not None:
+                work.wait()
+            # Bit for bit the shared-memory reduce-scatter of the side-by-side tensor.
+            expected = torch.empty(sum(chunks))
+            shared.reduce_scatter(expected, side_by_side(every_rank[rank]), async_op=False)
+            assert torch.equal(torch.cat(outputs), expected), (trial, chunks, async_op)
+            # And gloo's: bit for bit at two ranks (one addition), else to round-off.
+            gloo = torch.empty(sum(chunks))
+            dist.reduce_scatter_tensor(gloo, side_by_side(every_rank[rank]), group=group)
+            if world_size == 2:
+                assert torch.equal(torch.cat(outputs), gloo), (trial, chunks, async_op)
+            torch.testing.assert_close(torch.cat(outputs), gloo, rtol=0, atol=1e-5)
+    # Rank 0 reduces the side-by-side tensor, the others the pieces: the same bytes.
+    chunks = [130, 7, 260]
+    every_rank = [[torch.randn(chunk * world_size, generator=generator) for chunk in chunks] for _ in range(world_size)]
+    if rank == 0:
+        output = torch.empty(sum(chunks))
+        shared.reduce_scatter(output, side_by_side(every_rank[rank]), async_op=False)
+    else:
+        outputs = [torch.empty(chunk) for chunk in chunks]
+        shared.reduce_scatter_pieces(outputs, every_rank[rank], async_op=False)
+        output = torch.cat(outputs)
+    expected = torch.empty(sum(chunks))
+    dist.reduce_scatter_tensor(expected, side_by_side(every_rank[rank]), group=group)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-5)
+    # Refused before anything is issued; the group goes on.
+    with pytest.raises(ValueError, match=r"reduce-scatter: input has 5 torch.float32 elements, expected"):
+        shared.reduce_scatter_pieces([torch.empty(1), torch.empty(2)], [torch.zeros(world_size), torch.zeros(5)], async_op=False)
+    with pytest.raises(ValueError, match=r"2 outputs for 1 inputs"):
+        shared.reduce_scatter_pieces([torch.empty(1)] * 2, [torch.zeros(world_size)], async_op=False)
+    with pytest.raises(ValueError, match=r"need contiguous tensors"):
+        shared.reduce_scatter_pieces([torch.empty(2)], [torch.zeros(4 * world_size)[::2]], async_op=False)
+    with pytest.raises(ValueError, match=r"of one dtype"):
+        f64 = torch.float64
+        shared.reduce_scatter_pieces(
+            [torch.empty(1), torch.empty(1, dtype=f64)], [torch.zeros(world_size), torch.zeros(world_size, dtype=f64)], async_op=False
+        )
+    outputs = [torch.empty(1)]
+    shared.reduce_scatter_pieces(outputs, [torch.full((world_size,), float(rank))], async_op=False)
+    assert torch.equal(outputs[0], torch.tensor([float(sum(range(world_size)))]))
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_reduce_scatter_through_shared_memory_reads_and_sums_in_place(world_size: int) -> None:
+    run_distributed(_reduce_scatter_pieces_is_gloos_reduce_scatter_side_by_side, world_size)

@@ -84,14 +84,17 @@ def test_trimmer_trims_once_per_trim_every_bytes_gathered_near_the_high_water_ma
     # 60, 90: under trim_every_bytes, no check. 100: at the mark, trim.
     # 99, then 349 with (500, 1000): 500 + 4 * 250 >= 1000, trim. 0, then 100
     # with (900, 1000): trim. 30, then 130 with (500, 1000): 500 + 4 * 100 <
-    # 1000, too far below the mark, no trim. Where no levels can be read, trim.
+    # 1000, too far below the mark, no trim.
     assert counts == [0, 0, 1, 1, 2, 2, 3, 3, 3]
-    trimmer.unit_backward_starts(1)  # 131, no levels: trim
-    assert trimmer.trims == 4
+    # That check also said no unit reaches the mark before 500 / 4 - 100 = 25
+    # more bytes: 24 are not checked, the 25th is; no levels there: trim.
+    trimmer.unit_backward_starts(24)
+    assert (trimmer.checks, trimmer.trims) == (4, 3)
+    trimmer.unit_backward_starts(1)
+    assert (trimmer.checks, trimmer.trims) == (5, 4)
 
 
-
-def test_trimmer_counts_again_after_a_check_that_another_trim_every_bytes_cannot_bring_to_the_mark() -> None:
+def test_a_check_far_below_the_mark_skips_the_checks_that_could_not_reach_it() -> None:
     reads: list[tuple[int, int] | None] = []
     levels = iter([(100, 1000), (700, 1000), (100, 1000), None])
 
@@ -100,20 +103,25 @@ def test_trimmer_counts_again_after_a_check_that_another_trim_every_bytes_cannot
         return reads[-1]
 
     trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100, read_levels=read_levels)
-    # 100 with (100, 1000): 100 + 4 * 100 < 1000, no trim; 100 + 4 * (100 + 100)
-    # < 1000 too: no unit of the next 100 bytes can reach the mark, the count
-    # starts again.
+    # 100 with (100, 1000): 100 + 4 * 100 < 1000, no trim. A unit's backward
+    # adds at most 4 times its bytes, so the mark is out of reach until the
+    # next units gathered 900 / 4 - 100 = 125 bytes: no check before.
     trimmer.unit_backward_starts(100)
     assert (len(reads), trimmer.trims) == (1, 0)
-    trimmer.unit_backward_starts(99)  # 99: no check
-    assert (len(reads), trimmer.trims) == (1, 0)
-    # 100 with (700, 1000): 700 + 4 * 1 < 1000, no trim, but 700 + 4 * (1 +
-    # 100) >= 1000: the count goes on, the next unit checks again.
+    trimmer.unit_backward_starts(99)
     trimmer.unit_backward_starts(1)
+    assert (len(reads), trimmer.trims) == (1, 0)
+    # 125 with (700, 1000): 700 + 4 * 25 < 1000, no trim; next check after
+    # 300 / 4 - 25 = 50 bytes.
+    trimmer.unit_backward_starts(25)
     assert (len(reads), trimmer.trims) == (2, 0)
-    trimmer.unit_backward_starts(0)  # 100 with (100, 1000): far again, count restarts
+    trimmer.unit_backward_starts(49)
+    assert (len(reads), trimmer.trims) == (2, 0)
+    trimmer.unit_backward_starts(1)  # 50 with (100, 1000): far again, 900 / 4 - 1 = 224 to go
     assert (len(reads), trimmer.trims) == (3, 0)
-    trimmer.unit_backward_starts(100)  # 100, no levels: trim
+    trimmer.unit_backward_starts(223)
+    assert (len(reads), trimmer.trims) == (3, 0)
+    trimmer.unit_backward_starts(1)  # 224, no levels: trim
     assert (len(reads), trimmer.trims) == (4, 1)
 
 

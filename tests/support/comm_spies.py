@@ -34,7 +34,11 @@ class CollectiveSpy:
         self.sizes: list[tuple[str, int]] = []
         # The calls made from outside comm (the runtime's), not from one another.
         self.outermost: list[str] = []
+        # Each gradient reduction issued: (its collective, elements of its
+        # output, reduce dtype); see reductions_issued.
+        self.reductions: list[tuple[str, int, torch.dtype]] = []
         self._depth = 0
+        self._inside_bucket = 0
 
     def counts(self) -> collections.Counter[str]:
         return collections.Counter(name for name, _ in self.calls)
@@ -44,6 +48,26 @@ class CollectiveSpy:
         (``all_gather_into``) and each bucket's (``all_gather_together``,
         one collective whichever way the transport moves it)."""
         return sum(name in ("all_gather_into", "all_gather_together") for name in self.outermost)
+
+    def reductions_issued(self, collective: str | None = None) -> list[tuple[int, torch.dtype]]:
+        """(output elements, dtype) of each reduce-scatter or all-reduce
+        (``collective``: only those) that reduced gradients: a flat
+        parameter's own (``reduce_scatter``, ``all_reduce``) and each
+        bucket's (``reduce_grads_together``, one collective whichever way
+        the transport moves it)."""
+        return [(numel, dtype) for name, numel, dtype in self.reductions if collective in (None, name)]
+
+    def _record_reduction(self, name: str, args: tuple) -> None:
+        if name == "reduce_grads_together":
+            grads, settings = args[0], args[1]
+            groups = settings[0].groups
+            total = sum(grad.numel() for grad in grads)
+            if groups.is_sharded:
+                self.reductions.append(("reduce_scatter", total // groups.shard_world_size, settings[0].reduce_dtype))
+            else:
+                self.reductions.append(("all_reduce", total, settings[0].reduce_dtype))
+        elif name in ("reduce_scatter", "all_reduce") and not self._inside_bucket:
+            self.reductions.append((name, args[0].numel(), args[0].dtype))
 
     def dtypes(self, name: str) -> set[torch.dtype]:
         return {dtype for called, dtypes in self.calls if called == name for dtype in dtypes}
@@ -56,11 +80,15 @@ class CollectiveSpy:
                 self.sizes.append((name, tensors[0].numel()))
             if self._depth == 0:
                 self.outermost.append(name)
+            self._record_reduction(name, args)
+            bucket = name == "reduce_grads_together"
             self._depth += 1
+            self._inside_bucket += bucket
             try:
                 return function(*args, **kwargs)
             finally:
                 self._depth -= 1
+                self._inside_bucket -= bucket
 
         return spy
 

@@ -226,6 +226,65 @@ class HostSharedMemory:
             self.slots.leave()
         return _waited_unless(async_op, work)
 
+    def reduce_scatter_pieces(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, async_op: bool
+    ) -> SharedMemoryWork | None:
+        """``reduce_scatter`` of several tensors in one collective: rank
+        ``r``'s chunk is every input's chunk ``r`` (``inputs[i]`` has
+        ``world_size`` times ``outputs[i]``'s elements) back to back, and
+        each output gets its input's chunk of this rank, summed. Read and
+        written where they lie: no side-by-side copy of the inputs, and each
+        output is a tensor of its own (the bytes a peer sees are those of one
+        reduce-scatter of the inputs' chunks laid side by side, summed in the
+        same order). ``inputs`` are not used after this call returns."""
+        if len(outputs) != len(inputs) or not inputs:
+            raise ValueError(
+                f"shared-memory reduce-scatter of pieces: {len(outputs)} outputs for {len(inputs)} inputs "
+                "(one output per input, at least one)"
+            )
+        for output, input in zip(outputs, inputs):
+            self._check_sizes("reduce-scatter: input", input, output)
+            if not input.is_contiguous():
+                raise ValueError("shared-memory collectives need contiguous tensors")
+            if input.dtype != inputs[0].dtype or output.dtype != inputs[0].dtype:
+                raise ValueError(
+                    f"shared-memory reduce-scatter of pieces: inputs and outputs of one dtype, got {input.dtype} "
+                    f"and {output.dtype} beside {inputs[0].dtype}"
+                )
+        targets = Pieces(outputs)  # refuses strided tensors before anything is issued
+        chunks = [input.detach().view(self.world_size, -1) for input in inputs]
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        sources = {peer: Pieces([chunk[peer] for chunk in chunks]) for peer in peers}
+        element_size = inputs[0].element_size()
+        starts = _offsets([output.numel() * element_size for output in outputs])
+        self.slots.enter("a reduce-scatter")
+        try:
+            for output, chunk in zip(outputs, chunks):
+                output.copy_(chunk[self.rank])
+
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                for index, peer in enumerate(peers):
+                    transfer(sources[peer], start, Pieces([region[index * length : (index + 1) * length]]), 0, length)
+
+            def read(slot: int, start: int, length: int) -> None:
+                if not targets.has_storage():
+                    return  # its owner freed it before waiting: nobody reads the result
+                for peer in peers:
+                    at = _chunk_offset(self.rank, peer, length)
+                    region = self.files.region(peer, slot, at + length)[at:]
+                    for output, output_at in zip(outputs, starts):
+                        low, high = _overlap(output_at, output.numel() * element_size, start, length)
+                        if high > low:
+                            target = _bytes_of(output)[low - output_at : high - output_at].view(output.dtype)
+                            target.add_(region[low - start : high - start].view(output.dtype))
+
+            rounds = _rounds(targets.nbytes, self._reduce_piece(element_size))
+            signature = signature_of(REDUCE_SCATTER, targets.nbytes * len(peers))
+            work = self._stream("a reduce-scatter", signature, rounds, write, read, per_round=len(peers))
+        finally:
+            self.slots.leave()
+        return _waited_unless(async_op, work)
+
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Sum ``tensor`` over the group in place, in rank order on every
         rank (the same bits everywhere); ``tensor`` holds the sum once the
