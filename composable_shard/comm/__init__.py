@@ -432,8 +432,8 @@ def reduce_grads_together(
             shared = transport.host_transport(summed[0], groups.shard_group, nbytes - nbytes // world_size)
             if shared is not None:
                 outputs = tuple(grad.new_empty(grad.numel() // world_size) for grad in summed)
-                work = shared.reduce_scatter_pieces(outputs, summed, async_op=async_op)
-                return PendingCollective(work, outputs[0], (), outputs)
+                in_place = shared.reduce_scatter_pieces(outputs, summed, async_op=async_op)
+                return PendingCollective(in_place, outputs[0], (), outputs)
         combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
