@@ -411,9 +411,10 @@ def reduce_grads_together(
     chunk (a reduce-scatter's rank ``r`` gets every gradient's chunk ``r``,
     in order) or one after another (an all-reduce). Its output holds the
     summed shards in order; ``split_reduced`` hands each gradient its own.
-    A reduce-scatter through shared memory moves the same bytes without
-    the side-by-side copy, into one output per gradient
-    (``reduce_scatter_pieces``)."""
+    Through shared memory the same bytes move without the side-by-side
+    copy: a reduce-scatter into one output per gradient
+    (``reduce_scatter_pieces``), an all-reduce into each gradient
+    (``all_reduce_pieces``)."""
     summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
     groups = settings[0].groups
     # On CUDA the casts and the concatenation run on the reduction lane:
@@ -441,6 +442,13 @@ def reduce_grads_together(
             return PendingCollective(work, output, read_on_lane)
         # Nobody reads the input after the wait.
         return PendingCollective(FreedAtWait.around(work, (combined,)), output, (combined, *read_on_lane))
+    if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        # Through shared memory each gradient is summed where it lies.
+        nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
+        shared = transport.host_transport(summed[0], groups.replicate_group, nbytes)
+        if shared is not None:
+            in_place = shared.all_reduce_pieces(summed, async_op=async_op)
+            return PendingCollective(in_place, summed[0], (), tuple(summed))
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
     return PendingCollective(work, combined, read_on_lane)

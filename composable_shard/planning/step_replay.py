@@ -40,9 +40,10 @@ counts as unsharded. Issuing a bucket finishes the reduction in flight,
 then holds the held gradients, their casts to the reduce dtype, the
 side-by-side copy and the output at once; in flight it keeps the output
 (and, through gloo, the copy). Its finish copies each unit's shard out of
-the output before the output goes. A reduce-scatter through shared memory
-has no side-by-side copy, and its output is each unit's shard, divided in
-place: its finish copies only where a shard is cast to the gradient dtype. ``buckets_in_backward`` lists the
+the output before the output goes. Through shared memory there is no
+side-by-side copy: a reduce-scatter's output is each unit's shard and an
+all-reduce sums each gradient where it lies, divided in place, so the
+finish copies only where a shard is cast to the gradient dtype. ``buckets_in_backward`` lists the
 buckets; tests/runtime/test_coalesced_reductions.py checks the runtime
 issues exactly these.
 
@@ -250,10 +251,12 @@ def step_moments(
         nonlocal in_flight, flying, flying_is_bucket
         if flying_is_bucket:
             members = trainable_of(flying)
-            if members[0].is_sharded and members[0].reduction_frees_grad:
-                # Through shared memory each shard is an output of its own,
+            if members[0].reduction_frees_grad:
+                # Through shared memory each shard is a tensor of its own,
                 # divided in place: a copy only where the gradient dtype differs.
-                copies = sum(fp.grad_bytes for fp in members if fp.grad_dtype != fp.reduce_dtype)
+                copies = sum(
+                    fp.shard_numel * _itemsize(fp.grad_dtype) for fp in members if fp.grad_dtype != fp.reduce_dtype
+                )
             else:
                 copies = sum(fp.shard_numel * _itemsize(fp.reduce_dtype) for fp in members)
             label = f"finish of the bucket of {names_of(flying)}"
@@ -276,15 +279,18 @@ def step_moments(
         sizes = [_itemsize(fp.reduce_dtype) for fp in members]
         casts = sum(fp.padded_numel * size for fp, size in zip(members, sizes) if fp.reduce_dtype != fp.param_dtype)
         sharded = members[0].is_sharded
-        # Through shared memory a reduce-scatter reads each gradient where it
-        # lies (``reduce_scatter_pieces``): nothing side by side.
-        in_place = sharded and members[0].reduction_frees_grad
-        combined = 0 if in_place else sum(fp.padded_numel * size for fp, size in zip(members, sizes))
+        side_by_side = sum(fp.padded_numel * size for fp, size in zip(members, sizes))
+        # Through shared memory each gradient is read (and, all-reduced,
+        # summed) where it lies (``reduce_scatter_pieces``,
+        # ``all_reduce_pieces``): nothing side by side.
+        in_place = members[0].reduction_frees_grad
         output = sum(fp.shard_numel * size for fp, size in zip(members, sizes)) if sharded else 0
         label = f"reduction of the bucket of {names_of(bucket)}"
-        moment(label, reduced, unsharded_grads + held + casts, combined + output, acts=acts)
-        # Through shared memory the input was copied out; gloo keeps it.
-        in_flight = output + (0 if sharded and members[0].reduction_frees_grad else combined)
+        moment(label, reduced, unsharded_grads + held + casts, (0 if in_place else side_by_side) + output, acts=acts)
+        # In flight: a reduce-scatter's output (through shared memory the
+        # input was copied out; gloo keeps it); an all-reduce's gradients,
+        # side by side or, through shared memory, each where it lies.
+        in_flight = output + (0 if sharded and in_place else side_by_side)
         flying, flying_is_bucket = bucket, True
 
     def gather(index: int, step: int, *, waited: bool, acts: int = 0, alive: tuple[int, int, int] = (0, 0, 0)) -> int:

@@ -30,10 +30,17 @@ side per rank's chunk, or one all-reduce (``comm.reduce_grads_together``);
 each flat parameter gets its shard of the result and finishes as if
 reduced alone (division, hybrid all-reduce, accumulation, ``.grad``, user
 hooks), in a tensor of its own (the division writes it where that is all
-the finish does: ``comm.finish_grad_reduction``). The sum of each element is the same as alone: the same
+the finish does: ``comm.finish_grad_reduction``). Through shared memory
+a reduce-scatter moves the same bytes without the side-by-side copy:
+each gradient's chunks are written from where they lie and each shard is
+summed into an output of its own, which the division then writes in
+place (``reduce_scatter_pieces``). The sum of each element is the same as alone: the same
 elements, the same ranks, the same order. Memory: the held gradients and
-the bucket's side-by-side copy, at most two buckets' bytes (``plan``
-counts them). Pinned by tests/runtime/test_coalesced_reductions.py.
+the bucket's side-by-side copy (none through shared memory), at most two
+buckets' bytes (``plan`` counts them). Pinned by
+tests/runtime/test_coalesced_reductions.py and, the in-place path, by
+test_coalesced_reduce_scatter_through_shared_memory_reads_and_sums_in_place
+(tests/comm/test_shared_memory.py).
 """
 
 from __future__ import annotations

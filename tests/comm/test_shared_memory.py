@@ -655,3 +655,62 @@ def _reduce_scatter_pieces_is_gloos_reduce_scatter_side_by_side(rank: int, world
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_coalesced_reduce_scatter_through_shared_memory_reads_and_sums_in_place(world_size: int) -> None:
     run_distributed(_reduce_scatter_pieces_is_gloos_reduce_scatter_side_by_side, world_size)
+
+
+def _all_reduce_pieces_is_the_all_reduce_of_the_tensors_back_to_back(rank: int, world_size: int) -> None:
+    """A coalesced all-reduce through shared memory sums each tensor where
+    it lies: bit for bit the shared-memory all-reduce of the tensors laid
+    back to back (the same on every rank), and gloo's to round-off, for
+    random sizes (empty ones among them) in one slot and streamed through
+    slots of 1,000 bytes; a peer all-reducing the concatenation sees the
+    same bytes; bad lists are refused before anything is issued."""
+    generator = torch.Generator().manual_seed(13)
+    with shared_memory_slot_bytes(1000):
+        group = dist.new_group(list(range(world_size)))
+    shared = transport.shared_memory_of(group)
+    assert shared is not None, "ranks of one host share memory"
+    for trial in range(6):
+        sizes = torch.randint(0, 500, (1 + trial,), generator=generator).tolist()
+        if trial == 2:
+            sizes[0] = 0
+        every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
+        for async_op in (False, True):
+            tensors = [each.clone() for each in every_rank[rank]]
+            work = shared.all_reduce_pieces(tensors, async_op=async_op)
+            if work is not None:
+                work.wait()
+            expected = torch.cat(every_rank[rank])
+            shared.all_reduce(expected, async_op=False)
+            assert torch.equal(torch.cat(tensors), expected), (trial, sizes, async_op)
+            gloo = torch.cat(every_rank[rank])
+            dist.all_reduce(gloo, group=group)
+            torch.testing.assert_close(torch.cat(tensors), gloo, rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.cat(tensors), sum(torch.cat(each) for each in every_rank), rtol=0, atol=1e-5)
+    # Rank 0 all-reduces the concatenation, the others the pieces: the same bits.
+    sizes = [300, 7, 520]
+    every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
+    if rank == 0:
+        result = torch.cat(every_rank[rank])
+        shared.all_reduce(result, async_op=False)
+    else:
+        tensors = [each.clone() for each in every_rank[rank]]
+        shared.all_reduce_pieces(tensors, async_op=False)
+        result = torch.cat(tensors)
+    gathered = [torch.empty_like(result) for _ in range(world_size)]
+    dist.all_gather(gathered, result, group=group)
+    assert all(torch.equal(each, gathered[0]) for each in gathered), "every rank has the same bits"
+    with pytest.raises(ValueError, match=r"no tensor"):
+        shared.all_reduce_pieces([], async_op=False)
+    with pytest.raises(ValueError, match=r"need contiguous tensors"):
+        shared.all_reduce_pieces([torch.zeros(4)[::2]], async_op=False)
+    with pytest.raises(ValueError, match=r"of one dtype"):
+        shared.all_reduce_pieces([torch.zeros(2), torch.zeros(2, dtype=torch.float64)], async_op=False)
+    tensors = [torch.full((1,), float(rank)), torch.ones(2)]
+    shared.all_reduce_pieces(tensors, async_op=False)
+    assert torch.equal(tensors[0], torch.tensor([float(sum(range(world_size)))])) and torch.equal(tensors[1], torch.full((2,), float(world_size)))
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_all_reduce_through_shared_memory_sums_in_place(world_size: int) -> None:
+    run_distributed(_all_reduce_pieces_is_the_all_reduce_of_the_tensors_back_to_back, world_size)

@@ -70,32 +70,38 @@ def _arm(fault: str) -> None:
 
         return call
 
-    if fault in ("forward", "stop"):
-        # The second all-gather the runtime issues in step 1, a unit's own or
-        # a bucket's (through shared memory a bucket moves in place, without
-        # all_gather_into; through gloo it calls it, counted once).
+    def outermost(name: str, index: int, step: int, names: tuple[str, ...]) -> None:
+        """Count, as ``name``, the calls of ``names`` the runtime makes (a
+        unit's own collective or a bucket's, one each, whichever way the
+        transport moves it: through shared memory a bucket moves in place,
+        without the single-tensor collective; through gloo it calls it)."""
         inside = [False]
+        counted_calls = {}
+        for each in names:
+            real = getattr(comm, each)
+            counted = at(name, index, step, real)
 
-        def gathering(real: Callable[..., Any]) -> Callable[..., Any]:
-            counted = at("all_gather_into", 2, 1, real)
-
-            def call(*args: Any, **kwargs: Any) -> Any:
+            def call(*args: Any, _real: Any = real, _counted: Any = counted, **kwargs: Any) -> Any:
                 if inside[0]:
-                    return real(*args, **kwargs)
+                    return _real(*args, **kwargs)
                 inside[0] = True
                 try:
-                    return counted(*args, **kwargs)
+                    return _counted(*args, **kwargs)
                 finally:
                     inside[0] = False
 
-            return call
+            counted_calls[each] = call
+        for each, call in counted_calls.items():
+            setattr(comm, each, call)
 
-        comm.all_gather_into = gathering(comm.all_gather_into)
-        comm.all_gather_together = gathering(comm.all_gather_together)
+    if fault in ("forward", "stop"):
+        # The second all-gather the runtime issues in step 1.
+        outermost("all_gather_into", 2, 1, ("all_gather_into", "all_gather_together"))
     elif fault == "backward":
-        comm.reduce_scatter = at("reduce_scatter", 1, 1, comm.reduce_scatter)
+        # The first gradient reduction the runtime issues in step 1.
+        outermost("reduce_scatter", 1, 1, ("reduce_scatter", "reduce_grads_together"))
     elif fault == "all_reduce":
-        comm.all_reduce = at("all_reduce", 1, 1, comm.all_reduce)
+        outermost("all_reduce", 1, 1, ("all_reduce", "reduce_grads_together"))
     elif fault == "all_to_all":
         # Through shared memory the owner step exchanges in place ([Note: the
         # exchange in place] in composable_shard/optim/owner_step.py).

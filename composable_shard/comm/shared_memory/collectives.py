@@ -308,6 +308,46 @@ class HostSharedMemory:
             self.slots.leave()
         return _waited_unless(async_op, work)
 
+    def all_reduce_pieces(self, tensors: Sequence[torch.Tensor], *, async_op: bool) -> SharedMemoryWork | None:
+        """``all_reduce`` of several tensors of one dtype in one collective,
+        each summed in place where it lies (the bytes a peer sees are those
+        of one all-reduce of the tensors laid back to back, summed in the
+        same order)."""
+        if not tensors:
+            raise ValueError("shared-memory all-reduce of pieces: no tensor")
+        for tensor in tensors:
+            if tensor.dtype != tensors[0].dtype:
+                raise ValueError(
+                    f"shared-memory all-reduce of pieces: tensors of one dtype, got {tensor.dtype} beside "
+                    f"{tensors[0].dtype}"
+                )
+        pieces = Pieces(tensors)  # refuses strided tensors before anything is issued
+        element_size = tensors[0].element_size()
+        starts = _offsets([tensor.numel() * element_size for tensor in tensors])
+        self.slots.enter("an all-reduce")
+        try:
+
+            def write(region: torch.Tensor, start: int, length: int) -> None:
+                transfer(pieces, start, Pieces([region]), 0, length)
+
+            def read(slot: int, start: int, length: int) -> None:
+                if not pieces.has_storage():
+                    return  # its owner freed it before waiting: nobody reads the result
+                regions = [self.files.region(peer, slot, length) for peer in range(self.world_size)]
+                for tensor, at in zip(tensors, starts):
+                    low, high = _overlap(at, tensor.numel() * element_size, start, length)
+                    if high > low:
+                        target = _bytes_of(tensor)[low - at : high - at].view(tensor.dtype)
+                        target.copy_(regions[0][low - start : high - start].view(tensor.dtype))
+                        for region in regions[1:]:
+                            target.add_(region[low - start : high - start].view(tensor.dtype))
+
+            rounds = _rounds(pieces.nbytes, _aligned(self.files.slot_bytes, element_size))
+            work = self._stream("an all-reduce", signature_of(ALL_REDUCE, pieces.nbytes), rounds, write, read)
+        finally:
+            self.slots.leave()
+        return _waited_unless(async_op, work)
+
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
     ) -> None:
