@@ -411,10 +411,9 @@ def reduce_grads_together(
     chunk (a reduce-scatter's rank ``r`` gets every gradient's chunk ``r``,
     in order) or one after another (an all-reduce). Its output holds the
     summed shards in order; ``split_reduced`` hands each gradient its own.
-    Through shared memory the same bytes move without the side-by-side
-    copy: a reduce-scatter into one output per gradient
-    (``reduce_scatter_pieces``), an all-reduce into each gradient
-    (``all_reduce_pieces``)."""
+    Through shared memory the same bytes move with no side-by-side copy, into
+    one output per gradient (``reduce_scatter_pieces``) or each gradient
+    itself (``all_reduce_pieces``)."""
     summed = [prepare_for_sum(grad, each) for grad, each in zip(unsharded_grads, settings)]
     groups = settings[0].groups
     # On CUDA the casts and the concatenation run on the reduction lane:
@@ -423,18 +422,19 @@ def reduce_grads_together(
     # runtime/scheduler.py); on CPU they ran here, and only what the backend
     # still reads is kept (nothing, through shared memory).
     read_on_lane = (*summed, *unsharded_grads) if unsharded_grads[0].device.type == "cuda" else ()
+    world_size = groups.shard_world_size if groups.is_sharded else 1
+    if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        # Through shared memory each gradient is read (and summed) where it
+        # lies: every shard a tensor of its own, divided in place.
+        nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
+        group = groups.shard_group if groups.is_sharded else groups.replicate_group
+        shared = transport.host_transport(summed[0], group, nbytes - (nbytes // world_size if groups.is_sharded else 0))
+        if shared is not None and groups.is_sharded:
+            outputs = tuple(grad.new_empty(grad.numel() // world_size) for grad in summed)
+            return PendingCollective(shared.reduce_scatter_pieces(outputs, summed, async_op=async_op), outputs[0], (), outputs)
+        if shared is not None:
+            return PendingCollective(shared.all_reduce_pieces(summed, async_op=async_op), summed[0], (), tuple(summed))
     if groups.is_sharded:
-        world_size = groups.shard_world_size
-        if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
-            # Through shared memory each chunk is written from, and each
-            # output summed into, where it lies: nothing side by side, and
-            # every gradient's shard is a tensor of its own (divided in place).
-            nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
-            shared = transport.host_transport(summed[0], groups.shard_group, nbytes - nbytes // world_size)
-            if shared is not None:
-                outputs = tuple(grad.new_empty(grad.numel() // world_size) for grad in summed)
-                in_place = shared.reduce_scatter_pieces(outputs, summed, async_op=async_op)
-                return PendingCollective(in_place, outputs[0], (), outputs)
         combined = torch.cat([grad.view(world_size, -1) for grad in summed], dim=1).view(-1)
         output = combined.new_empty(combined.numel() // world_size)
         work = reduce_scatter(output, combined, groups.shard_group, async_op=async_op)
@@ -442,13 +442,6 @@ def reduce_grads_together(
             return PendingCollective(work, output, read_on_lane)
         # Nobody reads the input after the wait.
         return PendingCollective(FreedAtWait.around(work, (combined,)), output, (combined, *read_on_lane))
-    if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
-        # Through shared memory each gradient is summed where it lies.
-        nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
-        shared = transport.host_transport(summed[0], groups.replicate_group, nbytes)
-        if shared is not None:
-            in_place = shared.all_reduce_pieces(summed, async_op=async_op)
-            return PendingCollective(in_place, summed[0], (), tuple(summed))
     combined = torch.cat(summed)
     work = all_reduce(combined, groups.replicate_group, async_op=async_op)
     return PendingCollective(work, combined, read_on_lane)

@@ -130,7 +130,7 @@ def run_mixed_precision_parity(case: PrecisionCase, rank: int, world_size: int) 
         spy = CollectiveSpy()
         with spy.watching():
             loss = case.step_fn(model, inputs[local], targets[local]).float()
-        reductions = spy.dtypes("reduce_scatter") | spy.dtypes("all_reduce")
+        reductions = {dtype for _, dtype in spy.reductions_issued()}
         if world_size > 1:
             assert reductions == case.reduce_dtypes, f"{when}: reduced in {reductions}, expected {case.reduce_dtypes}"
         dist.all_reduce(loss)

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .files import GroupFiles
-from .pieces import Pieces, transfer
+from .pieces import Pieces, bytes_of, has_storage, offsets, overlap, transfer
 from .slots import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
 
 __all__ = ["HostSharedMemory"]
@@ -142,12 +142,12 @@ class HostSharedMemory:
         for output, shard in zip(outputs, shards):
             self._check_sizes("all-gather: output", output, shard)
         sent = Pieces(shards)  # refuses strided shards before anything is issued
-        rows = [_bytes_of(output).view(self.world_size, -1) for output in outputs]
-        starts = _offsets([row.shape[1] for row in rows])
+        rows = [bytes_of(output).view(self.world_size, -1) for output in outputs]
+        starts = offsets([row.shape[1] for row in rows])
         self.slots.enter("an all-gather")
         try:
             for row, shard in zip(rows, shards):
-                row[self.rank].copy_(_bytes_of(shard))
+                row[self.rank].copy_(bytes_of(shard))
 
             def write(region: torch.Tensor, start: int, length: int) -> None:
                 transfer(sent, start, Pieces([region]), 0, length)
@@ -158,9 +158,9 @@ class HostSharedMemory:
                         continue
                     region = self.files.region(peer, slot, length)
                     for output, row, at in zip(outputs, rows, starts):
-                        low, high = _overlap(at, row.shape[1], start, length)
+                        low, high = overlap(at, row.shape[1], start, length)
                         # A buffer its owner freed before waiting (an error path): nobody reads it.
-                        if high > low and _has_storage(output):
+                        if high > low and has_storage(output):
                             row[peer, low - at : high - at].copy_(region[low - start : high - start])
 
             rounds = _rounds(sent.nbytes, self._gather_piece)
@@ -173,14 +173,14 @@ class HostSharedMemory:
         """Issue an all-gather's rounds (the caller holds the ring), of
         ``kind``: an all-gather's, or an all-to-all's table."""
         chunk = shard.numel()
-        shard_bytes = _bytes_of(shard)
+        shard_bytes = bytes_of(shard)
         nbytes = shard_bytes.numel()
         output.narrow(0, self.rank * chunk, chunk).copy_(shard)
 
         def read(slot: int, start: int, length: int) -> None:
-            if not _has_storage(output):
+            if not has_storage(output):
                 return  # its owner freed it before waiting: nobody reads the result
-            output_bytes = _bytes_of(output)
+            output_bytes = bytes_of(output)
             for peer in range(self.world_size):
                 if peer != self.rank:
                     at = peer * nbytes + start
@@ -199,7 +199,7 @@ class HostSharedMemory:
         self.slots.enter("a reduce-scatter")
         try:
             flat = input.detach().reshape(-1)
-            input_bytes = _bytes_of(flat)
+            input_bytes = bytes_of(flat)
             chunk_bytes = chunk * flat.element_size()
             peers = [peer for peer in range(self.world_size) if peer != self.rank]
             output.copy_(flat[self.rank * chunk : (self.rank + 1) * chunk])
@@ -212,9 +212,9 @@ class HostSharedMemory:
                     region[index * length : (index + 1) * length].copy_(input_bytes[at : at + length])
 
             def read(slot: int, start: int, length: int) -> None:
-                if not _has_storage(output):
+                if not has_storage(output):
                     return  # its owner freed it before waiting: nobody reads the result
-                target = _bytes_of(output)[start : start + length].view(output.dtype)
+                target = bytes_of(output)[start : start + length].view(output.dtype)
                 for peer in peers:
                     at = _chunk_offset(self.rank, peer, length)
                     target.add_(self.files.region(peer, slot, at + length)[at:].view(output.dtype))
@@ -256,7 +256,7 @@ class HostSharedMemory:
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         sources = {peer: Pieces([chunk[peer] for chunk in chunks]) for peer in peers}
         element_size = inputs[0].element_size()
-        starts = _offsets([output.numel() * element_size for output in outputs])
+        starts = offsets([output.numel() * element_size for output in outputs])
         self.slots.enter("a reduce-scatter")
         try:
             for output, chunk in zip(outputs, chunks):
@@ -273,9 +273,9 @@ class HostSharedMemory:
                     at = _chunk_offset(self.rank, peer, length)
                     region = self.files.region(peer, slot, at + length)[at:]
                     for output, output_at in zip(outputs, starts):
-                        low, high = _overlap(output_at, output.numel() * element_size, start, length)
+                        low, high = overlap(output_at, output.numel() * element_size, start, length)
                         if high > low:
-                            target = _bytes_of(output)[low - output_at : high - output_at].view(output.dtype)
+                            target = bytes_of(output)[low - output_at : high - output_at].view(output.dtype)
                             target.add_(region[low - start : high - start].view(output.dtype))
 
             rounds = _rounds(targets.nbytes, self._reduce_piece(element_size))
@@ -291,13 +291,13 @@ class HostSharedMemory:
         returned work was waited on and must not change before then."""
         self.slots.enter("an all-reduce")
         try:
-            tensor_bytes = _bytes_of(tensor)
+            tensor_bytes = bytes_of(tensor)
             nbytes = tensor_bytes.numel()
 
             def read(slot: int, start: int, length: int) -> None:
-                if not _has_storage(tensor):
+                if not has_storage(tensor):
                     return  # its owner freed it before waiting: nobody reads the result
-                target = _bytes_of(tensor)[start : start + length].view(tensor.dtype)
+                target = bytes_of(tensor)[start : start + length].view(tensor.dtype)
                 target.copy_(self.files.region(0, slot, length).view(tensor.dtype))
                 for peer in range(1, self.world_size):
                     target.add_(self.files.region(peer, slot, length).view(tensor.dtype))
@@ -323,7 +323,7 @@ class HostSharedMemory:
                 )
         pieces = Pieces(tensors)  # refuses strided tensors before anything is issued
         element_size = tensors[0].element_size()
-        starts = _offsets([tensor.numel() * element_size for tensor in tensors])
+        starts = offsets([tensor.numel() * element_size for tensor in tensors])
         self.slots.enter("an all-reduce")
         try:
 
@@ -335,9 +335,9 @@ class HostSharedMemory:
                     return  # its owner freed it before waiting: nobody reads the result
                 regions = [self.files.region(peer, slot, length) for peer in range(self.world_size)]
                 for tensor, at in zip(tensors, starts):
-                    low, high = _overlap(at, tensor.numel() * element_size, start, length)
+                    low, high = overlap(at, tensor.numel() * element_size, start, length)
                     if high > low:
-                        target = _bytes_of(tensor)[low - at : high - at].view(tensor.dtype)
+                        target = bytes_of(tensor)[low - at : high - at].view(tensor.dtype)
                         target.copy_(regions[0][low - start : high - start].view(tensor.dtype))
                         for region in regions[1:]:
                             target.add_(region[low - start : high - start].view(tensor.dtype))
@@ -396,15 +396,15 @@ class HostSharedMemory:
         rank, world_size = self.rank, self.world_size
         sends = [row[_SENDS_AT : _SENDS_AT + world_size] for row in rows]  # sends[w][p]: bytes w sends p
         capacity = min(row[1] for row in rows)
-        input_at = _offsets(sends[rank])
-        output_at = _offsets([sends[writer][rank] for writer in range(world_size)])
+        input_at = offsets(sends[rank])
+        output_at = offsets([sends[writer][rank] for writer in range(world_size)])
         own = sends[rank][rank]
 
         def copy_own() -> None:
             transfer(input, input_at[rank], output, output_at[rank], own)
 
         # Where each rank's piece for each peer starts in its stream (its own left out).
-        streams = [_offsets([0 if peer == writer else sends[writer][peer] for peer in range(world_size)]) for writer in range(world_size)]
+        streams = [offsets([0 if peer == writer else sends[writer][peer] for peer in range(world_size)]) for writer in range(world_size)]
         totals = [sum(row) - row[writer] for writer, row in enumerate(sends)]
         count = max(-(-total // capacity) for total in totals)
         if count == 0:
@@ -415,7 +415,7 @@ class HostSharedMemory:
         def write(region: torch.Tensor, start: int, length: int) -> None:
             into = Pieces([region])
             for peer in peers:
-                low, high = _overlap(streams[rank][peer], sends[rank][peer], start, length)
+                low, high = overlap(streams[rank][peer], sends[rank][peer], start, length)
                 if high > low:
                     transfer(input, input_at[peer] + low - streams[rank][peer], into, low - start, high - low)
 
@@ -424,7 +424,7 @@ class HostSharedMemory:
             if not output.has_storage():
                 return
             for writer in peers:
-                low, high = _overlap(streams[writer][rank], sends[writer][rank], start, capacity)
+                low, high = overlap(streams[writer][rank], sends[writer][rank], start, capacity)
                 if high > low:
                     region = Pieces([self.files.region(writer, slot, high - start)])
                     transfer(region, low - start, output, output_at[writer] + low - streams[writer][rank], high - low)
@@ -546,17 +546,6 @@ def _waited_unless(async_op: bool, work: SharedMemoryWork) -> SharedMemoryWork |
     return None
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy)."""
-    if not tensor.is_contiguous():
-        raise ValueError("shared-memory collectives need contiguous tensors")
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _has_storage(tensor: torch.Tensor) -> bool:
-    """False once the tensor's storage was resized away (a freed buffer)."""
-    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-    return tensor.untyped_storage().nbytes() >= needed
 
 
 def _aligned(nbytes: int, element_size: int) -> int:
@@ -595,19 +584,6 @@ def _check_pairing(rows: list[list[int]], world_size: int) -> None:
                 )
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each of ``sizes``, laid back to back, starts."""
-    starts, at = [], 0
-    for size in sizes:
-        starts.append(at)
-        at += size
-    return starts
-
-
-def _overlap(start: int, length: int, window_start: int, window_length: int) -> tuple[int, int]:
-    """The part of ``[start, start + length)`` in the window, as (low, high);
-    empty where ``high <= low``."""
-    return max(start, window_start), min(start + length, window_start + window_length)
 
 
 def _chunk_offset(chunk_rank: int, writer: int, chunk_bytes: int) -> int:

@@ -1,10 +1,13 @@
 """Owns: several contiguous tensors read and written as one byte sequence,
-laid back to back without a copy — what a shared-memory all-to-all sends
-from and receives into ([Note: shared-memory all-to-all] in collectives.py).
+laid back to back without a copy, and where a collective's bytes lie in its
+tensors — what a shared-memory all-to-all ([Note: shared-memory all-to-all]
+in collectives.py) and a coalesced collective send from and receive into,
+and the byte views, offsets and overlaps the collectives locate bytes with.
 
 Knows nothing of: slots, rounds, process groups.
 
-Public names: ``Pieces``, ``transfer``.
+Public names: ``Pieces``, ``transfer``, ``bytes_of``, ``has_storage``,
+``offsets``, ``overlap``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Pieces", "transfer"]
+__all__ = ["Pieces", "transfer", "bytes_of", "has_storage", "offsets", "overlap"]
 
 
 class Pieces:
@@ -61,3 +64,28 @@ def transfer(source: Pieces, source_at: int, target: Pieces, target_at: int, nby
         length = min(nbytes, source_piece.numel() - source_offset, target_piece.numel() - target_offset)
         target_piece[target_offset : target_offset + length].copy_(source_piece[source_offset : source_offset + length])
         source_at, target_at, nbytes = source_at + length, target_at + length, nbytes - length
+
+
+def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError("shared-memory collectives need contiguous tensors")
+    return tensor.reshape(-1).view(torch.uint8)
+
+def has_storage(tensor: torch.Tensor) -> bool:
+    """False once the tensor's storage was resized away (a freed buffer)."""
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return tensor.untyped_storage().nbytes() >= needed
+
+def offsets(sizes: list[int]) -> list[int]:
+    """Where each of ``sizes``, laid back to back, starts."""
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+def overlap(start: int, length: int, window_start: int, window_length: int) -> tuple[int, int]:
+    """The part of ``[start, start + length)`` in the window, as (low, high);
+    empty where ``high <= low``."""
+    return max(start, window_start), min(start + length, window_start + window_length)
