@@ -28,7 +28,9 @@ piece in rank order (its own read back from its slot), so every rank gets
 the same bits, as replicas must. Several shards gathered in one collective
 (``all_gather_pieces``, a bucket of small units) are one stream of their
 bytes back to back, written from each shard and read into each output's
-row where they lie. The measurements behind the transport and the
+row where they lie; a bucket's gradients are reduce-scattered into one
+output each (``reduce_scatter_pieces``) or all-reduced in place
+(``all_reduce_pieces``) the same way. The measurements behind the transport and the
 slot size are in docs/design/comm.md. Pinned by
 tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
