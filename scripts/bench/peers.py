@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,6 +78,29 @@ def build_composable_shard_unbucketed(
             model(torch.zeros(1, 1, dtype=torch.long, device=device))
     finally:
         comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES = saved
+    return model, optimizer
+
+
+def build_composable_shard_no_trim(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """composable_shard without the heap trims of CPU backwards ([Note:
+    trimming the host heap in backward]): the switch is read when the tree
+    initialises, at its first forward, run here (no grad, so nothing
+    changes) while it says 0."""
+    from composable_shard.runtime.host_memory import ENV_SWITCH
+
+    saved = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        model, optimizer = build_composable_shard(args, device)
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_SWITCH)
+        else:
+            os.environ[ENV_SWITCH] = saved
     return model, optimizer
 
 
@@ -178,6 +202,8 @@ PEERS: dict[str, Peer] = {
     "cs_per_param_step": Peer(build_composable_shard_per_param_step),
     # The same with every gradient reduced in a collective of its own (before coalescing).
     "cs_unbucketed": Peer(build_composable_shard_unbucketed),
+    # The same without the heap trims in backward (the trims' cost in time).
+    "cs_no_trim": Peer(build_composable_shard_no_trim),
     "fsdp1": Peer(build_fsdp1),
     "fsdp2": Peer(build_fsdp2),
     "ddp": Peer(build_ddp, simulated=False, autocast=True),
