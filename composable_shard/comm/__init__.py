@@ -424,11 +424,11 @@ def reduce_grads_together(
     read_on_lane = (*summed, *unsharded_grads) if unsharded_grads[0].device.type == "cuda" else ()
     world_size = groups.shard_world_size if groups.is_sharded else 1
     if summed[0].device.type == "cpu" and not torch.compiler.is_compiling():
-        # Through shared memory each gradient is read (and summed) where it
-        # lies: every shard a tensor of its own, divided in place.
+        # Through shared memory each gradient is read (and summed) where it lies, every
+        # shard a tensor of its own; reserved: what this rank writes (peers' chunks, or all).
         nbytes = sum(grad.numel() for grad in summed) * summed[0].element_size()
         group = groups.shard_group if groups.is_sharded else groups.replicate_group
-        shared = transport.host_transport(summed[0], group, nbytes - (nbytes // world_size if groups.is_sharded else 0))
+        shared = transport.host_transport(summed[0], group, nbytes - nbytes // world_size if groups.is_sharded else nbytes)
         if shared is not None and groups.is_sharded:
             outputs = tuple(grad.new_empty(grad.numel() // world_size) for grad in summed)
             return PendingCollective(shared.reduce_scatter_pieces(outputs, summed, async_op=async_op), outputs[0], (), outputs)

@@ -133,6 +133,14 @@ class FlatParamPlan:
         return self.reduction_frees_grad and self.dtype == self.param_dtype
 
     @property
+    def reduces_in_place(self) -> bool:
+        """Whether a coalesced reduction reads this gradient where it lies
+        and gives its shard a tensor of its own: the group's collectives go
+        through shared memory, as ``reduction_frees_grad`` says
+        (``comm.reduce_grads_together``)."""
+        return self.reduction_frees_grad
+
+    @property
     def gather_source_bytes(self) -> int:
         """A temporary copy of the shard in the compute dtype/device for the
         all-gather (mixed precision or offload)."""

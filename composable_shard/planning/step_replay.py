@@ -251,9 +251,9 @@ def step_moments(
         nonlocal in_flight, flying, flying_is_bucket
         if flying_is_bucket:
             members = trainable_of(flying)
-            if members[0].reduction_frees_grad:
-                # Through shared memory each shard is a tensor of its own,
-                # divided in place: a copy only where the gradient dtype differs.
+            if members[0].reduces_in_place:
+                # Each shard is a tensor of its own, divided in place: a copy
+                # only where the gradient dtype differs.
                 copies = sum(
                     fp.shard_numel * _itemsize(fp.grad_dtype) for fp in members if fp.grad_dtype != fp.reduce_dtype
                 )
@@ -280,10 +280,7 @@ def step_moments(
         casts = sum(fp.padded_numel * size for fp, size in zip(members, sizes) if fp.reduce_dtype != fp.param_dtype)
         sharded = members[0].is_sharded
         side_by_side = sum(fp.padded_numel * size for fp, size in zip(members, sizes))
-        # Through shared memory each gradient is read (and, all-reduced,
-        # summed) where it lies (``reduce_scatter_pieces``,
-        # ``all_reduce_pieces``): nothing side by side.
-        in_place = members[0].reduction_frees_grad
+        in_place = members[0].reduces_in_place  # nothing side by side
         output = sum(fp.shard_numel * size for fp, size in zip(members, sizes)) if sharded else 0
         label = f"reduction of the bucket of {names_of(bucket)}"
         moment(label, reduced, unsharded_grads + held + casts, (0 if in_place else side_by_side) + output, acts=acts)

@@ -529,6 +529,24 @@ def test_compiled_and_eager_ranks_use_the_groups_one_transport(world_size: int) 
     run_distributed(_one_transport_whether_compiled_or_not, world_size, timeout=120)
 
 
+def _group_with_small_slots(world_size: int) -> tuple[dist.ProcessGroup, Any]:
+    """A new group whose shared memory has slots of 1,000 bytes (so larger
+    collectives stream in rounds), and that transport."""
+    with shared_memory_slot_bytes(1000):
+        group = dist.new_group(list(range(world_size)))
+    shared = transport.shared_memory_of(group)
+    assert shared is not None, "ranks of one host share memory"
+    return group, shared
+
+
+def _random_sizes(generator: torch.Generator, trial: int, high: int) -> list[int]:
+    """``1 + trial`` sizes below ``high``; the first one 0 in trial 2."""
+    sizes = torch.randint(0, high, (1 + trial,), generator=generator).tolist()
+    if trial == 2:
+        sizes[0] = 0
+    return sizes
+
+
 def _all_gather_pieces_is_gloos_all_gather_of_each(rank: int, world_size: int) -> None:
     """A coalesced all-gather through shared memory writes each shard from,
     and reads each row into, where it lies: every output equals gloo's
@@ -536,14 +554,9 @@ def _all_gather_pieces_is_gloos_all_gather_of_each(rank: int, world_size: int) -
     among them) in one slot and streamed through slots of 1,000 bytes, and
     a peer taking the side-by-side path (a cast) sees the same bytes."""
     generator = torch.Generator().manual_seed(7)
-    with shared_memory_slot_bytes(1000):
-        group = dist.new_group(list(range(world_size)))
-    shared = transport.shared_memory_of(group)
-    assert shared is not None, "ranks of one host share memory"
+    group, shared = _group_with_small_slots(world_size)
     for trial in range(6):
-        sizes = torch.randint(0, 700, (1 + trial,), generator=generator).tolist()
-        if trial == 2:
-            sizes[0] = 0
+        sizes = _random_sizes(generator, trial, 700)
         every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
         outputs = [torch.full((size * world_size,), 7.0) for size in sizes]
         for async_op in (False, True):
@@ -593,18 +606,13 @@ def _reduce_scatter_pieces_is_gloos_reduce_scatter_side_by_side(rank: int, world
     side-by-side tensor sees the same bytes (the sums equal gloo's); bad lists are refused before
     anything is issued, and the group goes on."""
     generator = torch.Generator().manual_seed(11)
-    with shared_memory_slot_bytes(1000):
-        group = dist.new_group(list(range(world_size)))
-    shared = transport.shared_memory_of(group)
-    assert shared is not None, "ranks of one host share memory"
+    group, shared = _group_with_small_slots(world_size)
 
     def side_by_side(inputs: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([each.view(world_size, -1) for each in inputs], dim=1).reshape(-1)
 
     for trial in range(6):
-        chunks = torch.randint(0, 300, (1 + trial,), generator=generator).tolist()
-        if trial == 2:
-            chunks[0] = 0
+        chunks = _random_sizes(generator, trial, 300)
         every_rank = [[torch.randn(chunk * world_size, generator=generator) for chunk in chunks] for _ in range(world_size)]
         for async_op in (False, True):
             outputs = [torch.full((chunk,), 7.0) for chunk in chunks]
@@ -665,14 +673,9 @@ def _all_reduce_pieces_is_the_all_reduce_of_the_tensors_back_to_back(rank: int, 
     slots of 1,000 bytes; a peer all-reducing the concatenation sees the
     same bytes; bad lists are refused before anything is issued."""
     generator = torch.Generator().manual_seed(13)
-    with shared_memory_slot_bytes(1000):
-        group = dist.new_group(list(range(world_size)))
-    shared = transport.shared_memory_of(group)
-    assert shared is not None, "ranks of one host share memory"
+    group, shared = _group_with_small_slots(world_size)
     for trial in range(6):
-        sizes = torch.randint(0, 500, (1 + trial,), generator=generator).tolist()
-        if trial == 2:
-            sizes[0] = 0
+        sizes = _random_sizes(generator, trial, 500)
         every_rank = [[torch.randn(size, generator=generator) for size in sizes] for _ in range(world_size)]
         for async_op in (False, True):
             tensors = [each.clone() for each in every_rank[rank]]

@@ -76,23 +76,23 @@ def _arm(fault: str) -> None:
         transport moves it: through shared memory a bucket moves in place,
         without the single-tensor collective; through gloo it calls it)."""
         inside = [False]
-        counted_calls = {}
-        for each in names:
-            real = getattr(comm, each)
+
+        def counting(real: Callable[..., Any]) -> Callable[..., Any]:
             counted = at(name, index, step, real)
 
-            def call(*args: Any, _real: Any = real, _counted: Any = counted, **kwargs: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
                 if inside[0]:
-                    return _real(*args, **kwargs)
+                    return real(*args, **kwargs)
                 inside[0] = True
                 try:
-                    return _counted(*args, **kwargs)
+                    return counted(*args, **kwargs)
                 finally:
                     inside[0] = False
 
-            counted_calls[each] = call
-        for each, call in counted_calls.items():
-            setattr(comm, each, call)
+            return call
+
+        for each in names:
+            setattr(comm, each, counting(getattr(comm, each)))
 
     if fault in ("forward", "stop"):
         # The second all-gather the runtime issues in step 1.

@@ -136,13 +136,7 @@ class HostSharedMemory:
         side-by-side copy of the shards and no gathered rows to copy out
         (the bytes a peer sees are those of one all-gather of the shards
         laid side by side). ``shards`` are not used after this call returns."""
-        if len(outputs) != len(shards) or not shards:
-            raise ValueError(
-                f"shared-memory all-gather of pieces: {len(outputs)} outputs for {len(shards)} shards "
-                "(one output per shard, at least one)"
-            )
-        for output, shard in zip(outputs, shards):
-            self._check_sizes("all-gather: output", output, shard)
+        self._check_paired("all-gather", outputs, shards, "shard", outputs_are_wholes=True)
         sent = Pieces(shards)  # refuses strided shards before anything is issued
         rows = [bytes_of(output).view(self.world_size, -1) for output in outputs]
         starts = offsets([row.shape[1] for row in rows])
@@ -239,13 +233,8 @@ class HostSharedMemory:
         output is a tensor of its own (the bytes a peer sees are those of one
         reduce-scatter of the inputs' chunks laid side by side, summed in the
         same order). ``inputs`` are not used after this call returns."""
-        if len(outputs) != len(inputs) or not inputs:
-            raise ValueError(
-                f"shared-memory reduce-scatter of pieces: {len(outputs)} outputs for {len(inputs)} inputs "
-                "(one output per input, at least one)"
-            )
+        self._check_paired("reduce-scatter", outputs, inputs, "input", outputs_are_wholes=False)
         for output, input in zip(outputs, inputs):
-            self._check_sizes("reduce-scatter: input", input, output)
             if not input.is_contiguous():
                 raise ValueError("shared-memory collectives need contiguous tensors")
             if input.dtype != inputs[0].dtype or output.dtype != inputs[0].dtype:
@@ -257,8 +246,7 @@ class HostSharedMemory:
         chunks = [input.detach().view(self.world_size, -1) for input in inputs]
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         sources = {peer: Pieces([chunk[peer] for chunk in chunks]) for peer in peers}
-        element_size = inputs[0].element_size()
-        starts = offsets([output.numel() * element_size for output in outputs])
+        dtype = inputs[0].dtype
         self.slots.enter("a reduce-scatter")
         try:
             for output, chunk in zip(outputs, chunks):
@@ -274,13 +262,10 @@ class HostSharedMemory:
                 for peer in peers:
                     at = _chunk_offset(self.rank, peer, length)
                     region = self.files.region(peer, slot, at + length)[at:]
-                    for output, output_at in zip(outputs, starts):
-                        low, high = overlap(output_at, output.numel() * element_size, start, length)
-                        if high > low:
-                            target = bytes_of(output)[low - output_at : high - output_at].view(output.dtype)
-                            target.add_(region[low - start : high - start].view(output.dtype))
+                    for target, offset in targets.spans(start, length):
+                        target.view(dtype).add_(region[offset : offset + target.numel()].view(dtype))
 
-            rounds = _rounds(targets.nbytes, self._reduce_piece(element_size))
+            rounds = _rounds(targets.nbytes, self._reduce_piece(inputs[0].element_size()))
             signature = signature_of(REDUCE_SCATTER, targets.nbytes * len(peers))
             work = self._stream("a reduce-scatter", signature, rounds, write, read, per_round=len(peers))
         finally:
@@ -324,8 +309,7 @@ class HostSharedMemory:
                     f"{tensors[0].dtype}"
                 )
         pieces = Pieces(tensors)  # refuses strided tensors before anything is issued
-        element_size = tensors[0].element_size()
-        starts = offsets([tensor.numel() * element_size for tensor in tensors])
+        dtype = tensors[0].dtype
         self.slots.enter("an all-reduce")
         try:
 
@@ -336,15 +320,13 @@ class HostSharedMemory:
                 if not pieces.has_storage():
                     return  # its owner freed it before waiting: nobody reads the result
                 regions = [self.files.region(peer, slot, length) for peer in range(self.world_size)]
-                for tensor, at in zip(tensors, starts):
-                    low, high = overlap(at, tensor.numel() * element_size, start, length)
-                    if high > low:
-                        target = bytes_of(tensor)[low - at : high - at].view(tensor.dtype)
-                        target.copy_(regions[0][low - start : high - start].view(tensor.dtype))
-                        for region in regions[1:]:
-                            target.add_(region[low - start : high - start].view(tensor.dtype))
+                for target, offset in pieces.spans(start, length):
+                    summed = target.view(dtype)  # in rank order, as all_reduce
+                    summed.copy_(regions[0][offset : offset + target.numel()].view(dtype))
+                    for region in regions[1:]:
+                        summed.add_(region[offset : offset + target.numel()].view(dtype))
 
-            rounds = _rounds(pieces.nbytes, _aligned(self.files.slot_bytes, element_size))
+            rounds = _rounds(pieces.nbytes, _aligned(self.files.slot_bytes, tensors[0].element_size()))
             work = self._stream("an all-reduce", signature_of(ALL_REDUCE, pieces.nbytes), rounds, write, read)
         finally:
             self.slots.leave()
@@ -522,6 +504,29 @@ class HostSharedMemory:
         size = inputs[0].element_size()
         return [count * size for count in input_splits], [count * size for count in output_splits], size
 
+    def _check_paired(
+        self,
+        what: str,
+        outputs: Sequence[torch.Tensor],
+        others: Sequence[torch.Tensor],
+        other: str,
+        *,
+        outputs_are_wholes: bool,
+    ) -> None:
+        """One output per ``other`` tensor, at least one, each pair of sizes
+        fitting (the whole ``world_size`` chunks: an all-gather's output, a
+        reduce-scatter's input)."""
+        if len(outputs) != len(others) or not others:
+            raise ValueError(
+                f"shared-memory {what} of pieces: {len(outputs)} outputs for {len(others)} {other}s "
+                f"(one output per {other}, at least one)"
+            )
+        for output, each in zip(outputs, others):
+            if outputs_are_wholes:
+                self._check_sizes(f"{what}: output", output, each)
+            else:
+                self._check_sizes(f"{what}: {other}", each, output)
+
     def _check_sizes(self, what: str, whole: torch.Tensor, chunk: torch.Tensor) -> None:
         if whole.numel() != chunk.numel() * self.world_size or whole.dtype != chunk.dtype:
             raise ValueError(
@@ -546,8 +551,6 @@ def _waited_unless(async_op: bool, work: SharedMemoryWork) -> SharedMemoryWork |
         return work
     work.wait()
     return None
-
-
 
 
 def _aligned(nbytes: int, element_size: int) -> int:
@@ -584,8 +587,6 @@ def _check_pairing(rows: list[list[int]], world_size: int) -> None:
                     f"whose output_splits[{writer}] is {expected // sizes[0]}. Every rank r's input_splits[q] must "
                     "equal rank q's output_splits[r]. No data was sent; the group can go on."
                 )
-
-
 
 
 def _chunk_offset(chunk_rank: int, writer: int, chunk_bytes: int) -> int:

@@ -13,7 +13,7 @@ Public names: ``Pieces``, ``transfer``, ``bytes_of``, ``has_storage``,
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -24,24 +24,28 @@ class Pieces:
     """``tensors`` (contiguous) as one sequence of bytes, in order."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        for tensor in tensors:
-            if not tensor.is_contiguous():
-                raise ValueError("shared-memory collectives need contiguous tensors")
+        views = [bytes_of(tensor) for tensor in tensors]  # refuses strided tensors
         # Empty tensors hold no byte: leaving them out keeps every start unique.
-        self._bytes = [tensor.reshape(-1).view(torch.uint8) for tensor in tensors if tensor.numel()]
-        self._starts: list[int] = []
-        at = 0
-        for piece in self._bytes:
-            self._starts.append(at)
-            at += piece.numel()
-        self.nbytes = at
+        self._bytes = [view for view in views if view.numel()]
+        self._starts = offsets([piece.numel() for piece in self._bytes])
+        self.nbytes = sum(piece.numel() for piece in self._bytes)
 
     def has_storage(self) -> bool:
         """False once some piece's storage was resized away (a freed buffer:
         nothing may be written into it)."""
-        return all(
-            piece.untyped_storage().nbytes() >= piece.storage_offset() + piece.numel() for piece in self._bytes
-        )
+        return all(has_storage(piece) for piece in self._bytes)
+
+    def spans(self, start: int, length: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """The bytes ``[start, start + length)`` piece by piece: each part as
+        a view of its piece, with where it starts within the range."""
+        index = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        end = start + length
+        while index < len(self._bytes) and self._starts[index] < end:
+            at = self._starts[index]
+            low, high = overlap(at, self._bytes[index].numel(), start, length)
+            if high > low:
+                yield self._bytes[index][low - at : high - at], low - start
+            index += 1
 
     def _locate(self, at: int) -> tuple[int, int]:
         """The piece holding byte ``at``, and where in it."""
@@ -72,10 +76,12 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("shared-memory collectives need contiguous tensors")
     return tensor.reshape(-1).view(torch.uint8)
 
+
 def has_storage(tensor: torch.Tensor) -> bool:
     """False once the tensor's storage was resized away (a freed buffer)."""
     needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
     return tensor.untyped_storage().nbytes() >= needed
+
 
 def offsets(sizes: list[int]) -> list[int]:
     """Where each of ``sizes``, laid back to back, starts."""
@@ -84,6 +90,7 @@ def offsets(sizes: list[int]) -> list[int]:
         starts.append(at)
         at += size
     return starts
+
 
 def overlap(start: int, length: int, window_start: int, window_length: int) -> tuple[int, int]:
     """The part of ``[start, start + length)`` in the window, as (low, high);
