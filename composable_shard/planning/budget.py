@@ -49,8 +49,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, TypeVar
 
-import torch
-
 from .. import comm
 from ..api import ShardingStrategy
 from .memory import UnitPlan
@@ -92,10 +90,6 @@ class _HasPeak(Protocol):
 _Plan = TypeVar("_Plan", bound=_HasPeak)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def unit_traffic(unit: UnitPlan, world_size: int, *, kept_gathered: bool) -> Traffic:
     """Bytes ``unit``'s collectives move per step on one rank, by the ring
     model: per flat parameter sharded over s ranks, one all-gather (two
@@ -107,7 +101,7 @@ def unit_traffic(unit: UnitPlan, world_size: int, *, kept_gathered: bool) -> Tra
     for fp in unit.flat_params:
         shard_size = fp.padded_numel // fp.shard_numel if fp.shard_numel else 1
         replicas = max(world_size // shard_size, 1)
-        param_size, reduce_size = _itemsize(fp.param_dtype), _itemsize(fp.reduce_dtype)
+        param_size, reduce_size = fp.param_dtype.itemsize, fp.reduce_dtype.itemsize
         if shard_size > 1:
             gathers = 2 if unit.strategy.reshards_after_forward and not kept_gathered else 1
             moved += gathers * fp.padded_numel * param_size * (shard_size - 1) // shard_size

@@ -51,7 +51,7 @@ _STEP_BYTES = 4
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,11 @@ class FlatParamPlan:
     # what owner-stepped optimizers are planned from (owner_memory.py).
     layout: FlatParamLayout | None = field(default=None, compare=False, repr=False)
     param_positions: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    # What ``_stepped_tensors`` found, by whether the flat step is on: a
+    # budget's search plans the same flat parameter thousands of times.
+    _stepped: dict[bool, list[tuple[int, int, int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def padding(self) -> int:
@@ -268,6 +273,9 @@ class UnitPlan:
     backward_prefetch: BackwardPrefetch | None
     # Pre-order index of the last module in the unit's subtree.
     subtree_last: int = 0
+    # ``bytes_of``'s sums by attribute: a budget's search replays the same
+    # unit in thousands of plans (the plan is immutable, so is each sum).
+    _sums: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -290,7 +298,10 @@ class UnitPlan:
         return sum(fp.padding for fp in self.flat_params)
 
     def bytes_of(self, attr: str) -> int:
-        return sum(getattr(fp, attr) for fp in self.flat_params)
+        total = self._sums.get(attr)
+        if total is None:
+            total = self._sums[attr] = sum(getattr(fp, attr) for fp in self.flat_params)
+        return total
 
     def bucket_key(self, bucket_bytes: int) -> tuple | None:
         """The bucket the unit's reductions join, or None where they run
@@ -365,13 +376,17 @@ def _stepped_tensors(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
     steps them: each run of parameters that lie back to back in the shard
     as one tensor, at its first parameter's place ([Note: the flat step] in
     optim/flat_step.py)."""
-    params = _local_params(fp)
-    if fp.layout is None or len(params) != len(fp.layout.params) or not flat_step_enabled():
-        return params
-    stepped = []
-    for run in flat_runs(fp.layout.params):
-        pieces = [params[index] for index in run]
-        stepped.append((min(position for position, _, _ in pieces), sum(n for _, n, _ in pieces), pieces[0][2]))
+    enabled = flat_step_enabled()
+    stepped = fp._stepped.get(enabled)
+    if stepped is not None:
+        return stepped
+    stepped = params = _local_params(fp)
+    if fp.layout is not None and len(params) == len(fp.layout.params) and enabled:
+        stepped = []
+        for run in flat_runs(fp.layout.params):
+            pieces = [params[index] for index in run]
+            stepped.append((min(position for position, _, _ in pieces), sum(n for _, n, _ in pieces), pieces[0][2]))
+    fp._stepped[enabled] = stepped
     return stepped
 
 

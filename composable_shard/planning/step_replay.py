@@ -214,6 +214,7 @@ def step_moments(
     ``gather_bucket_bytes``: the runtime's bucket of small all-gathers
     ([Note: coalesced all-gathers, planned]; 0: none)."""
     opening = activations_at_open or {}
+    ancestors = _ancestors(units)
     moments: list[StepPeak] = []
     gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
     stepped_in_hooks = in_backward_steps is not None and not hooks_after_backward
@@ -370,7 +371,7 @@ def step_moments(
             if running is not None and index > running:
                 continue
             unit = units[index]
-            still_running = running is not None and (index == running or unit.is_ancestor_of(units[running]))
+            still_running = running is not None and (index == running or index in ancestors[running])
             # The root and the unit that runs last stay gathered for backward
             # ([Note: the last unit stays gathered] in runtime/prefetch.py).
             kept = index in (0, len(units) - 1)
@@ -404,10 +405,7 @@ def step_moments(
             prefetch = BackwardPrefetch.BACKWARD_POST
         name = unit.name or "<root>"
         held = sum(
-            fp.grad_bytes_used_after(unit.subtree_last)
-            for u in units
-            if u.is_ancestor_of(unit)
-            for fp in u.flat_params
+            fp.grad_bytes_used_after(unit.subtree_last) for i in sorted(ancestors[index]) for fp in units[i].flat_params
         )
         alive = (reduced, held + held_in_bucket(), in_flight)
         source = gather(index, -1, waited=True, acts=opening.get(f"backward of '{name}'", 0), alive=alive)
@@ -417,7 +415,7 @@ def step_moments(
         finished_early = (
             prefetch_after_reduction
             and flying_holds_input()
-            and not any(unit.is_ancestor_of(units[i]) for i in flying)
+            and not any(index in ancestors[i] for i in flying)
         )
         if finished_early:
             finish_flying(held + held_in_bucket(), source, opening.get(f"backward of '{name}'", 0))
@@ -478,3 +476,19 @@ def step_moments(
             moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index], end))
             reduced -= units[index].bytes_of("grad_bytes")
     return moments
+
+
+def _ancestors(units: Sequence[UnitPlan]) -> list[set[int]]:
+    """The indices of each unit's ancestors (``UnitPlan.is_ancestor_of``),
+    found by name: the root and the units named by a prefix of the name up
+    to a dot. A budget's search replays thousands of plans, so not by
+    asking every pair."""
+    index_of = {unit.name: index for index, unit in enumerate(units)}
+    if len(index_of) != len(units):  # a repeated name: ask every pair
+        return [{i for i, other in enumerate(units) if other.is_ancestor_of(unit)} for unit in units]
+    found = []
+    for index, unit in enumerate(units):
+        prefixes = [unit.name[:at] for at, char in enumerate(unit.name) if char == "."]
+        names = [""] + prefixes if unit.name else prefixes
+        found.append({index_of[name] for name in names if index_of.get(name, index) != index})
+    return found

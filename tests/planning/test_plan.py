@@ -407,3 +407,23 @@ def test_step_replay_counts_the_buffer_held_until_the_next_all_gather_on_cuda() 
     # nothing is held, the replay's current and prefetched blocks are the peak.
     prefetched = peak(holds=True, prefetch=True)
     assert prefetched == peak(holds=False, prefetch=True) and prefetched.moment.startswith("forward of")
+
+
+def test_step_replay_finds_each_units_ancestors_as_is_ancestor_of_does() -> None:
+    """The replay looks ancestors up by name (a budget's search replays
+    thousands of plans); the same sets as asking every pair, with names
+    one of which starts another's without a dot ("a", "ab"), a group's
+    name with a dot inside ("c+a.b"), deep nesting, and repeated names."""
+    from composable_shard.planning.step_replay import _ancestors
+
+    def units(*names: str) -> list[UnitPlan]:
+        return [UnitPlan(name, "M", ShardingStrategy.FULL_SHARD, (), False, None) for name in names]
+
+    for planned in (
+        units("", "a", "a.b", "a.b.c", "a.bc", "ab", "ab.c", "c+a.b", "d.e"),
+        units("a", "a.b", "ab"),  # no root
+        units("", "a", "a"),  # a repeated name: every pair asked
+    ):
+        pairwise = [{i for i, other in enumerate(planned) if other.is_ancestor_of(unit)} for unit in planned]
+        assert _ancestors(planned) == pairwise
+    assert _ancestors(units("", "a", "a.b", "a.b.c", "ab"))[3] == {0, 1, 2}
