@@ -216,7 +216,12 @@ def step_moments(
     opening = activations_at_open or {}
     ancestors = _ancestors(units)
     moments: list[StepPeak] = []
-    gathered: dict[int, int] = {}  # unit index -> unsharded bytes alive
+    gathered = _Gathered()  # unit index -> unsharded bytes alive
+    # Units a post-forward frees (the root and the unit that runs last stay
+    # gathered for backward: [Note: the last unit stays gathered] in runtime/prefetch.py).
+    frees_after_forward = [
+        unit.strategy.reshards_after_forward and index not in (0, len(units) - 1) for index, unit in enumerate(units)
+    ]
     stepped_in_hooks = in_backward_steps is not None and not hooks_after_backward
     reduced = 0  # sharded gradients finished (and not yet stepped in hooks)
     in_flight = 0  # the one reduction the scheduler keeps in flight
@@ -262,7 +267,7 @@ def step_moments(
                 copies = sum(fp.shard_numel * _itemsize(fp.reduce_dtype) for fp in members)
             label = f"finish of the bucket of {names_of(flying)}"
             moments.append(
-                StepPeak(label, reduced, sum(gathered.values()), unsharded_grads, comm + in_flight + copies, 0, acts)
+                StepPeak(label, reduced, gathered.total, unsharded_grads, comm + in_flight + copies, 0, acts)
             )
         for i in flying:
             finish(i, unsharded_grads, comm, acts)
@@ -344,7 +349,7 @@ def step_moments(
     ) -> None:
         if acts is None:
             acts = activations.get(window or label, 0)
-        moments.append(StepPeak(label, grads, sum(gathered.values()), unsharded_grads, comm, 0, acts))
+        moments.append(StepPeak(label, grads, gathered.total, unsharded_grads, comm, 0, acts))
 
     def finish(index: int, unsharded_grads: int, comm: int, acts: int) -> None:
         """units[index]'s reduction finished: its sharded gradient exists
@@ -359,7 +364,7 @@ def step_moments(
         label = f"optimizer step in backward of '{units[index].name or '<root>'}'"
         kept = units[index].bytes_of("reduction_kept_at_finish_bytes")
         moments.append(
-            StepPeak(label, grad, sum(gathered.values()), unsharded_grads, kept + comm, in_backward_steps[index], acts)
+            StepPeak(label, grad, gathered.total, unsharded_grads, kept + comm, in_backward_steps[index], acts)
         )
 
     def reshard_finished(running: int | None) -> list[int]:
@@ -367,17 +372,11 @@ def step_moments(
         kept until backward (SHARD_GRAD_OP); units after ``running`` were
         gathered ahead of their forward. Returns the freed indices."""
         freed = []
-        for index in list(gathered):
-            if running is not None and index > running:
-                continue
-            unit = units[index]
-            still_running = running is not None and (index == running or index in ancestors[running])
-            # The root and the unit that runs last stay gathered for backward
-            # ([Note: the last unit stays gathered] in runtime/prefetch.py).
-            kept = index in (0, len(units) - 1)
-            if not kept and not still_running and unit.strategy.reshards_after_forward:
-                del gathered[index]
-                freed.append(index)
+        for index in [i for i in gathered if frees_after_forward[i] and (running is None or i <= running)]:
+            if running is not None and (index == running or index in ancestors[running]):
+                continue  # still running
+            del gathered[index]
+            freed.append(index)
         return freed
 
     for index, unit in enumerate(units):  # forward
@@ -476,6 +475,30 @@ def step_moments(
             moments.append(StepPeak(label, reduced, 0, 0, 0, in_backward_steps[index], end))
             reduced -= units[index].bytes_of("grad_bytes")
     return moments
+
+
+class _Gathered(dict[int, int]):
+    """Unit index -> its unsharded bytes alive, and their sum (``total``),
+    kept as entries come and go: every moment reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __setitem__(self, index: int, nbytes: int) -> None:
+        self.total += nbytes - self.get(index, 0)
+        super().__setitem__(index, nbytes)
+
+    def __delitem__(self, index: int) -> None:
+        self.total -= self[index]
+        super().__delitem__(index)
+
+    def pop(self, index: int, default: Any = None) -> Any:
+        if index not in self:
+            return default
+        nbytes = self[index]
+        del self[index]
+        return nbytes
 
 
 def _ancestors(units: Sequence[UnitPlan]) -> list[set[int]]:
