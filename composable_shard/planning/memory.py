@@ -102,11 +102,13 @@ class FlatParamPlan:
     # what owner-stepped optimizers are planned from (owner_memory.py).
     layout: FlatParamLayout | None = field(default=None, compare=False, repr=False)
     param_positions: tuple[int, ...] = field(default=(), compare=False, repr=False)
-    # What ``_stepped_tensors`` found, by whether the flat step is on: a
-    # budget's search plans the same flat parameter thousands of times.
+    # What ``_stepped_tensors`` and ``freed_allocation_sizes`` found, by
+    # whether the flat step is on: a budget's search plans the same flat
+    # parameter thousands of times.
     _stepped: dict[bool, list[tuple[int, int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _freed: dict[bool, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def padding(self) -> int:
@@ -436,18 +438,23 @@ def freed_allocation_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
     ``zero_grad``), the optimizer's temporaries, the all-gather source.
     What glibc's mmap threshold follows (planning/runtime_memory.py)."""
     sizes = []
+    enabled = flat_step_enabled()
     for fp in flat_params:
-        largest_param = max((numel for _, numel in fp.last_uses), default=0)
-        sizes += [fp.unsharded_bytes, fp.gather_source_bytes, largest_param * _itemsize(fp.dtype)]
-        if fp.requires_grad:
-            sizes += [
-                largest_param * _itemsize(fp.param_dtype),
-                fp.unsharded_grad_bytes,
-                fp.padded_numel * _itemsize(fp.reduce_dtype),
-                fp.grad_bytes,
-                # The optimizer's temporaries: a run's under the flat step.
-                max((nbytes for _, nbytes, _ in _stepped_tensors(fp)), default=0),
-            ]
+        own = fp._freed.get(enabled)
+        if own is None:
+            largest_param = max((numel for _, numel in fp.last_uses), default=0)
+            own = [fp.unsharded_bytes, fp.gather_source_bytes, largest_param * _itemsize(fp.dtype)]
+            if fp.requires_grad:
+                own += [
+                    largest_param * _itemsize(fp.param_dtype),
+                    fp.unsharded_grad_bytes,
+                    fp.padded_numel * _itemsize(fp.reduce_dtype),
+                    fp.grad_bytes,
+                    # The optimizer's temporaries: a run's under the flat step.
+                    max((nbytes for _, nbytes, _ in _stepped_tensors(fp)), default=0),
+                ]
+            fp._freed[enabled] = own
+        sizes += own
     return sizes
 
 

@@ -151,6 +151,8 @@ class BucketRule:
         self.held: list[int] = []
         self.key: tuple | None = None
         self.nbytes = 0
+        # The held units' unsharded gradients (what the replay counts alive).
+        self.held_grad_bytes = 0
 
     def add(self, index: int) -> tuple[list[int], list[int]]:
         unit = self.units[index]
@@ -163,10 +165,11 @@ class BucketRule:
             return before, []
         self.held.append(index)
         self.key, self.nbytes = key, self.nbytes + nbytes
+        self.held_grad_bytes += unit.bytes_of("unsharded_grad_bytes")
         return before, self.close() if self.nbytes >= self.bucket_bytes else []
 
     def close(self) -> list[int]:
-        held, self.held, self.key, self.nbytes = self.held, [], None, 0
+        held, self.held, self.key, self.nbytes, self.held_grad_bytes = self.held, [], None, 0, 0
         return held
 
 
@@ -236,7 +239,7 @@ def step_moments(
         return [fp for i in indices for fp in units[i].flat_params if fp.requires_grad]
 
     def held_in_bucket() -> int:
-        return sum(units[i].bytes_of("unsharded_grad_bytes") for i in rule.held)
+        return rule.held_grad_bytes
 
     def names_of(indices: list[int]) -> str:
         return ", ".join(f"'{units[i].name or '<root>'}'" for i in indices)
