@@ -50,10 +50,6 @@ OPTIMIZERS = {
 _STEP_BYTES = 4
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 @dataclass(frozen=True)
 class FlatParamPlan:
     """One flat parameter on this rank, as ``fully_shard`` builds it."""
@@ -117,7 +113,7 @@ class FlatParamPlan:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard_numel * _itemsize(self.dtype)
+        return self.shard_numel * self.dtype.itemsize
 
     @property
     def grad_bytes(self) -> int:
@@ -125,11 +121,11 @@ class FlatParamPlan:
         this rank holds no element of any parameter."""
         if not self.requires_grad or self.local_param_count == 0:
             return 0
-        return self.shard_numel * _itemsize(self.grad_dtype)
+        return self.shard_numel * self.grad_dtype.itemsize
 
     @property
     def unsharded_bytes(self) -> int:
-        return self.padded_numel * _itemsize(self.param_dtype) if self.needs_unshard_storage else 0
+        return self.padded_numel * self.param_dtype.itemsize if self.needs_unshard_storage else 0
 
     @property
     def gathers_in_place(self) -> bool:
@@ -153,7 +149,7 @@ class FlatParamPlan:
         all-gather (mixed precision or offload)."""
         if self.param_dtype == self.dtype and not self.offload:
             return 0
-        return self.shard_numel * _itemsize(self.param_dtype)
+        return self.shard_numel * self.param_dtype.itemsize
 
     @property
     def all_gather_copy_bytes(self) -> int:
@@ -161,17 +157,17 @@ class FlatParamPlan:
         path): the padded unsharded size."""
         if not (self.all_gather_copies_output and self.is_sharded):
             return 0
-        return self.padded_numel * _itemsize(self.param_dtype)
+        return self.padded_numel * self.param_dtype.itemsize
 
     @property
     def unsharded_grad_bytes(self) -> int:
-        return self.padded_numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+        return self.padded_numel * self.param_dtype.itemsize if self.requires_grad else 0
 
     @property
     def grad_pieces_bytes(self) -> int:
         """Per-parameter gradients autograd holds before it concatenates them
         into the padded flat gradient."""
-        return self.numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+        return self.numel * self.param_dtype.itemsize if self.requires_grad else 0
 
     def grad_bytes_used_after(self, module_index: int) -> int:
         """Gradient pieces of parameters last registered after
@@ -180,13 +176,13 @@ class FlatParamPlan:
         if not self.requires_grad:
             return 0
         numel = sum(n for last, n in self.last_uses if last > module_index)
-        return numel * _itemsize(self.param_dtype)
+        return numel * self.param_dtype.itemsize
 
     @property
     def tied_grad_bytes(self) -> int:
         """While a tied parameter's gradients are summed: one per use besides
         the piece already counted, and the sum."""
-        return self.tied_use_numel * _itemsize(self.param_dtype) if self.requires_grad else 0
+        return self.tied_use_numel * self.param_dtype.itemsize if self.requires_grad else 0
 
     @property
     def conversion_bytes(self) -> int:
@@ -200,7 +196,7 @@ class FlatParamPlan:
         padded gradient and the output."""
         if not self.requires_grad:
             return 0
-        size = _itemsize(self.reduce_dtype)
+        size = self.reduce_dtype.itemsize
         output = self.shard_numel * size if self.is_sharded else 0
         return self.padded_numel * size + output
 
@@ -210,7 +206,7 @@ class FlatParamPlan:
         shared memory, which copied it out when issued)."""
         if not self.requires_grad or (self.reduction_frees_grad and self.is_sharded):
             return 0
-        return self.padded_numel * _itemsize(self.reduce_dtype)
+        return self.padded_numel * self.reduce_dtype.itemsize
 
     @property
     def reduction_kept_at_finish_bytes(self) -> int:
@@ -221,7 +217,7 @@ class FlatParamPlan:
         dtype (``comm.reduce_grad``, ``comm.finish_grad_reduction``)."""
         if not self.requires_grad:
             return 0
-        reduce, compute = _itemsize(self.reduce_dtype), _itemsize(self.param_dtype)
+        reduce, compute = self.reduce_dtype.itemsize, self.param_dtype.itemsize
         cast = self.padded_numel * compute if self.param_dtype != self.reduce_dtype else 0
         if not self.is_sharded:
             kept = cast
@@ -258,7 +254,7 @@ class FlatParamPlan:
         """Buffers of this flat parameter's reduction while it is in flight
         (after the issue)."""
         if self.reduction_frees_grad and self.is_sharded and self.requires_grad:
-            return self.shard_numel * _itemsize(self.reduce_dtype)
+            return self.shard_numel * self.reduce_dtype.itemsize
         return self.reduction_issue_bytes
 
 
@@ -341,9 +337,9 @@ def optimizer_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str) -> dic
                 # so torch.optim keeps a step for each (the flat step too).
                 kinds[kind] += _STEP_BYTES * fp.param_count
             elif kind == "momentum_buffer":
-                kinds[kind] += fp.local_numel * _itemsize(fp.grad_dtype)
+                kinds[kind] += fp.local_numel * fp.grad_dtype.itemsize
             else:
-                kinds[kind] += fp.local_numel * _itemsize(fp.dtype)
+                kinds[kind] += fp.local_numel * fp.dtype.itemsize
     return kinds
 
 
@@ -367,7 +363,7 @@ def _local_params(fp: FlatParamPlan) -> list[tuple[int, int, int]]:
     """(position in ``module.parameters()``, local bytes, item size) of each
     parameter of a trainable flat parameter on this rank (one entry of the
     largest local part where the layout is not known)."""
-    size = _itemsize(fp.dtype)
+    size = fp.dtype.itemsize
     if fp.layout is None or len(fp.param_positions) != len(fp.layout.params):
         return [(0, fp.max_local_numel * size, size)]
     return [(pos, info.local_numel * size, size) for pos, info in zip(fp.param_positions, fp.layout.params)]
@@ -411,7 +407,7 @@ def optimizer_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str, d
         return 0
     trainable = [fp for fp in flat_params if fp.requires_grad]
     if device_type == "cuda":
-        return sum(fp.local_numel * _itemsize(fp.dtype) for fp in trainable)
+        return sum(fp.local_numel * fp.dtype.itemsize for fp in trainable)
     return _single_tensor_adam_bytes([p for fp in trainable for p in _stepped_tensors(fp)], previous_alive=True)
 
 
@@ -425,7 +421,7 @@ def in_backward_step_bytes(flat_params: Sequence[FlatParamPlan], optimizer: str,
         return 0
     trainable = [fp for fp in flat_params if fp.requires_grad]
     if device_type == "cuda":
-        return max((fp.max_local_numel * _itemsize(fp.dtype) for fp in trainable), default=0)
+        return max((fp.max_local_numel * fp.dtype.itemsize for fp in trainable), default=0)
     return _single_tensor_adam_bytes([p for fp in trainable for p in _local_params(fp)], previous_alive=False)
 
 
@@ -443,12 +439,12 @@ def freed_allocation_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
         own = fp._freed.get(enabled)
         if own is None:
             largest_param = max((numel for _, numel in fp.last_uses), default=0)
-            own = [fp.unsharded_bytes, fp.gather_source_bytes, largest_param * _itemsize(fp.dtype)]
+            own = [fp.unsharded_bytes, fp.gather_source_bytes, largest_param * fp.dtype.itemsize]
             if fp.requires_grad:
                 own += [
-                    largest_param * _itemsize(fp.param_dtype),
+                    largest_param * fp.param_dtype.itemsize,
                     fp.unsharded_grad_bytes,
-                    fp.padded_numel * _itemsize(fp.reduce_dtype),
+                    fp.padded_numel * fp.reduce_dtype.itemsize,
                     fp.grad_bytes,
                     # The optimizer's temporaries: a run's under the flat step.
                     max((nbytes for _, nbytes, _ in _stepped_tensors(fp)), default=0),
@@ -467,5 +463,5 @@ def gloo_buffer_sizes(flat_params: Sequence[FlatParamPlan]) -> list[int]:
         if fp.all_gather_copy_bytes:
             sizes.append(fp.all_gather_copy_bytes)
             if fp.requires_grad:
-                sizes.append(fp.padded_numel * _itemsize(fp.reduce_dtype))
+                sizes.append(fp.padded_numel * fp.reduce_dtype.itemsize)
     return sizes

@@ -151,10 +151,6 @@ class _Owned:
     owner: int
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def _group_key(strategy: ShardingStrategy) -> str:
     """Units sharing one shard group (fully_shard._resolve_groups with the
     default process group)."""
@@ -205,7 +201,7 @@ def planned_owners(units: Sequence[UnitPlan], spec: OwnerOptimizer) -> dict[int,
 
 def _whole_state(param: _Param, spec: OwnerOptimizer) -> dict[str, int]:
     """The state ``spec`` keeps for a whole ``param`` on its owner."""
-    size = _itemsize(param.grad_dtype)
+    size = param.grad_dtype.itemsize
     if spec.kind == "muon":
         return {"momentum_buffer": param.numel * size}
     if spec.kind == "owner":
@@ -235,8 +231,8 @@ def owner_state_bytes(units: Sequence[UnitPlan], spec: OwnerOptimizer, *, offloa
             if param.requires_grad and not spec.steps_whole(param.shape) and (param.offload or not offloaded_only):
                 # Every trainable parameter gets a .grad (empty where this
                 # rank holds none of it), so AdamW keeps a step for each.
-                kinds["exp_avg"] += param.local_numel * _itemsize(param.dtype)
-                kinds["exp_avg_sq"] += param.local_numel * _itemsize(param.dtype)
+                kinds["exp_avg"] += param.local_numel * param.dtype.itemsize
+                kinds["exp_avg_sq"] += param.local_numel * param.dtype.itemsize
                 kinds["step"] += _STEP_BYTES
     return kinds
 
@@ -278,7 +274,7 @@ def _exchange_bytes(group: list[_Owned]) -> tuple[int, int, int, int]:
         owned.param.piece(source) and source != owned.owner for owned in stepped for source in range(world)
     )
     dtypes = {owned.param.dtype for owned in group}
-    size = _itemsize(functools.reduce(torch.promote_types, dtypes))
+    size = functools.reduce(torch.promote_types, dtypes).itemsize
     sent = received = sent_back = received_back = whole = 0
     for owned in stepped:
         param = owned.param
@@ -290,7 +286,7 @@ def _exchange_bytes(group: list[_Owned]) -> tuple[int, int, int, int]:
         received += 2 * others
         sent_back += others
         if param.piece(rank) != param.numel:  # assembled, not a view of the shard
-            whole += 2 * param.numel * _itemsize(param.dtype)  # value and gradient
+            whole += 2 * param.numel * param.dtype.itemsize  # value and gradient
     if not moves:
         return flags, flags, whole, 0
     if len(dtypes) == 1 and group[0].param.shared_memory:
@@ -336,7 +332,7 @@ def _muon_step_bytes(owned: list[_Param], device_type: str) -> int:
         rows, cols = param.shape
         small = min(rows, cols)
         numel, bf16 = param.numel, 2
-        loop.assign("update", numel * _itemsize(param.grad_dtype))  # grad.lerp(buf)
+        loop.assign("update", numel * param.grad_dtype.itemsize)  # grad.lerp(buf)
         iterate = numel * bf16
         gram = small * small * bf16
         # In Newton-Schulz: the iterate, then per iteration a Gram matrix and
@@ -344,7 +340,7 @@ def _muon_step_bytes(owned: list[_Param], device_type: str) -> int:
         loop.moment(iterate + max(3 * gram, 2 * gram + iterate))
         loop.assign("update", iterate)  # the fp32 update freed on return
         if device_type == "cpu" and param.dtype != torch.bfloat16:
-            loop.moment(numel * _itemsize(param.dtype))
+            loop.moment(numel * param.dtype.itemsize)
     return loop.peak
 
 
@@ -363,7 +359,7 @@ def _adafactor_step_bytes(owned: list[_Param]) -> int:
     variance's copy."""
     loop = _Loop()
     for param in owned:
-        size, shape = _itemsize(param.grad_dtype), param.shape
+        size, shape = param.grad_dtype.itemsize, param.shape
         if len(shape) > 1:
             loop.assign("row_mean", param.numel // shape[-1] * size)
             loop.assign("col_mean", param.numel // shape[-2] * size)
@@ -379,7 +375,7 @@ def _adamw_step_bytes(units: Sequence[UnitPlan], spec: OwnerOptimizer, device_ty
     its foreach path (CUDA) one temporary per parameter at once, its
     single-tensor path (CPU) two for the largest (as memory.py plans it)."""
     sizes = [
-        p.local_numel * _itemsize(p.dtype) for p in _params(units) if p.requires_grad and not spec.steps_whole(p.shape)
+        p.local_numel * p.dtype.itemsize for p in _params(units) if p.requires_grad and not spec.steps_whole(p.shape)
     ]
     if device_type == "cuda":
         return sum(sizes)

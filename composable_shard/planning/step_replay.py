@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..api import BackwardPrefetch
-from .memory import FlatParamPlan, UnitPlan, _itemsize
+from .memory import FlatParamPlan, UnitPlan
 
 __all__ = [
     "StepPeak",
@@ -157,7 +157,7 @@ class BucketRule:
     def add(self, index: int) -> tuple[list[int], list[int]]:
         unit = self.units[index]
         key = unit.bucket_key(self.bucket_bytes)
-        nbytes = sum(fp.padded_numel * _itemsize(fp.reduce_dtype) for fp in unit.flat_params if fp.requires_grad)
+        nbytes = sum(fp.padded_numel * fp.reduce_dtype.itemsize for fp in unit.flat_params if fp.requires_grad)
         before: list[int] = []
         if self.held and (key != self.key or self.nbytes + nbytes > self.bucket_bytes):
             before = self.close()
@@ -264,10 +264,10 @@ def step_moments(
                 # Each shard is a tensor of its own, divided in place: a copy
                 # only where the gradient dtype differs.
                 copies = sum(
-                    fp.shard_numel * _itemsize(fp.grad_dtype) for fp in members if fp.grad_dtype != fp.reduce_dtype
+                    fp.shard_numel * fp.grad_dtype.itemsize for fp in members if fp.grad_dtype != fp.reduce_dtype
                 )
             else:
-                copies = sum(fp.shard_numel * _itemsize(fp.reduce_dtype) for fp in members)
+                copies = sum(fp.shard_numel * fp.reduce_dtype.itemsize for fp in members)
             label = f"finish of the bucket of {names_of(flying)}"
             moments.append(
                 StepPeak(label, reduced, gathered.total, unsharded_grads, comm + in_flight + copies, 0, acts)
@@ -285,7 +285,7 @@ def step_moments(
         held = sum(units[i].bytes_of("unsharded_grad_bytes") for i in bucket)
         finish_flying(unsharded_grads + held, 0, acts)
         members = trainable_of(bucket)
-        sizes = [_itemsize(fp.reduce_dtype) for fp in members]
+        sizes = [fp.reduce_dtype.itemsize for fp in members]
         casts = sum(fp.padded_numel * size for fp, size in zip(members, sizes) if fp.reduce_dtype != fp.param_dtype)
         sharded = members[0].is_sharded
         side_by_side = sum(fp.padded_numel * size for fp, size in zip(members, sizes))
@@ -311,8 +311,8 @@ def step_moments(
             if len(members) > 1:
                 fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
                 in_place = all(fp.gathers_in_place for fp in fps)
-                rows = 0 if in_place else sum(fp.padded_numel * _itemsize(fp.param_dtype) for fp in fps)
-                side_by_side = 0 if in_place else sum(fp.shard_numel * _itemsize(fp.param_dtype) for fp in fps)
+                rows = 0 if in_place else sum(fp.padded_numel * fp.param_dtype.itemsize for fp in fps)
+                side_by_side = 0 if in_place else sum(fp.shard_numel * fp.param_dtype.itemsize for fp in fps)
                 copy = sum(fp.all_gather_copy_bytes for fp in fps)
                 for i in members:
                     gathered[i] = units[i].bytes_of("unsharded_bytes")
@@ -407,7 +407,7 @@ def step_moments(
             prefetch = BackwardPrefetch.BACKWARD_POST
         name = unit.name or "<root>"
         held = sum(
-            fp.grad_bytes_used_after(unit.subtree_last) for i in sorted(ancestors[index]) for fp in units[i].flat_params
+            fp.grad_bytes_used_after(unit.subtree_last) for i in ancestors[index] for fp in units[i].flat_params
         )
         alive = (reduced, held + held_in_bucket(), in_flight)
         source = gather(index, -1, waited=True, acts=opening.get(f"backward of '{name}'", 0), alive=alive)

@@ -213,5 +213,5 @@ def buffer_bytes(module: nn.Module, buffer_dtype: torch.dtype | None) -> int:
     total = 0
     for buffer in module.buffers():
         dtype = buffer_dtype if buffer_dtype is not None and buffer.is_floating_point() else buffer.dtype
-        total += buffer.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+        total += buffer.numel() * dtype.itemsize
     return total
