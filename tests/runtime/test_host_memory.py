@@ -125,6 +125,29 @@ def test_a_check_far_below_the_mark_skips_the_checks_that_could_not_reach_it() -
     assert (len(reads), trimmer.trims) == (4, 1)
 
 
+def test_small_units_trim_again_only_once_the_mark_crept_a_sixty_fourth() -> None:
+    mark = 64_000  # a unit of 10 bytes reaches 40 < 64_000 / 64 = 1_000: small
+    levels = iter([(mark, mark), (mark + 999, mark + 999), (mark + 1_000, mark + 1_000), (mark + 1_000, mark + 1_000)])
+    trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100, read_levels=lambda: next(levels))
+    for _ in range(10):
+        trimmer.unit_backward_starts(10)
+    assert (trimmer.checks, trimmer.trims) == (1, 1)  # the first trim: none ran before
+    for _ in range(10):
+        trimmer.unit_backward_starts(10)
+    # At the mark, but the mark grew less than 1/64 since the trim: no trim,
+    # and no check before another trim_every_bytes.
+    assert (trimmer.checks, trimmer.trims) == (2, 1)
+    for _ in range(9):
+        trimmer.unit_backward_starts(10)
+    assert (trimmer.checks, trimmer.trims) == (2, 1)
+    trimmer.unit_backward_starts(10)  # the mark grew 1/64: trim
+    assert (trimmer.checks, trimmer.trims) == (3, 2)
+    # A unit that can add 1/64 of the mark (4 * 300 > 65_000 / 64) is not
+    # small: within reach of the mark it trims, however little the mark grew.
+    trimmer.unit_backward_starts(300)
+    assert (trimmer.checks, trimmer.trims) == (4, 3)
+
+
 def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
     models: list[nn.Module] = []
 
