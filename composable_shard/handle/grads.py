@@ -23,7 +23,9 @@ and test_no_sync_between_synchronised_backwards_and_nested_use
 
 [Note: empty gradients on empty ranges]
 A parameter of which this rank holds no element gets an *empty* ``.grad``
-(a new 0-element tensor, not a view, so it keeps no storage alive), never
+(a new 0-element tensor, not a view, so it keeps no storage alive; one
+per parameter: ``nn.Module._apply`` swaps each ``.grad``, which refuses a
+tensor held elsewhere), never
 None: optimizers skip parameters whose ``.grad`` is None, so AdamW's
 ``step`` (and any other per-parameter counter) would stop advancing on that
 rank only, and after a resume the stale value could be the one a state dict
@@ -190,16 +192,18 @@ def use_sharded_grad_views(
     is left alone (see [Note: changes to original parameters] in
     handle/writeback.py). Returns the placeholder low-precision gradients
     were assigned through (``set_grad_of_other_dtype``), for the next call."""
-    for info, param, requires_grad in zip(layout.params, orig_params, param_requires_grad):
+    if sharded_flat_grad is None:
+        for param, requires_grad in zip(orig_params, param_requires_grad):
+            if requires_grad and param.requires_grad:  # frozen: its .grad stays the user's
+                param.grad = None
+        return placeholder
+    sizes, segments = layout.shard_split
+    # One split cuts every local part (a slice per parameter costs more).
+    parts = sharded_flat_grad.split(sizes)
+    for segment, param, requires_grad in zip(segments, orig_params, param_requires_grad):
         if not (requires_grad and param.requires_grad):
             continue  # frozen: its .grad stays the user's
-        if sharded_flat_grad is None:
-            param.grad = None
-            continue
-        if info.local_numel == 0:
-            local = sharded_flat_grad.new_empty(0)
-        else:
-            local = sharded_flat_grad[info.shard_offset : info.shard_offset + info.local_numel]
+        local = sharded_flat_grad.new_empty(0) if segment is None else parts[segment]
         if local.dtype == param.dtype:
             param.grad = as_grad_of(param, local)
         else:

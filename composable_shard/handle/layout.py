@@ -20,6 +20,7 @@ test_layout_of_a_small_module_is_stable (tests/handle/test_flat_param.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,6 +105,30 @@ class FlatParamLayout:
     @property
     def total_param_numel(self) -> int:
         return sum(info.numel for info in self.params)
+
+    @functools.cached_property
+    def shard_split(self) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+        """This rank's shard cut as ``split_sizes`` cuts the unsharded
+        buffer: consecutive segment sizes covering the shard (each
+        parameter's local part, padding between them), and per parameter
+        the index of its local part's segment (None: it holds no element
+        here). One ``split`` then gives every parameter's part of a
+        sharded gradient."""
+        sizes: list[int] = []
+        segments: list[int | None] = []
+        at = 0
+        for info in self.params:
+            if not info.local_numel:
+                segments.append(None)
+                continue
+            if info.shard_offset > at:
+                sizes.append(info.shard_offset - at)
+            segments.append(len(sizes))
+            sizes.append(info.local_numel)
+            at = info.shard_offset + info.local_numel
+        if self.shard_numel > at:
+            sizes.append(self.shard_numel - at)
+        return tuple(sizes), tuple(segments)
 
     def describe(self) -> str:
         """A stable text form of the layout (for tests and debugging)."""

@@ -240,11 +240,15 @@ class UnitState:
         if followers is not None:
             unshard_with_followers(scheduler, self.handles, followers)
         for handle in self.handles:
-            # A handle that is its own shard (NO_SHARD in its dtype) gathers
-            # and copies nothing: its issue is still fenced ([Note: lane
-            # fences]) but launches nothing, without a tag.
-            launch = functools.partial(_launch_unshard, handle) if handle.needs_unshard_storage else _launch_nothing
-            scheduler.unshard(handle, launch)
+            if not handle.needs_unshard_storage:
+                # Its own shard (NO_SHARD in its dtype): gathers and copies
+                # nothing, but its issue is still fenced ([Note: lane
+                # fences]); it launches nothing, without a tag.
+                scheduler.unshard(handle, _launch_nothing)
+            elif not handle.is_unsharded or scheduler.has_pending_unshard(handle):
+                scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
+            # else gathered, and compute already waited for it (a coalesced
+            # all-gather's follower, a unit kept gathered): nothing to issue.
         if wait:
             for handle in self.handles:
                 scheduler.wait_for_unshard(handle)
