@@ -359,6 +359,27 @@ FlatParamLayout(dtype=torch.float32, requires_grad=True, padded_unsharded_numel=
     )
 
 
+def test_shard_split_cuts_each_parameters_local_part_where_the_layout_puts_it() -> None:
+    # Every rank of 1-5 over shapes with alignment padding between parameters,
+    # tail padding, parameters a rank holds nothing of, and empty ones.
+    shapes = [(3, 5), (3,), (), (7,), (0,), (2, 2), (1,)]
+    owners = [(torch.Size(shape), (ParamOwner(nn.Module(), f"p{i}", f"p{i}"),)) for i, shape in enumerate(shapes)]
+    for world_size in range(1, 6):
+        for rank in range(world_size):
+            layout = compute_layout(owners, dtype=torch.float32, requires_grad=True, shard_rank=rank, shard_world_size=world_size)
+            sizes, segments = layout.shard_split
+            assert sum(sizes) == layout.shard_numel and all(size > 0 for size in sizes)
+            shard = torch.arange(layout.shard_numel, dtype=torch.float32)
+            parts = shard.split(sizes)
+            for info, segment in zip(layout.params, segments):
+                if info.local_numel == 0:
+                    assert segment is None
+                else:
+                    expected = shard[info.shard_offset : info.shard_offset + info.local_numel]
+                    assert torch.equal(parts[segment], expected), (world_size, rank, info.fqn)
+                    assert parts[segment].data_ptr() == expected.data_ptr()
+
+
 def test_low_precision_grads_are_shown_without_parameter_sized_allocations() -> None:
     # keep_low_precision_grads: autograd accepts only a .grad of the
     # parameter's dtype, so each is assigned as a stride-0 view of one 0-dim
