@@ -131,6 +131,19 @@ def _owner_note(args: argparse.Namespace, results: dict[str, ModeResult]) -> str
     return f"owner step (composable_shard, last step): {'; '.join(parts)}; Muon work per rank {shares} (ideal {100 / world:.0f}%)."
 
 
+def paired_ratio(ours: ModeResult, theirs: ModeResult, round_steps: int) -> float:
+    """The median over the schedule's turns of ``ours``' mean step divided
+    by ``theirs``' in the same turn (their steps run back to back:
+    ``timed_schedule``), so a machine that slows down or speeds up between
+    turns moves both alike; the ratio of medians mixes turns of different
+    speeds."""
+    ratios = []
+    for mine, other in zip(ours.round_ms, theirs.round_ms):
+        for start in range(0, min(len(mine), len(other)), round_steps):
+            ratios.append(statistics.mean(mine[start : start + round_steps]) / statistics.mean(other[start : start + round_steps]))
+    return statistics.median(ratios)
+
+
 def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     """Prints the tables (as Markdown with ``--markdown``: the same cells,
     notes as a list); returns whether the losses agree (always true in bf16
@@ -150,7 +163,7 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         f"| {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps/mode | torch {torch.__version__}"
     )
     round_names = [f"r{r + 1}" for r in range(args.rounds)]
-    header = ["mode", *round_names, "median ms", "opt ms", "tok/s", "cs/peer", f"build {memory_unit}",
+    header = ["mode", *round_names, "median ms", "opt ms", "tok/s", "cs/peer", "paired", f"build {memory_unit}",
               f"peak {memory_unit}", "final loss", f"max|Δloss| vs {reference}", "rel"]
     rows: list[list[str]] = []
     mismatched: list[bool] = []
@@ -178,6 +191,7 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
             f"{res.optimizer_ms:.1f}" if res.optimizer_ms is not None else "-",
             f"{tokens / median_ms * 1000:.0f}",
             f"{cs_ms / median_ms:.2f}" if cs_ms is not None else "-",
+            f"{paired_ratio(results['composable_shard'], res, args.round_steps):.2f}" if cs_ms is not None else "-",
             f"{res.after_build_mb:.1f}" if res.after_build_mb is not None else "-",
             f"{res.peak_mb:.1f}" if res.peak_mb is not None else "-",
             f"{res.losses[-1]:.5f}",
@@ -190,7 +204,7 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
         print(markdown_table(header, marked, right_aligned=set(range(1, len(header)))))
         print()
     else:
-        widths = [17, *(7 for _ in round_names), 9, 7, 8, 7, 15, 14, 10, 24, 8]
+        widths = [17, *(7 for _ in round_names), 9, 7, 8, 7, 6, 15, 14, 10, 24, 8]
         print(" ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(header, widths))))
         for row, flag in zip(rows, mismatched):
             line = " ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths)))
@@ -198,7 +212,8 @@ def report(args: argparse.Namespace, results: dict[str, ModeResult]) -> bool:
     notes = [
         "r1..rN: median step per round; median ms: over all rounds; opt ms: median optimizer.step() alone "
         "(every step, slowest rank); cs/peer: composable_shard's median divided by the mode's (<1: "
-        "composable_shard faster).",
+        "composable_shard faster); paired: the median over turns of composable_shard's mean step divided by "
+        "the mode's in the same turn (steps run back to back: less moved by a machine whose speed drifts).",
         "memory: increase over the level before the mode was built, largest over ranks; build = after "
         "building model and optimizer (sharded), peak = during the memory pass's steps "
         "(composable_shard's on CPU counts its own /dev/shm slots, not its peers' that it maps).",

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench.cli import parse_args  # noqa: E402
 from bench.markdown import markdown_table  # noqa: E402
-from bench.report import ModeResult, report  # noqa: E402
+from bench.report import ModeResult, paired_ratio, report  # noqa: E402
 
 
 def _args(markdown: bool) -> argparse.Namespace:
@@ -58,6 +58,18 @@ def test_markdown_table_parses_and_holds_the_plain_tables_numbers(capsys: pytest
         assert plain_line.split() == row
     fsdp1 = dict(zip(header, rows[1]))
     assert (fsdp1["median ms"], fsdp1["cs/peer"], fsdp1["peak RSS MB"]) == ("501.5", "0.76", "214.1")
+    assert fsdp1["paired"] == f"{paired_ratio(_results()['composable_shard'], _results()['fsdp1'], 2):.2f}"
+
+
+def test_paired_ratio_is_the_median_over_turns_of_the_ratio_of_turn_means() -> None:
+    # Two rounds of two turns of two steps; the machine is three times slower
+    # in each round's second turn, so the medians mix speeds.
+    ours = ModeResult("composable_shard", [1.0], [[100.0, 110.0, 300.0, 310.0], [100.0, 100.0, 330.0, 330.0]], None, None, [])
+    theirs = ModeResult("ddp", [1.0], [[90.0, 90.0, 310.0, 290.0], [100.0, 100.0, 300.0, 300.0]], None, None, [])
+    # Turn ratios 105 / 90, 305 / 300, 100 / 100, 330 / 300: the median of four is the mean of the middle two.
+    assert paired_ratio(ours, theirs, 2) == pytest.approx((305 / 300 + 330 / 300) / 2)
+    # In turns of four steps (the whole round), one ratio per round.
+    assert paired_ratio(ours, theirs, 4) == pytest.approx((205 / 195 + 215 / 200) / 2)
 
 
 def test_a_cell_holding_a_pipe_is_escaped_and_rows_must_match_the_header() -> None:
