@@ -286,6 +286,15 @@ class Scheduler:
     def has_pending_unshard(self, key: Hashable) -> bool:
         return key in self._all_gathers
 
+    def use_gathered(self) -> None:
+        """A flat parameter about to be used was gathered and waited for
+        already (a coalesced all-gather's follower, a unit kept gathered):
+        nothing is issued, and a buffer held back by ``free_unsharded``'s
+        ``defer`` is freed now, as an issue would free it (this one's
+        buffer was allocated before, so no all-gather is handed that block
+        here; the next one waits for its free)."""
+        self._run_deferred_free()
+
     def free_unsharded(self, key: Hashable, free: Callable[[], None], *, defer: bool = False) -> None:
         """The host is done with ``key``'s unsharded buffer (every use of it
         is enqueued on compute): make compute wait for any fill still

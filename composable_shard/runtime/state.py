@@ -247,8 +247,8 @@ class UnitState:
                 scheduler.unshard(handle, _launch_nothing)
             elif not handle.is_unsharded or scheduler.has_pending_unshard(handle):
                 scheduler.unshard(handle, functools.partial(_launch_unshard, handle))
-            # else gathered, and compute already waited for it (a coalesced
-            # all-gather's follower, a unit kept gathered): nothing to issue.
+            else:  # gathered, and compute already waited for it
+                scheduler.use_gathered()
         if wait:
             for handle in self.handles:
                 scheduler.wait_for_unshard(handle)

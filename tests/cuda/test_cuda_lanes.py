@@ -165,6 +165,31 @@ def test_scheduler_holds_a_freed_buffer_only_until_the_next_all_gather_allocated
     assert len(waits) == 3, cuda.log
 
 
+def test_a_flat_parameter_found_gathered_frees_the_held_buffer_as_an_issue_would() -> None:
+    # A coalesced all-gather's follower issues nothing at its pre-forward
+    # (use_gathered); the buffer the previous unit's post-forward held back
+    # goes there, as when every follower issued an empty launch, and the
+    # next all-gather waits for its free.
+    cuda = FakeCuda()
+    freed: list[str] = []
+    with cuda.installed():
+        scheduler = Scheduler(_CUDA, limit_all_gathers=True)
+        scheduler.unshard_together(("a", "b", "c"), lambda async_op: None)
+        scheduler.wait_for_unshard("a")
+        scheduler.free_unsharded("a", lambda: freed.append("a"), defer=True)
+        assert freed == []
+        scheduler.use_gathered()  # "b", gathered with "a"
+        assert freed == ["a"]
+        scheduler.free_unsharded("b", lambda: freed.append("b"), defer=True)
+        scheduler.use_gathered()  # "c"
+        assert freed == ["a", "b"]
+        waits_before = sum(1 for kind, stream, _ in cuda.log if kind == "wait_event" and stream != "compute")
+        scheduler.unshard("d", lambda async_op: None)
+        waits = sum(1 for kind, stream, _ in cuda.log if kind == "wait_event" and stream != "compute")
+        assert waits - waits_before == 2, cuda.log  # the events of a's and b's frees
+        scheduler.wait_for_all()
+
+
 # ------------------------------------------------------- a whole model
 class _Recorder:
     """Describes to the fake the device work of every handle of a sharded
