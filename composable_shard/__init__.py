@@ -11,7 +11,7 @@ gradients. See docs/api.md for the contract.
 import sys as _sys
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .fully_shard import fully_shard, is_fully_sharded, register_forward_method
+from .entry import fully_shard, is_fully_sharded, register_forward_method
 from .policy import CustomPolicy, LayoutPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
 from . import planning
 from .planning import Capacity, MemoryRecorder, ShardingPlan, describe, largest_fitting, plan
@@ -43,9 +43,9 @@ from .state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from .fully_shard import register_before_change as _register_before_change
-from .fully_shard import register_unit_extension as _register_unit_extension
-from .fully_shard import register_layout_planner as _register_layout_planner
+from .entry import register_before_change as _register_before_change
+from .entry import register_unit_extension as _register_unit_extension
+from .entry import register_layout_planner as _register_layout_planner
 from .planning.sharding_plan import layout_for_budget as _layout_for_budget
 from .state_dict.hooks import register_state_dict_hooks as _register_state_dict_hooks
 from .runtime.optimizer_checks import register_elementwise_optimizer

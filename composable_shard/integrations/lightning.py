@@ -67,7 +67,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from composable_shard.checkpoint import load_checkpoint, save_checkpoint
 from composable_shard.controls.unshard_params import clip_grad_norm_
-from composable_shard.fully_shard import is_fully_sharded, register_forward_method
+from composable_shard.entry import is_fully_sharded, register_forward_method
 from composable_shard.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from .lightning_common import (

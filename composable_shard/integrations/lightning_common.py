@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from composable_shard.controls.per_unit import set_requires_gradient_sync
-from composable_shard.fully_shard import fully_shard, is_fully_sharded
+from composable_shard.entry import fully_shard, is_fully_sharded
 from composable_shard.policy import Policy, select_units
 
 __all__ = [

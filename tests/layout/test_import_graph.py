@@ -97,7 +97,7 @@ def test_no_module_only_re_exports_another() -> None:
 # it (state dicts, checkpoints, plans, the utilities over a sharded tree)
 # and may import it; the core never imports a wing. By package prefix, so a
 # module split into a folder of the same name stays in its layer.
-CORE = ("api", "policy", "handle", "comm", "runtime", "units", "fully_shard")
+CORE = ("api", "policy", "handle", "comm", "runtime", "units", "entry")
 WINGS = ("state_dict", "checkpoint", "planning", "controls", "interop", "comm_hooks", "optim", "integrations")
 
 

@@ -323,7 +323,7 @@ def test_device_id_moves_a_cpu_model_to_the_gpu() -> None:
 
 
 # ------------------------------------------------- the current CUDA device
-# See [Note: the current CUDA device] in composable_shard/fully_shard.py. No
+# See [Note: the current CUDA device] in composable_shard/entry.py. No
 # GPU is needed: both errors are raised before any CUDA call other than the
 # two queries patched here (the availability and the current device).
 _CUDA_DEVICE_ERRORS = [

@@ -121,7 +121,7 @@ def train_once():
     model(torch.ones(2, 4)).sum().backward()
     return model
 
-cache = importlib.import_module("composable_shard.fully_shard")._HYBRID_GROUPS_CACHE
+cache = importlib.import_module("composable_shard.entry")._HYBRID_GROUPS_CACHE
 before = set(threads())
 start()
 train_once()

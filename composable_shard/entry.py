@@ -252,7 +252,7 @@ def _budgeted_policy(
     if not _LAYOUT_PLANNERS:
         raise RuntimeError(
             f"fully_shard({name}): memory_budget needs the planning wing, which is registered when the package "
-            "is imported. Import composable_shard (not only composable_shard.fully_shard)."
+            "is imported. Import composable_shard (not only composable_shard.entry)."
         )
     if len(members) > 1:
         raise ValueError(
