@@ -20,6 +20,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from composable_shard.integrations.lightning import FabricShardStrategy, ShardSt
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import DIM, Block
+from tests.support.parity import StepSlack
 
 SAMPLES = 48  # global samples per epoch
 GLOBAL_BATCH = 8
@@ -115,12 +117,18 @@ def _loader(world_size: int, accumulate: int) -> DataLoader:
 
 
 class _RecordParams(Callback):
-    """Full parameters after each optimizer step (a collective on every rank)."""
+    """Full parameters after each optimizer step, and the full gradients it
+    stepped with (collectives on every rank)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
         self.seen_step = 0
         self.trainer: pl.Trainer | None = None  # set by _fit
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Lightning clips after this hook: clip as it will.
+        self.grads.append(_full_grads(pl_module, trainer.gradient_clip_val))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.seen_step:
@@ -128,6 +136,30 @@ class _RecordParams(Callback):
         self.seen_step = trainer.global_step
         with unshard_params(pl_module, writeback=False):
             self.steps.append({n: p.detach().float().clone() for n, p in pl_module.named_parameters()})
+
+
+def _full_grads(module: nn.Module, clip: float | None) -> dict[str, torch.Tensor]:
+    """The full gradients the next optimizer step will use (gathered: a
+    collective on every rank), clipped to norm ``clip`` as
+    ``torch.nn.utils.clip_grad_norm_`` would."""
+    with unshard_params(module, writeback=False, with_grads=True):
+        grads = {n: p.grad.detach().float().clone() for n, p in module.named_parameters() if p.grad is not None}
+    if clip is None:
+        return grads
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    coefficient = torch.clamp(clip / (norm + 1e-6), max=1.0)
+    return {n: g * coefficient for n, g in grads.items()}
+
+
+@dataclass
+class _Reference:
+    """One process's record per optimizer step: the parameters after it, the
+    gradients it stepped with, and for Adam/AdamW each parameter's state
+    after it with the hyperparameters it used (empty for other optimizers)."""
+
+    steps: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    adam_states: list[dict[str, tuple[dict, dict]]] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -168,7 +200,7 @@ def _reference(
     clip: float | None = None,
     autocast: bool = False,
     dtype: torch.dtype = torch.float32,
-) -> list[dict[str, torch.Tensor]]:
+) -> _Reference:
     """One process, the unsharded model, the global batch: what Lightning's
     loop does (loss / accumulate, clip the norm, step, scheduler per step)
     with the module's own optimizer."""
@@ -176,7 +208,8 @@ def _reference(
     optimizer = model.configure_optimizers()["optimizer"]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     x_all, y_all = _data().tensors
-    steps = []
+    record = _Reference()
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     for epoch in range(epochs):
         # Lightning's DistributedSampler: one permutation (seed 0 + epoch), rank r
         # takes every W-th index, so a global batch is a run of the permutation.
@@ -191,21 +224,51 @@ def _reference(
                 continue
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            record.grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()})
+            hyperparameters = [{k: group[k] for k in ("lr", "betas", "eps", "amsgrad") if k in group}
+                               for group in optimizer.param_groups]
             optimizer.step()
+            if adam:
+                (group,) = hyperparameters
+                record.adam_states.append({
+                    n: ({k: v.clone() for k, v in optimizer.state[p].items()}, group) for n, p in model.named_parameters()
+                })
             optimizer.zero_grad()
             scheduler.step()
-            steps.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
-    return steps
+            record.steps.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return record
 
 
 def _assert_steps_equal(
-    got: list[dict[str, torch.Tensor]], expected: list[dict[str, torch.Tensor]], tolerance: dict[str, float]
+    got: list[dict[str, torch.Tensor]],
+    got_grads: list[dict[str, torch.Tensor]] | None,
+    expected: _Reference,
+    tolerance: dict[str, float],
 ) -> None:
-    assert len(got) == len(expected), (len(got), len(expected))
-    for step, (ours, theirs) in enumerate(zip(got, expected)):
+    """``got``: the parameters after the reference's last ``len(got)`` steps,
+    equal within ``tolerance``. With ``got_grads``, the gradients of every
+    one of the reference's steps from the first (a resumed run's first ones
+    are the saving run's), also beyond what Adam's steps amplify of the
+    gradients' round-off ([Note: parity after an adaptive step] in
+    tests/support/parity.py): the fp32 runs. The bf16 ones compare within
+    their tolerance alone, which covers a bf16 step (that bound's first
+    order would not hold at bf16's round-off)."""
+    assert len(expected.steps) >= len(got), (len(expected.steps), len(got))
+    assert got_grads is None or len(got_grads) == len(expected.steps), (len(got_grads), len(expected.steps))
+    slack = StepSlack()
+    first_compared = len(expected.steps) - len(got)
+    for step, theirs in enumerate(expected.steps):
+        if got_grads is not None:
+            for name, grad in expected.grads[step].items():
+                slack.record_grad(name, got_grads[step][name], grad)
+            for name, (state, group) in (expected.adam_states[step] if expected.adam_states else {}).items():
+                slack.account_state(name, state, group)
+        if step < first_compared:
+            continue
+        ours = got[step - first_compared]
         assert ours.keys() == theirs.keys()
         for name in ours:
-            torch.testing.assert_close(ours[name], theirs[name], **tolerance, msg=lambda m: f"step {step} {name}: {m}")
+            slack.assert_param_close(name, ours[name], theirs[name], **tolerance, when=f"step {step}")
 
 
 def _fit(
@@ -231,9 +294,9 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
     val_x, val_y = _data().tensors[0][:16], _data().tensors[1][:16]
     val_loader = DataLoader(TensorDataset(val_x, val_y), batch_size=16 // world_size // 2)
     recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), val_dataloaders=val_loader)
-    _assert_steps_equal(recorder.steps, expected, TIGHT)
+    _assert_steps_equal(recorder.steps, recorder.grads, expected, TIGHT)
     final = Regressor()
-    final.load_state_dict(expected[-1])
+    final.load_state_dict(expected.steps[-1])
     with torch.no_grad():
         expected_val = F.mse_loss(final(val_x), val_y)
     assert recorder.trainer is not None
@@ -246,8 +309,8 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     module = Regressor(shard_in_configure_model=True)
     expected = _reference(module, epochs=1, accumulate=2, clip=CLIP)
-    got = _fit(rank, world_size, module, ShardStrategy(), accumulate=2, gradient_clip_val=CLIP).steps
-    _assert_steps_equal(got, expected, TIGHT)
+    recorder = _fit(rank, world_size, module, ShardStrategy(), accumulate=2, gradient_clip_val=CLIP)
+    _assert_steps_equal(recorder.steps, recorder.grads, expected, TIGHT)
 
     # bf16-mixed: autocast over fp32 parameters, fp32 reduction.
     torch.manual_seed(0)
@@ -255,7 +318,7 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
     expected = _reference(module, epochs=1, autocast=True)
     recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), precision="bf16-mixed")
     assert all(p.dtype == torch.float32 for p in module.parameters())
-    _assert_steps_equal(recorder.steps, expected, BF16)
+    _assert_steps_equal(recorder.steps, None, expected, BF16)
 
     # bf16-true: the module is converted to bf16, then sharded.
     torch.manual_seed(0)
@@ -263,7 +326,7 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
     expected = _reference(module, epochs=1, dtype=torch.bfloat16)
     recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), precision="bf16-true")
     assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
-    _assert_steps_equal(recorder.steps, expected, BF16_TRUE)
+    _assert_steps_equal(recorder.steps, None, expected, BF16_TRUE)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -275,8 +338,8 @@ def _whole_parameter_optimizer_matches_reference(rank: int, world_size: int) -> 
     torch.manual_seed(0)
     module = AdafactorRegressor()
     expected = _reference(module, epochs=1, clip=CLIP)
-    got = _fit(rank, world_size, module, ShardStrategy(policy={Block}), gradient_clip_val=CLIP).steps
-    _assert_steps_equal(got, expected, TIGHT)
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), gradient_clip_val=CLIP)
+    _assert_steps_equal(recorder.steps, recorder.grads, expected, TIGHT)
 
 
 def test_an_optimizer_stepped_by_owners_through_configure_optimizers() -> None:
@@ -289,8 +352,9 @@ def test_an_optimizer_stepped_by_owners_through_configure_optimizers() -> None:
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 
-def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[str]:
-    """Epoch 1 with ModelCheckpoint, then trainer.save_checkpoint too."""
+def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    """Epoch 1 with ModelCheckpoint, then trainer.save_checkpoint too; the
+    files' names and the gradients of the epoch's steps."""
     torch.manual_seed(0)
     checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1, save_last=True)
     recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), callbacks=[checkpoints],
@@ -304,12 +368,14 @@ def _save_after_one_epoch(rank: int, world_size: int, directory: str) -> list[st
     plain.load_state_dict(torch.load(Path(directory) / "full.pt", weights_only=True))
     for name, param in plain.named_parameters():
         torch.testing.assert_close(param, recorder.steps[-1][name], rtol=0, atol=0)
-    return sorted(p.name for p in Path(directory).iterdir())
+    return sorted(p.name for p in Path(directory).iterdir()), recorder.grads
 
 
-def _resume_matches_uninterrupted(rank: int, world_size: int, directory: str, checkpoint: str) -> None:
+def _resume_matches_uninterrupted(
+    rank: int, world_size: int, directory: str, checkpoint: str, saved_grads: list[dict[str, torch.Tensor]]
+) -> None:
     torch.manual_seed(0)
-    expected = _reference(Regressor(), epochs=2)[STEPS_PER_EPOCH:]
+    expected = _reference(Regressor(), epochs=2)
     # "last": Lightning finds last.ckpt through the ModelCheckpoint's directory.
     options: dict[str, Any] = {"ckpt_path": checkpoint}
     if checkpoint == "last":
@@ -320,14 +386,16 @@ def _resume_matches_uninterrupted(rank: int, world_size: int, directory: str, ch
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     recorder = _fit(rank, world_size, Regressor(), ShardStrategy(policy={Block}), max_epochs=2, **options)
     assert recorder.trainer is not None and recorder.trainer.global_step == 2 * STEPS_PER_EPOCH
-    _assert_steps_equal(recorder.steps, expected, TIGHT)
+    assert len(recorder.steps) == STEPS_PER_EPOCH
+    _assert_steps_equal(recorder.steps, saved_grads + recorder.grads, expected, TIGHT)
 
 
 def test_checkpoint_resumes_exactly_at_the_same_and_another_world_size(tmp_path: Path) -> None:
-    names = run_distributed(_save_after_one_epoch, 2, str(tmp_path), timeout=300)[0]
+    names, grads = run_distributed(_save_after_one_epoch, 2, str(tmp_path), timeout=300)[0]
     assert names == [f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "full.pt", "last.ckpt", "manual.ckpt"], names
-    run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path), "manual.ckpt", timeout=300)
-    run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path), "last", timeout=300)
+    assert len(grads) == STEPS_PER_EPOCH
+    run_distributed(_resume_matches_uninterrupted, 1, str(tmp_path), "manual.ckpt", grads, timeout=300)
+    run_distributed(_resume_matches_uninterrupted, 2, str(tmp_path), "last", grads, timeout=300)
 
 
 # ------------------------------------------------------------------ Fabric
@@ -347,7 +415,7 @@ def _fabric_matches_reference(rank: int, world_size: int, directory: str) -> Non
         # loader Fabric wraps would count epochs by iterations of it).
         sampler = DistributedSampler(_data(), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
         loader = DataLoader(_data(), batch_size=GLOBAL_BATCH // world_size // 2, sampler=sampler)
-        got, norms = [], []
+        got, got_grads, norms = [], [], []
         for epoch in range(2):
             sampler.set_epoch(epoch)
             for index, (x, y) in enumerate(loader):
@@ -356,6 +424,7 @@ def _fabric_matches_reference(rank: int, world_size: int, directory: str) -> Non
                     fabric.backward(F.mse_loss(model(x), y) / 2)
                 if not last:
                     continue
+                got_grads.append(_full_grads(model.module, CLIP))
                 norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
                 optimizer.step()
                 optimizer.zero_grad()
@@ -365,7 +434,7 @@ def _fabric_matches_reference(rank: int, world_size: int, directory: str) -> Non
                 if epoch == 0 and len(got) == STEPS_PER_EPOCH:
                     fabric.save(Path(directory) / "fabric", {"model": model, "optimizer": optimizer,
                                                              "scheduler": scheduler, "epoch": epoch})
-        _assert_steps_equal(got, expected, TIGHT)
+        _assert_steps_equal(got, got_grads, expected, TIGHT)
         torch.testing.assert_close(torch.tensor(norms[:1]), torch.tensor(reference_norms[:1]), rtol=1e-5, atol=0)
 
         # Load into a fresh model, optimizer and scheduler; the second epoch again.
@@ -377,20 +446,21 @@ def _fabric_matches_reference(rank: int, world_size: int, directory: str) -> Non
         state = {"model": fresh_model, "optimizer": optimizer, "scheduler": scheduler, "epoch": -1}
         assert fabric.load(Path(directory) / "fabric", state) == {}
         assert state["epoch"] == 0
-        resumed = []
+        resumed, resumed_grads = [], []
         sampler.set_epoch(1)
         for index, (x, y) in enumerate(loader):
             with fabric.no_backward_sync(fresh_model, enabled=index % 2 == 0):
                 fabric.backward(F.mse_loss(fresh_model(x), y) / 2)
             if index % 2 == 0:
                 continue
+            resumed_grads.append(_full_grads(fresh, CLIP))
             fabric.clip_gradients(fresh_model, optimizer, max_norm=CLIP)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
             with unshard_params(fresh, writeback=False):
                 resumed.append({n: p.detach().clone() for n, p in fresh.named_parameters()})
-        _assert_steps_equal(resumed, expected[STEPS_PER_EPOCH:], TIGHT)
+        _assert_steps_equal(resumed, got_grads[:STEPS_PER_EPOCH] + resumed_grads, expected, TIGHT)
 
 
 def _reference_norms(module: Regressor, *, accumulate: int) -> list[float]:
@@ -447,7 +517,8 @@ def _misuse_is_refused_at_setup_then_trains(rank: int, world_size: int) -> None:
     # The refused (unsharded) module still trains, with a valid setup.
     module = cases[0][0]
     expected = _reference(module, epochs=1)
-    _assert_steps_equal(_fit(rank, world_size, module, ShardStrategy(policy={Block})).steps, expected, TIGHT)
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}))
+    _assert_steps_equal(recorder.steps, recorder.grads, expected, TIGHT)
 
 
 def test_misuse_is_refused_at_setup_with_a_clear_message() -> None:

@@ -117,19 +117,28 @@ class StepSlack:
         groups = {id(param): group for group in optimizer.param_groups for param in group["params"]}
         for name, param in reference.named_parameters():
             state, group = optimizer.state.get(param), groups.get(id(param))
-            difference = self.grad_differences.get(name)
-            if not state or group is None or difference is None:
-                continue
-            step = float(state["step"])
-            if step <= self.accounted_steps.get(name, 0.0):
-                continue
-            self.accounted_steps[name] = step
-            beta1, beta2 = group["betas"]
-            second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-            denominator = (second.float() / (1 - beta2**step)).sqrt() + group["eps"]
-            update = (state["exp_avg"].float() / (1 - beta1**step)).abs() / denominator
-            bound = 2 * float(group["lr"]) * (1 + update) * difference / denominator
-            self.bounds[name] = bound + self.bounds.get(name, 0.0)
+            if state and group is not None:
+                self.account_state(name, state, group)
+
+    def account_state(self, name: str, state: dict, group: dict) -> None:
+        """Add the bound of the step an Adam or AdamW took on parameter
+        ``name`` with ``state`` (its state after the step) and ``group``
+        (its hyperparameters: ``lr``, ``betas``, ``eps``, ``amsgrad``),
+        unless that step was accounted already; a caller that recorded the
+        reference's steps as it went passes them here one by one."""
+        difference = self.grad_differences.get(name)
+        if difference is None:
+            return
+        step = float(state["step"])
+        if step <= self.accounted_steps.get(name, 0.0):
+            return
+        self.accounted_steps[name] = step
+        beta1, beta2 = group["betas"]
+        second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
+        denominator = (second.float() / (1 - beta2**step)).sqrt() + group["eps"]
+        update = (state["exp_avg"].float() / (1 - beta1**step)).abs() / denominator
+        bound = 2 * float(group["lr"]) * (1 + update) * difference / denominator
+        self.bounds[name] = bound + self.bounds.get(name, 0.0)
 
     def assert_param_close(
         self, name: str, actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, when: str
