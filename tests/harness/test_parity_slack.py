@@ -1,5 +1,5 @@
 """The parity helper's bound after adaptive steps (tests/support/parity.py,
-[Note: parity after an adaptive step]): AdamW turns a round-off difference
+[Note: parity after an adaptive step]): AdamW (and RMSprop, Adagrad) turn a round-off difference
 in a near-zero gradient into a sizeable part of a step, which a fixed
 tolerance rejects and the bound accepts; the bound stays far below the
 tolerance on ordinary elements, so a wrong step there or a wrong
@@ -39,9 +39,17 @@ def _step(model: nn.Module, reference: nn.Module, grad: torch.Tensor, roundoff: 
     slack.account_steps(reference, optimizers[1])
 
 
-def test_round_off_in_a_near_zero_gradient_is_allowed_after_adamw() -> None:
+# Per optimizer: the largest bound an ordinary element may get after three
+# steps. RMSprop's first step is lr * sign(g) / sqrt(1 - alpha), 10 lr,
+# which the first-order bound does not see cancel: looser there, still far
+# under the tolerance.
+ORDINARY_BOUND = {torch.optim.AdamW: ATOL / 10, torch.optim.RMSprop: ATOL / 2, torch.optim.Adagrad: ATOL / 10}
+
+
+@pytest.mark.parametrize("optimizer_class", list(ORDINARY_BOUND), ids=lambda c: c.__name__)
+def test_round_off_in_a_near_zero_gradient_is_allowed_after_an_adaptive_step(optimizer_class: type) -> None:
     model, reference, grad = _pair(3e-9)
-    optimizers = (torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    optimizers = (optimizer_class(model.parameters(), lr=1e-2), optimizer_class(reference.parameters(), lr=1e-2))
     slack = StepSlack()
     roundoff = torch.zeros_like(grad)
     roundoff[1, 3] = 1e-9  # what another summation order leaves
@@ -57,7 +65,7 @@ def test_round_off_in_a_near_zero_gradient_is_allowed_after_adamw() -> None:
         assert bound[1, 3] > (model.weight - reference.weight).abs()[1, 3]
         others = torch.ones_like(bound, dtype=torch.bool)
         others[1, 3] = False
-        assert bound[others].max() < ATOL / 10, bound[others].max()
+        assert bound[others].max() < ORDINARY_BOUND[optimizer_class], bound[others].max()
 
 
 def test_wrong_steps_are_still_caught() -> None:
