@@ -88,15 +88,19 @@ class StepSlack:
     doubled for what the first order leaves out; the bounds add up over
     steps. Elements with ordinary gradients get a slack far below the
     tolerance (d ~ 1e-9, sqrt(v) ~ 1e-3: ~4e-8 at lr 1e-2), so only those
-    the step really amplifies are loosened. RMSprop (plain: not centered, no
-    momentum) and Adagrad step by lr * g / s with s = sqrt(v) + eps, v a
-    weighted sum of squared gradients (weights summing to at most 1 for
-    RMSprop; Adagrad's sum holds this g^2 whole): v moves by at most
-    2 * d * sqrt(v) (Cauchy-Schwarz), so the step by at most
-    lr * (1 + |g| / s) * d / s, the same form with |g| for |m| (seen: 1
-    element of 768 under RMSprop, 1.09e-5 apart after one step at lr 1e-2,
-    with ATen's AVX2 kernels and not its AVX-512 ones). Those types
-    exactly; other optimizers get no slack.
+    the step really amplifies are loosened. RMSprop and Adagrad step by
+    lr * g / s with s = sqrt(w) + eps, w a weighted sum of squared
+    gradients v (weights summing to at most 1 for RMSprop; Adagrad's sum
+    holds this g^2 whole), less the square of their weighted mean m where
+    RMSprop is centered: v moves by at most 2 * d * sqrt(v) (Cauchy-Schwarz)
+    and m^2 by at most 2 * d * sqrt(v) too (|m| <= sqrt(v)), so s moves by
+    at most D = min(2 * d * sqrt(v) / sqrt(w), sqrt(4 * d * sqrt(v))) (d
+    where not centered) and g / s by at most d / s + |g| * D / s^2; with
+    momentum mu the buffer's change adds up as mu * previous + this one;
+    doubled and times lr as for Adam (not centered, no momentum: the Adam
+    form with |g| for |m|; seen: 1 element of 768 under RMSprop, 1.09e-5
+    apart after one step at lr 1e-2, with ATen's AVX2 kernels and not its
+    AVX-512 ones). Those types exactly; other optimizers get no slack.
     """
 
     def __init__(self) -> None:
@@ -104,6 +108,8 @@ class StepSlack:
         self.grad_differences: dict[str, torch.Tensor] = {}
         # Per parameter name: |reference grad| of the latest step, per element (RMSprop, Adagrad).
         self.reference_grads: dict[str, torch.Tensor] = {}
+        # Per parameter name: how far RMSprop's momentum buffer may have moved, per element.
+        self.momentum_changes: dict[str, torch.Tensor] = {}
         # Per parameter name: the summed bound of the steps accounted so far, per element.
         self.bounds: dict[str, torch.Tensor] = {}
         # Per parameter name: the reference optimizer's step count already accounted.
@@ -124,7 +130,7 @@ class StepSlack:
         if kind is None:
             return
         if optimizer is not self.optimizer:
-            self.optimizer, self.bounds, self.accounted_steps = optimizer, {}, {}
+            self.optimizer, self.bounds, self.accounted_steps, self.momentum_changes = optimizer, {}, {}, {}
         groups = {id(param): group for group in optimizer.param_groups for param in group["params"]}
         for name, param in reference.named_parameters():
             state, group = optimizer.state.get(param), groups.get(id(param))
@@ -151,13 +157,22 @@ class StepSlack:
             second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
             denominator = (second.float() / (1 - beta2**step)).sqrt() + group["eps"]
             update = (state["exp_avg"].float() / (1 - beta1**step)).abs() / denominator
+            bound = 2 * lr * (1 + update) * difference / denominator
         else:
-            squares = state["square_avg"] if kind == "rmsprop" else state["sum"]
-            denominator = squares.float().sqrt() + group["eps"]
-            update = self.reference_grads[name] / denominator
+            squares = (state["square_avg"] if kind == "rmsprop" else state["sum"]).float()
+            spread, moved = squares, difference
+            if kind == "rmsprop" and group["centered"]:
+                spread = (squares - state["grad_avg"].float() ** 2).clamp(min=0)
+                root = squares.sqrt()
+                moved = torch.minimum(2 * difference * root / spread.sqrt().clamp(min=1e-30), (4 * difference * root).sqrt())
+            denominator = spread.sqrt() + group["eps"]
+            change = difference / denominator + self.reference_grads[name] * moved / denominator**2
+            if kind == "rmsprop" and group["momentum"]:
+                change = change + group["momentum"] * self.momentum_changes.get(name, 0.0)
+                self.momentum_changes[name] = change
             if kind == "adagrad":
                 lr /= 1 + (step - 1) * group["lr_decay"]
-        bound = 2 * lr * (1 + update) * difference / denominator
+            bound = 2 * lr * change
         self.bounds[name] = bound + self.bounds.get(name, 0.0)
 
     def assert_param_close(
@@ -177,9 +192,7 @@ def _slack_kind(optimizer: torch.optim.Optimizer | None) -> str | None:
     steps get (exact types: a subclass may step otherwise), or None."""
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         return "adam"
-    if type(optimizer) is torch.optim.RMSprop and all(
-        not group["centered"] and group["momentum"] == 0 for group in optimizer.param_groups
-    ):
+    if type(optimizer) is torch.optim.RMSprop:
         return "rmsprop"
     if type(optimizer) is torch.optim.Adagrad:
         return "adagrad"
