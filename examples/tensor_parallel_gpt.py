@@ -104,13 +104,19 @@ def local_rows(tokens: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return tokens.chunk(mesh["dp"].size())[mesh["dp"].get_local_rank()]
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def backward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss on ``tokens``, backpropagated; returns it detached."""
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     loss.backward()
+    return loss.detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    loss = backward(model, tokens)
     optimizer.step()
     optimizer.zero_grad()
-    return loss.detach()
+    return loss
 
 
 def main() -> None:

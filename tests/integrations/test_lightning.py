@@ -146,7 +146,7 @@ def _full_grads(module: nn.Module, clip: float | None) -> dict[str, torch.Tensor
         grads = {n: p.grad.detach().float().clone() for n, p in module.named_parameters() if p.grad is not None}
     if clip is None:
         return grads
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    norm = torch.nn.utils.get_total_norm(grads.values())
     coefficient = torch.clamp(clip / (norm + 1e-6), max=1.0)
     return {n: g * coefficient for n, g in grads.items()}
 
@@ -225,11 +225,9 @@ def _reference(
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             record.grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()})
-            hyperparameters = [{k: group[k] for k in ("lr", "betas", "eps", "amsgrad") if k in group}
-                               for group in optimizer.param_groups]
             optimizer.step()
-            if adam:
-                (group,) = hyperparameters
+            if adam:  # before the scheduler changes lr
+                group = {k: optimizer.param_groups[0][k] for k in ("lr", "betas", "eps", "amsgrad")}
                 record.adam_states.append({
                     n: ({k: v.clone() for k, v in optimizer.state[p].items()}, group) for n, p in model.named_parameters()
                 })

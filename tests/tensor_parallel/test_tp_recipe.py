@@ -43,8 +43,8 @@ def _recipe_matches_one_process(rank: int, world_size: int) -> list[float]:
     for step in range(3):
         tokens = example.batch(step)
         # example.train_step, with each model's full gradients read before its step.
-        loss = _loss(example, model, example.local_rows(tokens, mesh))
-        ref_loss = _loss(example, reference, tokens)
+        loss = example.backward(model, example.local_rows(tokens, mesh))
+        ref_loss = example.backward(reference, tokens)
         with unshard_params(model, writeback=False, with_grads=True):
             for name, param in model.named_parameters():
                 slack.record_grad(name, _full(param.grad), reference.get_parameter(name).grad)
@@ -60,14 +60,6 @@ def _recipe_matches_one_process(rank: int, world_size: int) -> list[float]:
             slack.assert_param_close(name, _full(param), reference.get_parameter(name), atol=1e-5, rtol=1e-4, when=name)
     assert isinstance(model.blocks[0].q.weight, DTensor) and not isinstance(model.head.weight, DTensor)
     return losses
-
-
-def _loss(example, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """``example.train_step`` up to its optimizer step."""
-    logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    return loss.detach()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
