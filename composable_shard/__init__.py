@@ -12,7 +12,7 @@ import sys as _sys
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .entry import fully_shard, is_fully_sharded, register_forward_method
-from .policy import CustomPolicy, LayoutPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+from .policy import CustomPolicy, LayoutPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy, SmallUnitGroups
 from . import planning
 from .planning import Capacity, MemoryRecorder, ShardingPlan, describe, largest_fitting, plan
 from .controls.unshard_params import clip_grad_norm_, no_sync, unshard_params
@@ -109,6 +109,7 @@ __all__ = [
     "SizeBasedPolicy",
     "CustomPolicy",
     "LayoutPolicy",
+    "SmallUnitGroups",
     "unshard_params",
     "no_sync",
     "clip_grad_norm_",

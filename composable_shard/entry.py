@@ -213,7 +213,7 @@ def fully_shard(
     # Validated: from here on the module is changed.
     for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         unit_sources = sources[id(choice.module)]
-        unit_members = members if choice is choices[-1] else [choice.module]
+        unit_members = list(choice.modules)  # a group's modules: the list given, or its policy's
         for member in unit_members:
             materialize_unit(member, compute_device, param_init_fn, skip)
         if sync_module_states:  # parameters once, then each module's buffers

@@ -3,7 +3,8 @@
 Knows nothing of: hooks, tensors' storage, process groups.
 
 Public names: ``Policy``, ``ModuleWrapPolicy``, ``SizeBasedPolicy``,
-``CustomPolicy``, ``LayoutPolicy``, ``UnitChoice``, ``select_units``.
+``CustomPolicy``, ``LayoutPolicy``, ``SmallUnitGroups``, ``UnitChoice``,
+``select_units``, ``unit_name``, ``SMALL_UNIT_GROUP_BYTES``.
 
 A policy is asked about each module of the tree below the root (the root is
 always a unit). Modules already made units by an earlier ``fully_shard`` call,
@@ -25,18 +26,34 @@ __all__ = [
     "SizeBasedPolicy",
     "CustomPolicy",
     "LayoutPolicy",
+    "SmallUnitGroups",
     "UnitChoice",
     "select_units",
+    "unit_name",
+    "SMALL_UNIT_GROUP_BYTES",
 ]
+
+# ``SmallUnitGroups``' default group size: the default size of a bucket of
+# small units' all-gathers (``comm.GATHER_BUCKET_BYTES``), which a unit
+# joins when it holds at most a quarter of it.
+SMALL_UNIT_GROUP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
 class UnitChoice:
     """A module chosen as a unit, with keyword overrides for its
-    ``fully_shard`` arguments (from ``CustomPolicy``)."""
+    ``fully_shard`` arguments (from ``CustomPolicy``); with ``group``, the
+    unit is a group of ``module`` and those modules, as
+    ``fully_shard([module, *group])`` makes it."""
 
     module: nn.Module
     overrides: dict[str, Any] = field(default_factory=dict)
+    group: tuple[nn.Module, ...] = ()
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The unit's modules: ``module``, then the rest of its group."""
+        return (self.module, *self.group)
 
 
 class Policy:
@@ -130,6 +147,91 @@ class SizeBasedPolicy(Policy):
         return chosen
 
 
+class SmallUnitGroups(Policy):
+    """The units ``base`` picks, each run of consecutive small ones made one
+    group (as ``fully_shard([a, b, ...])`` makes it): siblings, adjacent
+    among their parent's children, none holding another unit, each with at
+    most a quarter of ``max_bytes`` of parameters, the group at most
+    ``max_bytes`` and of one set of ``fully_shard`` overrides.
+
+    [Note: groups of small units]
+    A unit costs the runtime about the same per step whatever its size: four
+    hooks, its views, its flat parameters' gradients and optimizer steps. A
+    block of a few hundred KB pays that per block, where DDP pays nothing
+    (docs/benchmarks.md, "Small units"). A group of such blocks pays it once:
+    one flat parameter per dtype and trainability for all of them, gathered
+    before the first runs, resharded after the last, its gradient reduced
+    once the last one's backward is done ([Note: grouped units] in
+    runtime/groups.py). What it costs: while the group computes, all its
+    blocks are gathered (at most ``max_bytes``, what a bucket of coalesced
+    all-gathers holds anyway), and in backward its blocks' gradients wait
+    for the last one (at most ``max_bytes`` more); ``plan`` counts both. A
+    parameter's local part follows its group's flat layout (the parameters
+    of the group's modules back to back, in order). Adjacent siblings are
+    taken to run one after another, as the plan takes registration order
+    for forward order; a group whose modules run apart is still correct
+    (gathered from the first to the last). ``fully_shard(...,
+    memory_budget=...)`` groups the units its policy picks this way when
+    the budget holds the groups ([Note: a layout chosen for a memory
+    budget] in planning/budget.py). Pinned by
+    tests/training/test_small_unit_groups.py.
+    """
+
+    def __init__(
+        self,
+        base: Policy | set[type[nn.Module]] | frozenset[type[nn.Module]],
+        max_bytes: int = SMALL_UNIT_GROUP_BYTES,
+    ) -> None:
+        if base is None or isinstance(base, SmallUnitGroups):
+            raise TypeError(
+                f"SmallUnitGroups: base must be the policy whose units are grouped (a Policy or a set of module "
+                f"classes), got {type(base).__name__}."
+            )
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(
+                f"SmallUnitGroups: max_bytes must be a positive int number of bytes, got {max_bytes!r}. Pass, for "
+                "example, 2**20 for groups of up to 1 MiB of parameters."
+            )
+        # The policy whose units are grouped (a frozenset of classes as a set).
+        self.base: Policy | set[type[nn.Module]] = set(base) if isinstance(base, frozenset) else base
+        self.max_bytes = max_bytes
+
+    def select(self, root: nn.Module, skip: Callable[[nn.Module], bool]) -> list[UnitChoice]:
+        choices = select_units(root, self.base, skip)
+        chosen = {id(choice.module) for choice in choices}
+        small: dict[int, tuple[UnitChoice, int]] = {}  # leaf units of at most a quarter of max_bytes
+        for choice in choices:
+            inner = [m for m in choice.module.modules() if m is not choice.module and (skip(m) or id(m) in chosen)]
+            if inner or choice.group:
+                continue
+            nbytes = sum(p.numel() * p.element_size() for p in choice.module.parameters())
+            if 4 * nbytes <= self.max_bytes:
+                small[id(choice.module)] = (choice, nbytes)
+        group_of: dict[int, list[UnitChoice]] = {}  # every member's module id -> its group
+        for parent in root.modules():
+            run: list[UnitChoice] = []
+            run_bytes = 0
+            for child in [*parent.children(), None]:  # None ends the last run
+                entry = small.get(id(child)) if child is not None and id(child) not in group_of else None
+                if entry is not None and run and entry[0].overrides == run[0].overrides:
+                    if run_bytes + entry[1] <= self.max_bytes:
+                        run.append(entry[0])
+                        run_bytes += entry[1]
+                        continue
+                if len(run) > 1:
+                    group_of.update((id(member.module), run) for member in run)
+                run, run_bytes = ([entry[0]], entry[1]) if entry is not None else ([], 0)
+        grouped: list[UnitChoice] = []
+        for choice in choices:
+            members = group_of.get(id(choice.module))
+            if members is None:
+                grouped.append(choice)
+            elif choice is members[-1]:  # post-order: the group where its last module was
+                first = members[0]
+                grouped.append(UnitChoice(first.module, first.overrides, tuple(m.module for m in members[1:])))
+        return grouped
+
+
 class LayoutPolicy(Policy):
     """The units ``base`` picks, each given the sharding strategy
     ``layouts`` names for it (by its name under the root, as
@@ -176,7 +278,7 @@ class LayoutPolicy(Policy):
         names = {id(module): name for name, module in root.named_modules()}
         chosen: list[UnitChoice] = []
         for choice in select_units(root, self.base, skip):
-            name = names.get(id(choice.module), "")
+            name = unit_name(choice, names)
             if "strategy" in choice.overrides:
                 chosen.append(choice)
                 continue
@@ -185,14 +287,20 @@ class LayoutPolicy(Policy):
                     f"LayoutPolicy: unit {name!r} ({type(choice.module).__name__}) has no planned layout. Plan this "
                     "model with the same policy and ignored_states, and use that plan's layout_policy()."
                 )
-            chosen.append(UnitChoice(choice.module, {**choice.overrides, "strategy": self.layouts[name]}))
-        missing = sorted(set(self.layouts) - {names.get(id(c.module), "") for c in chosen})
+            chosen.append(UnitChoice(choice.module, {**choice.overrides, "strategy": self.layouts[name]}, choice.group))
+        missing = sorted(set(self.layouts) - {unit_name(c, names) for c in chosen})
         if missing:
             raise ValueError(
                 f"LayoutPolicy: planned units {missing} are not units of this model under the policy. Plan this "
                 "model with the same policy and ignored_states, and use that plan's layout_policy()."
             )
         return chosen
+
+
+def unit_name(choice: UnitChoice, names: dict[int, str]) -> str:
+    """A chosen unit's name under the root (``names``: module id to name),
+    a group's its modules' names joined with "+", as ``plan`` names units."""
+    return "+".join(names.get(id(module), "") for module in choice.modules)
 
 
 def _checked_bucket_bytes(coalesce: bool, bucket_bytes: int | None) -> int | None:

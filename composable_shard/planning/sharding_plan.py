@@ -76,7 +76,7 @@ from .unit_plans import (
     unit_modules,
     unit_plan_from_state,
 )
-from ..policy import LayoutPolicy, Policy
+from ..policy import LayoutPolicy, Policy, SmallUnitGroups, unit_name as name_of_choice
 from ..runtime.state import get_state, unit_states_under
 from ..units.rules import (
     UnitChoice,
@@ -216,7 +216,9 @@ def plan(
     earlier ``fully_shard`` calls, keep theirs. The plan's ``layouts`` say
     what was chosen and why; ``layout_policy()`` applies it. Where the most
     sharded layouts do not fit with the default buckets of small units'
-    collectives, smaller buckets, then none (``bucket_bytes``). ``ValueError``
+    collectives, smaller buckets, then none (``bucket_bytes``). A
+    ``SmallUnitGroups`` policy's groups are kept where the budget holds
+    them, else its base policy's units are laid out. ``ValueError``
     when even the most sharded layouts do not fit ([Note: a layout chosen
     for a memory budget] in planning/budget.py).
 
@@ -250,6 +252,7 @@ def plan(
     rank = checked_rank(name, world_size, optimizer, more)
     allowed = budget_layouts(name, memory_budget, strategy) if memory_budget is not None else ()
     device_type = more.get("device") or default_device_type(module)
+    ignored_states = list(ignored_states) if ignored_states is not None else None  # read twice when grouping
     ignored_modules, ignored_params = split_ignored(name, ignored_states)
     base = dict(
         strategy=strategy,
@@ -263,6 +266,16 @@ def plan(
     )
     if get_state(module) is not None:
         raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
+    if memory_budget is not None and isinstance(policy, SmallUnitGroups) and not more.pop("_groups_only", False):
+        # [Note: groups of small units] in policy.py: the groups where the budget holds them.
+        try:
+            return plan(
+                module, world_size=world_size, policy=policy, strategy=strategy, mixed_precision=mixed_precision,
+                cpu_offload=cpu_offload, ignored_states=ignored_states, optimizer=optimizer,
+                memory_budget=memory_budget, _groups_only=True, **more,
+            )
+        except ValueError:
+            policy = policy.base  # the groups do not fit: the units of the policy it groups
     # [Note: plan and fully_shard share one copy of the rules]
     positions = param_positions(module)
     choices = choose_units(module, policy, ignored_modules)
@@ -270,7 +283,6 @@ def plan(
     hybrid_size = more.get("hybrid_shard_size") or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     compute_device = torch.device(device_type)
     order = module_order(module)
-    module_of = {id(m): m for m in module.modules()}
 
     def unit_spec(choice: UnitChoice, layout: ShardingStrategy | None = None) -> UnitPlan:
         kwargs = unit_kwargs(name, base, choice)
@@ -291,13 +303,15 @@ def plan(
             tuple(positions.get(id(src.param), -1) for src in flat_sources)
             for flat_sources in group_sources(sources[id(choice.module)])
         ]
-        return new_unit_plan(choice.module, kwargs, layouts, compute_device, order, unit_positions)
+        return new_unit_plan(choice.modules, kwargs, layouts, compute_device, order, unit_positions)
 
     specs = {id(choice.module): unit_spec(choice) for choice in choices}
     # Units marked by earlier manual fully_shard calls keep their own layout
     # rules: recompute them at this world size.
-    members_of: dict[int, tuple[nn.Module, ...]] = {key: (module_of[key],) for key in specs}
+    members_of: dict[int, tuple[nn.Module, ...]] = {id(choice.module): choice.modules for choice in choices}
     names = {id(m): n for n, m in module.named_modules()}
+    # A group its policy made is named as unit_states_under names it ("blocks.0+blocks.1").
+    names.update({id(choice.module): name_of_choice(choice, names) for choice in choices if choice.group})
     for unit_name, state in unit_states_under(module):
         specs[id(state.module)] = replan_existing(name, state, world_size, rank, hybrid_size, order, positions)
         members_of[id(state.module)] = state.members
@@ -334,12 +348,12 @@ def plan(
             )
         by_layout: dict[tuple[str, ShardingStrategy], UnitPlan] = {}
 
-        def unit_for(unit_name: str, layout: ShardingStrategy) -> UnitPlan:
-            if (unit_name, layout) not in by_layout:
-                choice = choice_of[unit_name]
+        def unit_for(name_of_unit: str, layout: ShardingStrategy) -> UnitPlan:
+            if (name_of_unit, layout) not in by_layout:
+                choice = choice_of[name_of_unit]
                 spec = unit_spec(choice, layout)
-                by_layout[(unit_name, layout)] = renamed(spec, unit_name, subtree_last((choice.module,), order))
-            return by_layout[(unit_name, layout)]
+                by_layout[(name_of_unit, layout)] = renamed(spec, name_of_unit, subtree_last(choice.modules, order))
+            return by_layout[(name_of_unit, layout)]
 
         def choose(bucket_bytes: int | None) -> tuple[ShardingPlan, list[UnitLayout]]:
             return choose_layouts(

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from .. import comm
+from ..policy import SmallUnitGroups
 from .memory import UnitPlan
 
 __all__ = ["format_plan", "format_bytes", "PlanFields"]
@@ -189,6 +190,12 @@ def _layout_lines(plan: PlanFields) -> list[str]:
     moved = sum(layout.bytes_moved for layout in layouts)
     peak = plan.rank_bytes["total"]
     buckets = _buckets_line(getattr(plan, "bucket_bytes", None))
+    grouping = getattr(plan, "base_policy", None)
+    if isinstance(grouping, SmallUnitGroups) and any(layout.chosen and "+" in layout.name for layout in layouts):
+        buckets += (
+            f"; runs of small units grouped, up to {_bucket_size(grouping.max_bytes)} of parameters each (one unit's "
+            "runtime cost per group)"
+        )
     return [
         "",
         f"layouts for a memory budget of {format_bytes(budget)} per rank: predicted peak {format_bytes(peak)} "

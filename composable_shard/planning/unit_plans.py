@@ -107,16 +107,17 @@ def flat_param_plan(
 
 
 def new_unit_plan(
-    module: nn.Module,
+    modules: tuple[nn.Module, ...],
     kwargs: dict[str, Any],
     layouts: list[FlatParamLayout],
     compute_device: torch.device,
     order: dict[int, int],
     positions: list[tuple[int, ...]],
 ) -> UnitPlan:
-    """A unit ``fully_shard`` would build from these layouts (dtypes and
-    offload as ``fully_shard._build_unit`` decides them); ``positions``: of
-    each layout's parameters in ``module.parameters()``."""
+    """A unit of ``modules`` (a group's, or one) that ``fully_shard`` would
+    build from these layouts (dtypes and offload as
+    ``fully_shard._build_unit`` decides them); ``positions``: of each
+    layout's parameters in the root's ``parameters()``."""
     offload = offloads_params(kwargs["cpu_offload"], compute_device)
     flat_params = []
     for layout, layout_positions in zip(layouts, positions):
@@ -128,13 +129,13 @@ def new_unit_plan(
                 compute_device.type, layout_positions,
             )
         )
-    return unit_plan(module, kwargs, flat_params)
+    return unit_plan(modules, kwargs, flat_params)
 
 
-def unit_plan(module: nn.Module, kwargs: dict[str, Any], flat_params: list[FlatParamPlan]) -> UnitPlan:
+def unit_plan(modules: tuple[nn.Module, ...], kwargs: dict[str, Any], flat_params: list[FlatParamPlan]) -> UnitPlan:
     return UnitPlan(
         name="",
-        module_type=type(module).__name__,
+        module_type="+".join(type(module).__name__ for module in modules),
         strategy=kwargs["strategy"],
         flat_params=tuple(flat_params),
         forward_prefetch=kwargs["forward_prefetch"],

@@ -109,12 +109,13 @@ def choose_units(
     ignored_modules: set[nn.Module],
 ) -> list[UnitChoice]:
     """The new units of a ``fully_shard(module, policy=...)`` call: the
-    policy's choices (post-order), then ``module`` itself. For a group
-    (a list of modules) the policy's choices under each module, then one
-    choice for the group, keyed by its first module."""
+    policy's choices (post-order; some may be groups, ``SmallUnitGroups``),
+    then ``module`` itself. For a group (a list of modules) the policy's
+    choices under each module, then one choice for the group, keyed by its
+    first module."""
     members = _group_modules(module)
     choices = [choice for member in members for choice in select_units(member, policy, unit_skipper(ignored_modules))]
-    return choices + [UnitChoice(members[0])]
+    return choices + [UnitChoice(members[0], group=tuple(members[1:]))]
 
 
 def check_group_members(given: Any) -> list[nn.Module]:
@@ -183,9 +184,8 @@ def assign_param_owners(
     roots = _group_modules(root)
     name = "+".join(type(r).__name__ for r in roots)
     new_units = {id(choice.module) for choice in choices}
-    key_of = {id(choice.module): id(choice.module) for choice in choices}
-    if len(roots) > 1:  # a group: every module is known by the group's key
-        key_of.update((id(member), id(roots[0])) for member in roots)
+    # A group (the list given, or one its policy made): every module is known by the group's key.
+    key_of = {id(member): id(choice.module) for choice in choices for member in choice.modules}
     owned_before: dict[int, tuple[str, UnitState]] = {}
     for top in roots:
         for unit_name, state in unit_states_under(top):

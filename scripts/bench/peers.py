@@ -35,8 +35,10 @@ def reduce_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
 
 
-def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from composable_shard import CPUOffload, MixedPrecision, ShardingStrategy, fully_shard
+def build_composable_shard(
+    args: argparse.Namespace, device: torch.device, *, small_unit_groups: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from composable_shard import CPUOffload, MixedPrecision, ShardingStrategy, SmallUnitGroups, fully_shard
 
     kwargs: dict = {"device_id": device if device.type == "cuda" else None}
     if getattr(args, "strategy", "FULL_SHARD") != "FULL_SHARD":
@@ -50,9 +52,13 @@ def build_composable_shard(args: argparse.Namespace, device: torch.device) -> tu
     model = base_model(args, device)
     # Muon checks at construction that its parameters are 2-D: build it while they are.
     optimizer = make_optimizer(model, args) if getattr(args, "optimizer", "adamw") == "muon" else None
+    # Runs of small blocks as one unit each ([Note: groups of small units]), or a unit per block.
+    policy = SmallUnitGroups({Block}) if small_unit_groups else {Block}
     if getattr(args, "layout_budget", None) is not None:
         # One call: the plan chooses each unit's layout for the budget (the root's too).
-        fully_shard(model, policy={Block}, memory_budget=int(args.layout_budget * 2**20), **kwargs)
+        fully_shard(model, policy=policy, memory_budget=int(args.layout_budget * 2**20), **kwargs)
+    elif small_unit_groups:
+        fully_shard(model, policy=policy, **kwargs)
     else:
         for block in model.blocks:
             fully_shard(block, **kwargs)
@@ -79,6 +85,14 @@ def build_composable_shard_unbucketed(
     finally:
         comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES = saved
     return model, optimizer
+
+
+def build_composable_shard_small_groups(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """composable_shard with runs of small blocks grouped into one unit
+    each (``SmallUnitGroups``); large blocks stay units of their own."""
+    return build_composable_shard(args, device, small_unit_groups=True)
 
 
 def build_composable_shard_no_trim(
@@ -202,6 +216,8 @@ PEERS: dict[str, Peer] = {
     "cs_per_param_step": Peer(build_composable_shard_per_param_step),
     # The same with every gradient reduced in a collective of its own (before coalescing).
     "cs_unbucketed": Peer(build_composable_shard_unbucketed),
+    # The same with runs of small blocks grouped into one unit each.
+    "cs_small_groups": Peer(build_composable_shard_small_groups),
     # The same without the heap trims in backward (the trims' cost in time).
     "cs_no_trim": Peer(build_composable_shard_no_trim),
     "fsdp1": Peer(build_fsdp1),

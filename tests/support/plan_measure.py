@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import composable_shard as cs
-from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, SmallUnitGroups
 
 from .models import Block, LoRABlock, TinyGPT, lm_loss
 
@@ -78,6 +78,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
     ),
     "manual_units": (_wide_gpt, {}, "adamw", True),
     "many_small": (_many_small_gpt, {"policy": {Block}}, "adamw", False),
+    # The same blocks in two groups of four ([Note: groups of small units] in policy.py).
+    "small_unit_groups": (_many_small_gpt, {"policy": SmallUnitGroups({Block}, max_bytes=1 << 19)}, "adamw", False),
     "frozen_lora": (_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
     "sgd_momentum": (_wide_gpt, {"policy": {Block}}, "sgd", False),
     "bf16_compute": (
