@@ -43,7 +43,9 @@ def _innermost_unit(module: nn.Module, unit_ids: set[int] | dict[int, str]) -> d
     return result
 
 
-def shared_params(module: nn.Module, unit_ids: set[int], sources: dict[int, list[Any]]) -> list[tuple[str, list[str]]]:
+def shared_params(
+    module: nn.Module, unit_ids: set[int] | dict[int, str], sources: dict[int, list[Any]]
+) -> list[tuple[str, list[str]]]:
     unit_of = _innermost_unit(module, unit_ids)
     found = []
     for unit_sources in sources.values():

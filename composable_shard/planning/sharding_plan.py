@@ -73,7 +73,6 @@ from .unit_plans import (
     renamed,
     replan_existing,
     subtree_last,
-    unit_modules,
     unit_plan_from_state,
 )
 from ..policy import LayoutPolicy, Policy, SmallUnitGroups, unit_name as name_of_choice
@@ -322,7 +321,8 @@ def plan(
     )
     unit_names = {key: names[key] for key in specs}
     activations = _activations(name, module, unit_names, mixed_precision, more, device_type)
-    shared = shared_params(module, {id(m) for m in unit_modules(module, specs)}, sources)
+    # Every module of a unit by its unit's name (a group's modules share it).
+    shared = shared_params(module, {id(m): names[key] for key, members in members_of.items() for m in members}, sources)
     kind = optimizer_kind(optimizer, more.get("momentum", 0.9))
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     buffers = buffer_bytes(module, buffer_dtype)

@@ -9,7 +9,7 @@ how units are chosen (``units/rules.py``).
 Public names: ``param_positions``, ``default_device_type``,
 ``flat_param_plan``, ``new_unit_plan``, ``unit_plan``,
 ``unit_plan_from_state``, ``replan_existing``, ``renamed``,
-``module_order``, ``subtree_last``, ``preorder_index``, ``unit_modules``,
+``module_order``, ``subtree_last``, ``preorder_index``,
 ``buffer_bytes``.
 """
 
@@ -40,7 +40,6 @@ __all__ = [
     "module_order",
     "subtree_last",
     "preorder_index",
-    "unit_modules",
     "buffer_bytes",
 ]
 
@@ -201,10 +200,6 @@ def preorder_index(module: nn.Module, name: str) -> int:
         if candidate == name:
             return index
     return -1
-
-
-def unit_modules(module: nn.Module, specs: dict[int, UnitPlan]) -> list[nn.Module]:
-    return [m for m in module.modules() if id(m) in specs]
 
 
 

@@ -1,6 +1,7 @@
 """Checkpoints across world sizes and strategies, and their safety: a
 checkpoint saved at one world size resumes at another (2 -> 4, 1 and
-4 -> 2, 1; FULL_SHARD -> NO_SHARD / HYBRID) and training then follows the
+4 -> 2, 1; FULL_SHARD -> NO_SHARD / HYBRID; a unit per block -> the blocks
+grouped and back) and training then follows the
 run that never stopped; a damaged, truncated, foreign or misshaped
 checkpoint is refused before anything changes; an interrupted save leaves
 the previous checkpoint loadable; a verified checkpoint is read in place.
@@ -91,14 +92,22 @@ def _resume_and_compare(rank: int, world_size: int, root: str, hows: list[str], 
 
 def test_checkpoint_saved_at_2_resumes_at_4_and_1_like_uninterrupted_training(tmp_path: Path) -> None:
     expected = run_distributed(_save_and_continue, 2, str(tmp_path), "manual")[0]
-    run_distributed(_resume_and_compare, 4, str(tmp_path), ["manual", "no_shard", "hybrid"], expected)
+    # A unit per block saved, the blocks as one group resumed.
+    run_distributed(_resume_and_compare, 4, str(tmp_path), ["manual", "no_shard", "hybrid", "small_groups"], expected)
     run_distributed(_resume_and_compare, 1, str(tmp_path), ["policy"], expected)
 
 
 def test_checkpoint_saved_at_4_resumes_at_2_and_1_like_uninterrupted_training(tmp_path: Path) -> None:
     expected = run_distributed(_save_and_continue, 4, str(tmp_path), "hybrid")[0]
-    run_distributed(_resume_and_compare, 2, str(tmp_path), ["policy", "no_shard"], expected)
+    run_distributed(_resume_and_compare, 2, str(tmp_path), ["policy", "no_shard", "small_groups"], expected)
     run_distributed(_resume_and_compare, 1, str(tmp_path), ["manual"], expected)
+
+
+def test_checkpoint_saved_with_the_blocks_grouped_resumes_with_a_unit_per_block(tmp_path: Path) -> None:
+    """The parameters' local parts follow the group's flat layout when
+    saved, each block's when loaded ([Note: groups of small units])."""
+    expected = run_distributed(_save_and_continue, 2, str(tmp_path), "small_groups")[0]
+    run_distributed(_resume_and_compare, 2, str(tmp_path), ["manual"], expected)
 
 
 # ------------------------------------------------------------------ safety

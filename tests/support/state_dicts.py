@@ -20,12 +20,14 @@ from composable_shard import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
+    SmallUnitGroups,
     StateDictOptions,
     fully_shard,
     get_model_state_dict,
     get_optimizer_state_dict,
     unshard_params,
 )
+from composable_shard.runtime.state import get_state
 
 from .models import Block, batch, lm_loss
 from .parity import hybrid_groups
@@ -59,6 +61,9 @@ def shard(model: nn.Module, how: str) -> nn.Module:
         for block in model.blocks:
             fully_shard(block, mixed_precision=policy)
         fully_shard(model, mixed_precision=policy)
+    elif how == "small_groups":  # the blocks as one group ([Note: groups of small units])
+        fully_shard(model, policy=SmallUnitGroups({Block}))
+        assert get_state(model.blocks[0]) is get_state(model.blocks[-1])
     elif how == "ignored":
         for block in model.blocks:
             fully_shard(block)

@@ -1,5 +1,6 @@
 """Parity of fully_shard on Hugging Face models built from tiny configs (no
-download): a Llama, a GPT-2 whose head is tied to its embedding (and its full
+download): a Llama (a unit per decoder layer, and its layers grouped by
+``SmallUnitGroups``), a GPT-2 whose head is tied to its embedding (and its full
 state dict loading strictly into a fresh GPT2LMHeadModel), a peft LoRA Llama
 training only its adapters, HF's own gradient checkpointing, and HF's
 ``generate`` on the sharded model through ``register_forward_method``."""
@@ -12,7 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard import StateDictOptions, fully_shard, get_model_state_dict
+from composable_shard import SmallUnitGroups, StateDictOptions, fully_shard, get_model_state_dict
+from composable_shard.runtime.state import get_state
 
 from tests.support.harness_pool import run_distributed
 from tests.support.hf_models import decoder_layers, hf_step, tiny_gpt2, tiny_llama, tiny_lora_llama
@@ -26,6 +28,13 @@ def _shard_layers_and_root(model: nn.Module) -> None:
     fully_shard(model)
 
 
+def _grouped_layers_and_root(model: nn.Module) -> None:
+    """The decoder layers in groups of small units ([Note: groups of small units])."""
+    layers = decoder_layers(model)
+    fully_shard(model, policy=SmallUnitGroups({type(layers[0])}))
+    assert get_state(layers[0]) is get_state(layers[-1]) is not get_state(model)
+
+
 def _check_compared(parity: Parity, model: nn.Module) -> None:
     """Every trainable parameter's gradient was compared at every step."""
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
@@ -35,9 +44,10 @@ def _check_compared(parity: Parity, model: nn.Module) -> None:
 
 
 def _llama_matches_reference(rank: int, world_size: int) -> None:
-    parity = Parity(build=tiny_llama, shard=_shard_layers_and_root, step_fn=hf_step, reference_step_fn=hf_step)
-    run_parity(parity)
-    _check_compared(parity, tiny_llama())
+    for shard in (_shard_layers_and_root, _grouped_layers_and_root):
+        parity = Parity(build=tiny_llama, shard=shard, step_fn=hf_step, reference_step_fn=hf_step)
+        run_parity(parity)
+        _check_compared(parity, tiny_llama())
 
 
 @pytest.mark.parametrize("world_size", [2])  # 4 ranks: 4 transformers imports on 2 cores, no new path

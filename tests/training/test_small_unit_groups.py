@@ -121,6 +121,17 @@ def test_bad_arguments_are_refused() -> None:
         SmallUnitGroups(SmallUnitGroups({Block}))  # type: ignore[arg-type]
 
 
+def test_a_parameter_blocks_of_one_group_share_belongs_to_the_group() -> None:
+    model = _tied_blocks(4)
+    alone = cs.plan(model, world_size=2, policy={Block}, device="cpu")
+    assert any("'blocks.0.fc_in.weight' is used by units ['blocks.0', 'blocks.1']" in w for w in alone.warnings)
+    grouped = cs.plan(model, world_size=2, policy=SmallUnitGroups({Block}, max_bytes=GROUP_BYTES), device="cpu")
+    assert [unit.name for unit in grouped.units] == ["", "blocks.0+blocks.1+blocks.2+blocks.3"]
+    assert not any("is used by units" in w for w in grouped.warnings), grouped.warnings
+    # The group holds the four blocks' parameters, the shared weight once.
+    assert grouped.units[1].numel == 4 * sum(p.numel() for p in Block().parameters()) - model.blocks[0].fc_in.weight.numel()  # type: ignore[index]
+
+
 class _CheckpointedGPT(TinyGPT):
     """Every block under non-reentrant activation checkpointing."""
 
@@ -142,9 +153,17 @@ def _grouped(strategy: ShardingStrategy, **kwargs: object):
     return shard
 
 
+def _tied_blocks(n_blocks: int) -> nn.Module:
+    """Blocks 0 and 1 share their input projection's weight."""
+    model = TinyGPT(n_blocks=n_blocks)
+    model.blocks[1].fc_in.weight = model.blocks[0].fc_in.weight  # type: ignore[index]
+    return model
+
+
 def _groups_match_reference(rank: int, world_size: int) -> None:
     cases = {
         "FULL_SHARD": (TinyGPT, _grouped(FS)),
+        "FULL_SHARD, a weight two blocks of the group share": (_tied_blocks, _grouped(FS)),
         "SHARD_GRAD_OP": (TinyGPT, _grouped(SGO)),
         "NO_SHARD": (TinyGPT, _grouped(NS)),
         "FULL_SHARD, checkpointed blocks": (_CheckpointedGPT, _grouped(FS)),
