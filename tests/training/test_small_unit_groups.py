@@ -132,6 +132,17 @@ def test_a_parameter_blocks_of_one_group_share_belongs_to_the_group() -> None:
     assert grouped.units[1].numel == 4 * sum(p.numel() for p in Block().parameters()) - model.blocks[0].fc_in.weight.numel()  # type: ignore[index]
 
 
+def test_the_plan_advises_grouping_many_small_units() -> None:
+    model = TinyGPT(n_blocks=8)
+    alone = cs.plan(model, world_size=2, policy={Block}, device="cpu")
+    assert "8 units hold at most 256 KiB of parameters each ('blocks.0', ...)" in "\n".join(alone.warnings)
+    assert "policy=SmallUnitGroups(<the policy>)" in str(alone)
+    # Grouped, or fewer than eight: no advice.
+    grouped = cs.plan(model, world_size=2, policy=SmallUnitGroups({Block}), device="cpu")
+    assert not grouped.warnings, grouped.warnings
+    assert not cs.plan(TinyGPT(n_blocks=7), world_size=2, policy={Block}, device="cpu").warnings
+
+
 class _CheckpointedGPT(TinyGPT):
     """Every block under non-reentrant activation checkpointing."""
 
