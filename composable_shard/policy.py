@@ -170,10 +170,11 @@ class SmallUnitGroups(Policy):
     of the group's modules back to back, in order). Adjacent siblings are
     taken to run one after another, as the plan takes registration order
     for forward order; a group whose modules run apart is still correct
-    (gathered from the first to the last). ``fully_shard(...,
-    memory_budget=...)`` groups the units its policy picks this way when
-    the budget holds the groups ([Note: a layout chosen for a memory
-    budget] in planning/budget.py). Pinned by
+    (gathered from the first to the last). With ``memory_budget`` the
+    groups are kept where the budget holds them, else ``base``'s units are
+    laid out (``plan``; [Note: a layout chosen for a memory budget] in
+    planning/budget.py), and ``plan`` advises grouping where eight or more
+    units are this small (planning/advice.py). Pinned by
     tests/training/test_small_unit_groups.py.
     """
 
