@@ -3,9 +3,9 @@ one group each ([Note: groups of small units] in composable_shard/policy.py).
 Which units group (siblings, adjacent, small, within the group size, one
 set of overrides, none holding another unit), parity with the
 single-process model step by step under every layout, with activation
-checkpointing and mixed precision, one all-gather per group, and under a
-memory budget: the groups where the budget holds them, else the base
-policy's units. The plan's bytes and peak for groups are checked with every
+checkpointing, mixed precision and torch.compile, one all-gather per
+group, and under a memory budget: the groups where the budget holds them,
+else the base policy's units. The plan's bytes and peak for groups are checked with every
 other case by tests/planning/test_plan.py (``small_unit_groups``)."""
 
 from __future__ import annotations
@@ -282,3 +282,29 @@ def _budgeted_groups_train(rank: int, world_size: int) -> None:
 
 def test_fully_shard_with_a_budget_trains_the_groups_it_chose_in_parity() -> None:
     run_distributed(_budgeted_groups_train, 2)
+
+
+def _compiled_groups_train(rank: int, world_size: int) -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    for how in ("each block", "the whole model"):
+
+        def shard(model: nn.Module, how: str = how) -> None:
+            fully_shard(model, policy=SmallUnitGroups({Block}))  # first shard, then compile (as with FSDP2)
+            for module in model.blocks if how == "each block" else [model]:  # type: ignore[union-attr]
+                module.compile(backend="aot_eager")
+
+        torch._dynamo.reset()
+        counters.clear()  # reset() keeps them
+        try:
+            run_parity(Parity(build=functools.partial(TinyGPT, n_blocks=4), shard=shard))
+            assert counters["stats"]["unique_graphs"] > 0, f"{how}: dynamo compiled no graph"
+        except AssertionError as error:
+            raise AssertionError(f"{how} compiled: {error}") from error
+        finally:
+            torch._dynamo.reset()  # no compiled frames left in the warm worker
+
+
+def test_groups_compiled_per_block_or_whole_train_in_parity() -> None:
+    run_distributed(_compiled_groups_train, 2, timeout=300)
