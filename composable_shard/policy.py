@@ -4,7 +4,8 @@ Knows nothing of: hooks, tensors' storage, process groups.
 
 Public names: ``Policy``, ``ModuleWrapPolicy``, ``SizeBasedPolicy``,
 ``CustomPolicy``, ``LayoutPolicy``, ``SmallUnitGroups``, ``UnitChoice``,
-``select_units``, ``unit_name``, ``SMALL_UNIT_GROUP_BYTES``.
+``select_units``, ``unit_name``, ``is_small_unit``,
+``SMALL_UNIT_GROUP_BYTES``.
 
 A policy is asked about each module of the tree below the root (the root is
 always a unit). Modules already made units by an earlier ``fully_shard`` call,
@@ -30,6 +31,7 @@ __all__ = [
     "UnitChoice",
     "select_units",
     "unit_name",
+    "is_small_unit",
     "SMALL_UNIT_GROUP_BYTES",
 ]
 
@@ -37,6 +39,12 @@ __all__ = [
 # small units' all-gathers (``comm.GATHER_BUCKET_BYTES``), which a unit
 # joins when it holds at most a quarter of it.
 SMALL_UNIT_GROUP_BYTES = 1 << 20
+
+
+def is_small_unit(nbytes: int, group_bytes: int = SMALL_UNIT_GROUP_BYTES) -> bool:
+    """Whether a unit of ``nbytes`` of parameters may join a group of
+    ``group_bytes`` (``SmallUnitGroups``): at most a quarter of it."""
+    return 4 * nbytes <= group_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,11 +210,12 @@ class SmallUnitGroups(Policy):
         chosen = {id(choice.module) for choice in choices}
         small: dict[int, tuple[UnitChoice, int]] = {}  # leaf units of at most a quarter of max_bytes
         for choice in choices:
-            inner = [m for m in choice.module.modules() if m is not choice.module and (skip(m) or id(m) in chosen)]
-            if inner or choice.group:
-                continue
+            if choice.group or any(
+                m is not choice.module and (skip(m) or id(m) in chosen) for m in choice.module.modules()
+            ):
+                continue  # a group already, or a unit holding units
             nbytes = sum(p.numel() * p.element_size() for p in choice.module.parameters())
-            if 4 * nbytes <= self.max_bytes:
+            if is_small_unit(nbytes, self.max_bytes):
                 small[id(choice.module)] = (choice, nbytes)
         group_of: dict[int, list[UnitChoice]] = {}  # every member's module id -> its group
         for parent in root.modules():

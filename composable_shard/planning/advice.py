@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch.nn as nn
 
-from ..policy import SMALL_UNIT_GROUP_BYTES
+from ..policy import SMALL_UNIT_GROUP_BYTES, is_small_unit
 from ..runtime.state import UnitState
 from .memory import UnitPlan
 
@@ -94,8 +94,7 @@ def plan_warnings(units: list[UnitPlan], shared: list[tuple[str, list[str]]]) ->
             )
     small = [
         unit for unit in units
-        if unit.name and unit.flat_params
-        and 4 * sum(fp.numel * fp.dtype.itemsize for fp in unit.flat_params) <= SMALL_UNIT_GROUP_BYTES
+        if unit.name and unit.flat_params and is_small_unit(sum(fp.numel * fp.dtype.itemsize for fp in unit.flat_params))
     ]
     if len(small) >= _SMALL_UNITS_ADVISED:
         messages.append(

@@ -22,7 +22,6 @@ __all__ = ["checked_rank", "check_optimizer", "optimizer_kind", "optimizer_label
 
 _MORE = {
     "rank",
-    "_groups_only",  # plan's own: a SmallUnitGroups policy planned without falling back
     "forward_prefetch",
     "backward_prefetch",
     "limit_all_gathers",

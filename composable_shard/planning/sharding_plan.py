@@ -248,6 +248,7 @@ def plan(
     planning/owner_memory.py).
     """
     name = type(module).__name__
+    groups_only = more.pop("_groups_only", False)  # plan's own: SmallUnitGroups planned without its fallback
     rank = checked_rank(name, world_size, optimizer, more)
     allowed = budget_layouts(name, memory_budget, strategy) if memory_budget is not None else ()
     device_type = more.get("device") or default_device_type(module)
@@ -265,7 +266,7 @@ def plan(
     )
     if get_state(module) is not None:
         raise ValueError(f"plan({name}): this module is already sharded; use composable_shard.describe(module).")
-    if memory_budget is not None and isinstance(policy, SmallUnitGroups) and not more.pop("_groups_only", False):
+    if memory_budget is not None and isinstance(policy, SmallUnitGroups) and not groups_only:
         # [Note: groups of small units] in policy.py: the groups where the budget holds them.
         try:
             return plan(
