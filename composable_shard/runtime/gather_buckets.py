@@ -12,8 +12,8 @@ An all-gather has a cost of its own whatever its size (a wait for the
 slowest peer, a round through shared memory, a kernel launch), and a unit
 of a few hundred KB pays it twice a step, where DDP pays nothing. So when a
 unit's all-gather is issued in forward or backward (its own, or a prefetch
-of the policy) and its flat parameter's padded unsharded buffer is at most
-a quarter of ``bucket_bytes`` (the scheduler's, from
+of the policy) and each of its flat parameters' padded unsharded buffers
+is at most a quarter of ``bucket_bytes`` (the scheduler's, from
 ``comm.GATHER_BUCKET_BYTES``, 1 MiB, when the tree is initialised; 0
 switches this off: a bucket pays where it holds several units, and units
 of 256 KiB and more keep today's memory), the all-gathers of the units
@@ -25,7 +25,9 @@ needs an all-gather (a unit already gathered is passed over), all its flat
 parameters are that small and share the first one's key (shard group,
 compute dtype, device), none is offloaded, and the bucket stays within
 ``bucket_bytes``; the first
-unit that does not qualify ends the bucket. One collective then gathers
+unit that does not qualify ends the bucket. A unit's flat parameters (a
+frozen one beside a trainable one) join together or not at all, as the
+plan counts them (``UnitPlan.gather_key``). One collective then gathers
 them all (``comm.all_gather_together``: every rank's shards of the bucket
 side by side, then each buffer gets its pieces, the same bytes as alone),
 and compute waits for it once, at the first use of any of them. A
@@ -64,20 +66,26 @@ __all__ = ["unshard_with_followers"]
 def unshard_with_followers(
     scheduler: Scheduler, handles: list[FlatParamHandle], followers: Iterable[list[FlatParamHandle]]
 ) -> None:
-    """Issue one all-gather for the first of ``handles`` that needs one and
-    for the followers' (each unit's flat parameters, in the phase's order,
-    consumed lazily) that may share it ([Note: coalesced all-gathers]).
+    """Issue one all-gather for ``handles`` (a unit's flat parameters) that
+    need one and for the followers' (each unit's flat parameters, in the
+    phase's order, consumed lazily) that may share it ([Note: coalesced
+    all-gathers]).
     Issues nothing where no follower joins: the caller's usual all-gathers
-    then run alone."""
+    then run alone, one per flat parameter."""
     bucket_bytes = scheduler.gather_bucket_bytes
     if bucket_bytes <= 0:
         return
     own = [handle for handle in handles if _needs_all_gather(scheduler, handle)]
-    first = _key_and_bytes(own[0], bucket_bytes) if own else None
-    if first is None:
+    if not own:
         return
-    key, total = first
-    members = [own[0]]
+    # The unit's own flat parameters (a frozen one beside a trainable one,
+    # another dtype) join first, all of them or none, as one member.
+    sizes = [_key_and_bytes(handle, bucket_bytes) for handle in own]
+    key = sizes[0][0] if sizes[0] is not None else None
+    if key is None or any(each is None or each[0] != key for each in sizes):
+        return
+    members = list(own)
+    total = sum(each[1] for each in sizes if each is not None)
     for follower in followers:
         needing = [handle for handle in follower if _needs_all_gather(scheduler, handle)]
         if not needing:
@@ -90,7 +98,7 @@ def unshard_with_followers(
             break
         members += needing
         total += nbytes
-    if len(members) > 1:
+    if len(members) > len(own):
         scheduler.unshard_together(members, functools.partial(_launch, members))
 
 

@@ -27,7 +27,7 @@ from composable_shard.runtime.state import unit_states_under
 from tests.support.coalescing import CASES, small_gpt, train_case
 from tests.support.comm_spies import CollectiveSpy, gather_bucket_bytes
 from tests.support.harness_pool import run_distributed
-from tests.support.models import Block, batch, lm_loss
+from tests.support.models import Block, LoRAGPT, batch, lm_loss
 from tests.support.parity import Parity, run_parity, shard_manually
 
 
@@ -80,6 +80,27 @@ def _gathers_per_phase(rank: int, world_size: int) -> None:
 
 def test_small_units_all_gathers_share_collectives_per_phase() -> None:
     run_distributed(_gathers_per_phase, 2)
+
+
+def _unit_flat_params_join_together(rank: int, world_size: int) -> None:
+    """A LoRA block has two flat parameters (frozen base, trainable
+    adapters): both join the bucket its all-gather starts, in backward too
+    (where a block's own all-gather begins the bucket), so the whole small
+    model is one all-gather per phase."""
+    torch.manual_seed(0)
+    model = LoRAGPT(n_blocks=6)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    assert all(len(state.handles) == 2 for _, state in unit_states_under(model.blocks[0]))
+    for step in range(3):
+        forward, backward = _phase_counts(model, step, rank, world_size)
+        gathers = (forward.all_gathers_issued(), backward.all_gathers_issued())
+        assert gathers == (1, 1), (step, gathers)
+
+
+def test_a_units_flat_parameters_join_its_bucket_together() -> None:
+    run_distributed(_unit_flat_params_join_together, 2)
 
 
 # ---------------------------------------------------------- bit for bit
