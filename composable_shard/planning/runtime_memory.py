@@ -4,7 +4,7 @@ C allocator (glibc) keeps, given the sizes of the step's allocations.
 
 Knows nothing of: models, the step's replay (``sharding_plan.py`` gives
 it the sizes: ``freed_allocation_sizes`` and ``gloo_buffer_sizes`` in
-memory.py, and the number of units).
+memory.py, and the step's activation peak).
 
 [Note: the memory that is not tensors]
 ``scripts/bench.py`` measures a rank's peak as the growth of its resident
@@ -28,18 +28,33 @@ with ``/proc/self/status`` and ``mallinfo2``, per rank):
   copies from its own arena while the heap serves them: up to two of a
   unit's copies each (an all-gather's and a reduction's);
 - ``rest``: holes the step's order of allocations leaves between live
-  chunks, Python objects, autograd's records. Not derived: 26.5 MiB plus
-  1.66 MiB per unit, fitted on the bench GPT of width 256 at 2 and 16
-  blocks through shared memory (``python scripts/bench.py runtime-memory
-  --fit-rest`` prints the two numbers); it does not follow the width
-  (512, 768, 1,280 validate it: ``--n-embd``).
+  chunks: a forward's saved tensors are allocated between its
+  temporaries, which it frees, and the backward frees the saved tensors
+  between its own live gradients, so the heap keeps free chunks in
+  proportion to what the forward saves, up to a point: past about 130 MiB
+  of activations it stopped growing (measured, not explained; the
+  backward's heap trims, runtime/host_memory.py, run more often in
+  larger backwards and are the likely reason). Not derived: 1.6 MiB plus
+  0.247 of the step's activation peak (``ActivationProfile.peak``) up to
+  ``REST_ACTIVATION_CAP_BYTES``, fitted by least squares on two measurements
+  of the 16 points of ``python scripts/bench.py runtime-memory --fit-rest``
+  (through shared memory: widths 64 to 1,280, 2 to 64 blocks, 2 to 16
+  sequences, activation peaks 9 to 133 MiB; one run alone gave 1.0 MiB +
+  0.264, the other 2.2 MiB + 0.23). The points' rests were -9.5 to 51.2
+  MiB, most within 5 MiB of the line (the ranks of one point differ by up
+  to 40); 326M, with 326.6 MiB of activations, kept 26.6 to 37.2 in two
+  runs, the cap's 33.7. A rest of 26.5 MiB plus 1.66 MiB per unit, fitted
+  before on two points of width 256, said 97.6 MiB too much for 64 blocks
+  of width 64: the rest follows what the forward saves, not the units. A
+  plan without an input knows no activations and counts the constant only.
 
 Measured against the plan (``scripts/bench.py runtime-memory`` per point;
 the table and its commands in docs/benchmarks.md): through shared memory
-every point of the grid (width 256 to 1,280, 2 to 16 blocks, 326M) within
-3.1%, the largest models within 1%; through gloo within 8% except with units of 12-27 MiB, where
-the workers' arenas keep several units' copies more (the plan up to 22%
-below). CUDA: the plan is compared with the caching allocator's bytes,
+the grid (width 64 to 1,280, 2 to 64 blocks, 326M) within -9.9% to
++9.5%, the bench GPT (7.4M) and 326M within 2.3%, the extremes being the
+rest's noise on small totals; through gloo within 5% today, where units
+of 12-27 MiB have had the workers' arenas keep several units' copies
+more (the plan up to 22% below). CUDA: the plan is compared with the caching allocator's bytes,
 which hold tensors only, so the line is 0 there (the CUDA context and host
 memory are outside what the plan predicts; never measured here, no GPU).
 Pinned by tests/planning/test_runtime_memory.py and tests/planning/test_plan.py
@@ -69,11 +84,15 @@ TRIM_PER_THRESHOLD = 2
 # ProcessGroupGloo's worker threads per group (its default), one arena each
 # (torch's ProcessGroupGloo.Options threads; not measured, a default).
 GLOO_THREADS = 2
-# The rest, per rank and per unit: fitted on the bench GPT of width 256 at 2
-# and 16 blocks through shared memory, torch 2.13, glibc defaults; refit
-# with `python scripts/bench.py runtime-memory --fit-rest` (prints both).
-REST_BYTES = int(26.5 * _MIB)
-REST_PER_UNIT_BYTES = int(1.66 * _MIB)
+# The rest, per rank and per byte of the step's activation peak: fitted on
+# two measurements of the 16 points of `python scripts/bench.py
+# runtime-memory --fit-rest` (shared memory, torch 2.13, glibc defaults; it
+# prints its own fit).
+REST_BYTES = int(1.6 * _MIB)
+REST_PER_ACTIVATION_BYTE = 0.247
+# Activations beyond which the rest stopped growing (326M: 326.6 MiB of
+# activations kept no more than the 130 MiB points).
+REST_ACTIVATION_CAP_BYTES = 130 * _MIB
 
 
 @dataclass(frozen=True)
@@ -113,14 +132,14 @@ def mmap_threshold(freed: Iterable[int]) -> int:
 
 
 def runtime_memory(
-    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), units: int = 0
+    device_type: str, *, freed: Iterable[int] = (), gloo_buffers: Iterable[int] = (), activations: int = 0
 ) -> RuntimeMemory:
     """The model of [Note: the memory that is not tensors] for a rank on
     ``device_type``: ``freed`` the sizes (bytes) of the tensors a step
     allocates and frees (every one, or at least the largest of each kind),
     ``gloo_buffers`` the sizes of the flat copies gloo's worker threads
-    make (empty through shared memory or without collectives), ``units``
-    how many units the model has."""
+    make (empty through shared memory or without collectives),
+    ``activations`` the step's activation peak (bytes; 0 where unknown)."""
     if device_type != "cpu":
         return RuntimeMemory()
     gloo = [n for n in gloo_buffers if n > 0]
@@ -132,5 +151,5 @@ def runtime_memory(
         # holds an all-gather's copy and a reduction's buffer at most at once
         heap_tops += GLOO_THREADS * min(kept_top, 2 * max(served))
         arenas += GLOO_THREADS
-    rest = REST_BYTES + REST_PER_UNIT_BYTES * units
+    rest = REST_BYTES + int(REST_PER_ACTIVATION_BYTE * min(activations, REST_ACTIVATION_CAP_BYTES))
     return RuntimeMemory(CODE_BYTES, rest, heap_tops, threshold, arenas)

@@ -543,7 +543,8 @@ def _assemble(
     moved = transport_bytes(units) if shared_memory else 0
     largest_activation = [activations.largest] if activations is not None else []
     runtime = runtime_memory(device_type, freed=freed_allocation_sizes(flat_params) + largest_activation,
-                             gloo_buffers=gloo_buffer_sizes(flat_params), units=len(units))
+                             gloo_buffers=gloo_buffer_sizes(flat_params),
+                             activations=activations.peak if activations is not None else 0)
     rank_bytes = {
         "params": params,
         "grads": grads,

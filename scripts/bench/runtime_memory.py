@@ -2,7 +2,7 @@
 non-tensor line (composable_shard/planning/runtime_memory.py, [Note: the
 memory that is not tensors]): a rank's peak beyond the plan's tensors,
 split with ``/proc/self/status`` and glibc's ``mallinfo2``, and the fit of
-that module's ``REST_BYTES`` / ``REST_PER_UNIT_BYTES``.
+that module's ``REST_BYTES`` / ``REST_PER_ACTIVATION_BYTE``.
 
 Knows nothing of: how the plan computes its lines (it reads ``plan.runtime``
 and ``plan.rank_bytes``).
@@ -12,7 +12,7 @@ Run (repository root; 2 ranks, CPU, glibc defaults)::
     python scripts/bench.py runtime-memory                          # the bench GPT (8 x 256), shared memory
     COMPOSABLE_SHARD_SHARED_MEMORY=0 python scripts/bench.py runtime-memory   # through gloo
     python scripts/bench.py runtime-memory --config gpt-326m --json w326m.json
-    python scripts/bench.py runtime-memory --fit-rest               # REST_BYTES, REST_PER_UNIT_BYTES
+    python scripts/bench.py runtime-memory --fit-rest               # REST_BYTES, REST_PER_ACTIVATION_BYTE
 
 Every other argument is ``scripts/bench.py``'s (``--config``, ``--n-layer``,
 ``--n-embd``, ``--memory-steps`` ...). It runs that script's memory pass for
@@ -27,12 +27,16 @@ measured from:
 - ``kept free`` (what ``heap_tops`` models): ``mallinfo2().fordblks`` growth;
 - ``threads``: threads started after the baseline (0 expected);
 - ``rest``: the peak less the plan's tensors, its ``code`` and its
-  ``heap_tops``, which ``REST_BYTES + REST_PER_UNIT_BYTES * units`` models.
+  ``heap_tops``, which ``REST_BYTES + REST_PER_ACTIVATION_BYTE *
+  activations`` models (the plan's activation peak, up to
+  ``REST_ACTIVATION_CAP_BYTES``).
 
-``--fit-rest`` runs the bench GPT (width 256) at 2 and 16 blocks through
-the current transport and prints the straight line through the two points'
-``rest`` (mean over ranks), the values of ``REST_BYTES`` and
-``REST_PER_UNIT_BYTES``.
+``--fit-rest`` runs the bench GPT at ``FIT_POINTS`` (width, blocks, heads,
+batch; activation peaks of about 9 to 133 MiB, below the cap; about 7
+minutes on 2 cores) through the current
+transport and prints the least-squares line of their ``rest`` (mean over
+ranks) against the plan's activation peak: the values of ``REST_BYTES``
+and ``REST_PER_ACTIVATION_BYTE``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,14 @@ from .processes import init_worker, spawn
 from .training import barrier, build_run, next_batch, synchronize, train_step
 
 MIB = 2**20
-FIT_LAYERS = (2, 16)  # the two points the rest is fitted on (width 256)
+# (width, blocks, heads, global batch) of the points the rest is fitted on:
+# activation peaks of about 9 to 133 MiB, below the cap.
+FIT_POINTS = (
+    (64, 4, 4, 8), (64, 16, 4, 8), (64, 32, 4, 8), (64, 64, 4, 8),
+    (128, 2, 8, 8), (128, 8, 8, 8), (128, 16, 8, 8), (192, 2, 8, 8), (192, 16, 8, 8),
+    (256, 2, 8, 8), (256, 8, 8, 8), (256, 16, 8, 8), (256, 8, 8, 16),
+    (512, 2, 8, 8), (512, 8, 8, 8), (1280, 4, 16, 2),
+)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -117,6 +128,7 @@ def measure(args: argparse.Namespace) -> dict:
     for rank in ranks:
         rank["rest_mb"] = rank["peak_increase_mb"] - tensors - (runtime.code + runtime.heap_tops) / MIB
     return {"n_layer": args.n_layer, "n_embd": args.n_embd, "units": len(planned.units),
+            "activations_peak_mib": planned.rank_bytes["activations_peak"] / MIB,
             "plan_rank_bytes_mib": {k: v / MIB for k, v in planned.rank_bytes.items()},
             "plan_runtime_mib": {"code": runtime.code / MIB, "rest": runtime.rest / MIB,
                                  "heap_tops": runtime.heap_tops / MIB},
@@ -141,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own = argparse.ArgumentParser(prog="bench.py runtime-memory", add_help=False)
     own.add_argument("--json", default=None, metavar="PATH", help="write every point's snapshots and plan as JSON")
-    own.add_argument("--fit-rest", action="store_true", help=f"fit the rest on {FIT_LAYERS} blocks of width 256")
+    own.add_argument("--fit-rest", action="store_true", help=f"fit the rest on (width, blocks) {FIT_POINTS}")
     own.add_argument("-h", "--help", action="store_true")
     mine, rest = own.parse_known_args(argv)
     if mine.help:
@@ -153,15 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_steps < 1:
         sys.exit("bench.py runtime-memory: --memory-steps must be at least 1")
     points = []
-    for n_layer in FIT_LAYERS if mine.fit_rest else (args.n_layer,):
-        args.n_layer = n_layer
+    sizes = FIT_POINTS if mine.fit_rest else ((args.n_embd, args.n_layer, args.n_head, args.batch_size),)
+    for width, n_layer, n_head, batch_size in sizes:
+        args.n_embd, args.n_layer, args.n_head, args.batch_size = width, n_layer, n_head, batch_size
         points.append(measure(args))
         print_point(points[-1], args.memory_steps)
     if mine.fit_rest:
-        (u0, r0), (u1, r1) = [(p["units"], statistics.mean(r["rest_mb"] for r in p["ranks"])) for p in points]
-        per_unit = (r1 - r0) / (u1 - u0)
-        print(f"fit: REST_BYTES = {r0 - per_unit * u0:.2f} MiB, REST_PER_UNIT_BYTES = {per_unit:.3f} MiB "
-              "(composable_shard/planning/runtime_memory.py)")
+        acts = [p["activations_peak_mib"] for p in points]
+        rests = [statistics.mean(r["rest_mb"] for r in p["ranks"]) for p in points]
+        slope, intercept = statistics.linear_regression(acts, rests)
+        residuals = [rest - (intercept + slope * act) for act, rest in zip(acts, rests)]
+        print(f"fit: REST_BYTES = {intercept:.2f} MiB, REST_PER_ACTIVATION_BYTE = {slope:.3f} "
+              f"(composable_shard/planning/runtime_memory.py); measured rest less the line, per point: "
+              + ", ".join(f"{r:+.1f}" for r in residuals) + " MiB")
     if mine.json:
         Path(mine.json).write_text(json.dumps(points, indent=1))
     return 0

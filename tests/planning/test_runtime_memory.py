@@ -19,12 +19,15 @@ from composable_shard.planning.runtime_memory import (
     GLOO_THREADS,
     MMAP_THRESHOLD_MAX,
     MMAP_THRESHOLD_START,
-    REST_PER_UNIT_BYTES,
+    REST_ACTIVATION_CAP_BYTES,
+    REST_BYTES,
+    REST_PER_ACTIVATION_BYTE,
     TRIM_PER_THRESHOLD,
     mmap_threshold,
+    runtime_memory,
 )
 
-from tests.support.models import Block
+from tests.support.models import Block, TinyGPT
 
 MIB = 2**20
 
@@ -104,9 +107,9 @@ def test_runtime_line_follows_the_largest_freed_allocation_up_to_glibcs_cap(
         assert planned.runtime.threshold == threshold
         # Each gloo worker: an all-gather's copy and a reduction's buffer of a unit.
         assert planned.runtime.heap_tops == TRIM_PER_THRESHOLD * threshold + (GLOO_THREADS * 2 * unit_bytes if gloo else 0)
-        deeper = _plan(_mlp_stack(512, hidden, 6)).runtime  # 4 more units: only the per-unit rest grows
-        assert (deeper.heap_tops, deeper.code) == (planned.runtime.heap_tops, planned.runtime.code)
-        assert deeper.total - planned.rank_bytes["runtime"] == 4 * REST_PER_UNIT_BYTES
+        # 4 more units: nothing grows (no input, so no activations for the rest to follow)
+        deeper = _plan(_mlp_stack(512, hidden, 6)).runtime
+        assert deeper == planned.runtime and deeper.rest == REST_BYTES
         lines.append(planned.rank_bytes["runtime"])
     assert lines[1] - lines[0] >= TRIM_PER_THRESHOLD * 12 * MIB  # the unit grew by 12 MiB
     # A 48 MiB unit is mmapped whatever the threshold (above the cap): the
@@ -123,3 +126,22 @@ def test_runtime_line_is_zero_on_cuda() -> None:
     """On CUDA the plan is compared with the caching allocator's tensors (never measured here)."""
     planned = cs.plan(_mlp_stack(64, 128), world_size=2, policy={Block}, device="cuda")
     assert planned.rank_bytes["runtime"] == planned.runtime.total == 0
+
+
+def test_runtime_rest_follows_the_activation_peak_up_to_its_cap() -> None:
+    """The rest (holes the heap keeps between live chunks) follows what the
+    forward saves, the plan's activation peak, not the number of units;
+    past the cap the backward's heap trims bound it ([Note: the memory that
+    is not tensors])."""
+    rests, peaks = [], []
+    for n_blocks in (2, 6):
+        planned = cs.plan(TinyGPT(n_blocks=n_blocks), world_size=2, policy={Block}, device="cpu", input_shape=(4, 6))
+        peak = planned.rank_bytes["activations_peak"]
+        assert 0 < peak < REST_ACTIVATION_CAP_BYTES
+        assert planned.runtime.rest == REST_BYTES + int(REST_PER_ACTIVATION_BYTE * peak)
+        rests.append(planned.runtime.rest)
+        peaks.append(peak)
+    assert peaks[1] > peaks[0] and rests[1] > rests[0]
+    capped = [runtime_memory("cpu", activations=n * REST_ACTIVATION_CAP_BYTES).rest for n in (1, 3)]
+    assert capped[0] == capped[1] == REST_BYTES + int(REST_PER_ACTIVATION_BYTE * REST_ACTIVATION_CAP_BYTES)
+    assert runtime_memory("cuda", activations=REST_ACTIVATION_CAP_BYTES).rest == 0

@@ -214,6 +214,8 @@ def measure_case(
     # already sharded the plan has none, and the peak is not compared.
     inputs = {} if manual else {"input_shape": (BATCH, SEQ), "loss_fn": planned_loss}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **inputs, **kwargs)
+    # What describe knows: no activations (the runtime line's rest follows them).
+    planned_without_input = cs.plan(model, world_size=world_size, rank=rank, optimizer=kind, device=device, **kwargs)
     cs.fully_shard(model, **shard_kwargs, **prefetch, process_group=process_group)
     described = cs.describe(model, optimizer=kind, optimizer_in_backward=in_backward)
     optimizer: Any = _StepsInBackward(kind, model) if in_backward else _optimizer(kind, model.parameters())
@@ -253,7 +255,7 @@ def measure_case(
         "allocated": allocated,
         "planned": dict(planned.rank_bytes),
         "described": dict(described.rank_bytes),
-        "plan_table": _without_source(str(planned)),
+        "plan_table": _without_source(str(planned_without_input)),
         "describe_table": _without_source(str(described)),
         "peak_moment": planned.peak_moment,
         "peak_comparable": not manual,
@@ -262,7 +264,9 @@ def measure_case(
 
 def _without_source(table: str) -> str:
     """The table down to the step's worst moment (only a plan given an input
-    measures activations, which can move that moment), source label blanked."""
+    measures activations, which can move that moment, and which the runtime
+    line's rest follows: the tables compared are of a plan without one),
+    source label blanked."""
     kept = table.split("\n  worst moment")[0]
     return kept.replace("(plan)", "(...)").replace("(fully_shard)", "(...)")
 
@@ -425,6 +429,7 @@ def measure_owner_case(
     model = _wide_gpt()
     inputs = {"input_shape": (BATCH, SEQ), "loss_fn": planned_loss}
     planned = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block}, **inputs)
+    planned_without_input = cs.plan(model, world_size=world_size, rank=rank, optimizer=spec, device="cpu", policy={Block})
     optimizer = owner_optimizer(name, model)
     positions = {id(p): index for index, p in enumerate(model.parameters())}
     cs.fully_shard(model, policy={Block}, process_group=process_group)
@@ -471,7 +476,7 @@ def measure_owner_case(
         "allocated": allocated,
         "planned": dict(planned.rank_bytes),
         "described": dict(described.rank_bytes),
-        "plan_table": _without_source(str(planned)),
+        "plan_table": _without_source(str(planned_without_input)),
         "describe_table": _without_source(str(described)),
         "peak_moment": planned.peak_moment,
         "peak_comparable": True,
