@@ -11,6 +11,7 @@ how to run a step, and the optimizer).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -234,7 +235,8 @@ def run_parity(parity: Parity) -> list[float]:
         mean_loss /= dist.get_world_size()
         torch.testing.assert_close(mean_loss, reference_loss, atol=parity.atol, rtol=parity.rtol, msg=lambda m: f"step {step} loss: {m}")
         assert_resharded(model)
-        compare_full(model, reference, parity, f"step {step} after backward", grads=True)
+        at_params = functools.partial(_reference_grads_at, reference, parity, inputs, targets)
+        compare_full(model, reference, parity, f"step {step} after backward", grads=True, reference_grads_at=at_params)
         optimizer.step()
         reference_optimizer.step()
         optimizer.zero_grad()
@@ -244,13 +246,24 @@ def run_parity(parity: Parity) -> list[float]:
     return losses
 
 
-def compare_full(model: nn.Module, reference: nn.Module, parity: Parity, when: str, *, grads: bool) -> None:
+def compare_full(
+    model: nn.Module,
+    reference: nn.Module,
+    parity: Parity,
+    when: str,
+    *,
+    grads: bool,
+    reference_grads_at: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor | None]] | None = None,
+) -> None:
     """Full parameters (and gradients) of ``model`` equal ``reference``'s;
     after steps of ``parity.reference_optimizer``, parameters within what
     they amplify of the gradients' round-off ([Note: parity after an
-    adaptive step])."""
+    adaptive step]), and a gradient that differs from the reference's
+    beyond round-off there is compared with ``reference_grads_at`` the
+    model's own parameters ([Note: gradients after an adaptive step])."""
     reference_params = dict(reference.named_parameters())
     parity.slack.account_steps(reference, parity.reference_optimizer)
+    at_model_params: dict[str, torch.Tensor | None] | None = None
     with unshard_params(model, with_grads=grads, writeback=False):
         for name, param in model.named_parameters():
             expected = reference_params[name]
@@ -263,12 +276,50 @@ def compare_full(model: nn.Module, reference: nn.Module, parity: Parity, when: s
                 continue
             if param.grad is None:
                 raise AssertionError(f"{when}: {name} has no gradient, the reference has one")
-            torch.testing.assert_close(
-                param.grad, expected.grad, atol=parity.atol, rtol=parity.rtol, msg=lambda m: f"{when}, gradient of {name}: {m}"
-            )
+            try:
+                torch.testing.assert_close(
+                    param.grad, expected.grad, atol=parity.atol, rtol=parity.rtol, msg=lambda m: f"{when}, gradient of {name}: {m}"
+                )
+            except AssertionError:
+                # [Note: gradients after an adaptive step]
+                if reference_grads_at is None or name not in parity.slack.bounds or isinstance(param.grad, DTensor):
+                    raise
+                if at_model_params is None:
+                    at_model_params = reference_grads_at({n: p.detach() for n, p in model.named_parameters()})
+                torch.testing.assert_close(
+                    param.grad, at_model_params[name], atol=parity.atol, rtol=parity.rtol,
+                    msg=lambda m: f"{when}, gradient of {name} against the reference's at the model's parameters: {m}",
+                )
             if not isinstance(param.grad, DTensor) and param.grad.shape == expected.grad.shape:
                 parity.slack.record_grad(name, param.grad, expected.grad)
             parity.compared.append(name)
+
+
+def _reference_grads_at(
+    reference: nn.Module, parity: Parity, inputs: torch.Tensor, targets: torch.Tensor, params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor | None]:
+    """The reference's gradients on this step's global batch at ``params``
+    (the model's full parameters) instead of its own.
+
+    [Note: gradients after an adaptive step]
+    Once an adaptive step loosened the parameters by their bound ([Note:
+    parity after an adaptive step]), the next gradients differ from the
+    reference's by that difference carried through the network as well as
+    by round-off: on wide layers (hidden 4,096) 1 element of 65,536 came
+    2.1e-6 apart, past the fixed tolerance, with every layout. Where a
+    gradient differs past it, it is compared, at the same tolerance, with
+    the gradient a copy of the reference computes at the model's own
+    parameters on the same batch: the sharded gradient must be that one,
+    up to round-off. The copy runs with the random state forked, so the
+    reference's own steps see the same numbers as without it."""
+    twin = copy.deepcopy(reference)
+    with torch.no_grad():
+        for name, param in twin.named_parameters():
+            param.copy_(params[name])
+    twin.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        parity.reference_step_fn(twin, inputs, targets)
+    return {name: param.grad for name, param in twin.named_parameters()}
 
 
 def step_and_compare(
