@@ -20,12 +20,17 @@ the host's, kept as the kernels are queued). On the CPU it is RSS from
 the runtime owns. Make the recorder before building the model (after
 ``init_process_group`` and imports) so both count the model state the plan
 counts; RSS also counts the allocator's free pages and whatever else the
-process allocated. Never ran on CUDA here (no GPU).
+process allocated. Making it imports ``torch._dynamo`` first, which
+``torch.optim``'s first optimizer imports otherwise (26 MiB of RSS,
+torch 2.13): a library's import is not the step's memory, which the plan
+counts (``scripts/bench.py`` imports every library before its baseline
+too). Never ran on CUDA here (no GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -81,6 +86,9 @@ class MemoryRecorder:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kind = "allocated" if self.device.type == "cuda" else "RSS"
+        # Imported before the baseline, as an optimizer's construction would
+        # after it ([Note: sampling memory at the hooks]).
+        importlib.import_module("torch._dynamo")
         self.baseline = self._level()
 
     def _level(self) -> int:
