@@ -76,34 +76,42 @@ def unshard_with_followers(
     if bucket_bytes <= 0:
         return
     own = [handle for handle in handles if _needs_all_gather(scheduler, handle)]
-    if not own:
+    # The unit's own flat parameters (a frozen one beside a trainable one)
+    # join first, all of them or none, as one member.
+    joined = _joined(own, bucket_bytes)
+    if joined is None:
         return
-    # The unit's own flat parameters (a frozen one beside a trainable one,
-    # another dtype) join first, all of them or none, as one member.
-    sizes = [_key_and_bytes(handle, bucket_bytes) for handle in own]
-    key = sizes[0][0] if sizes[0] is not None else None
-    if key is None or any(each is None or each[0] != key for each in sizes):
-        return
-    members = list(own)
-    total = sum(each[1] for each in sizes if each is not None)
+    (key, total), members = joined, list(own)
     for follower in followers:
         needing = [handle for handle in follower if _needs_all_gather(scheduler, handle)]
         if not needing:
             continue  # still gathered (the root, a unit kept): passed over
-        sizes = [_key_and_bytes(handle, bucket_bytes) for handle in needing]
-        if any(each is None or each[0] != key for each in sizes):
-            break
-        nbytes = sum(each[1] for each in sizes if each is not None)
-        if total + nbytes > bucket_bytes:
+        joined = _joined(needing, bucket_bytes, key)
+        if joined is None or total + joined[1] > bucket_bytes:
             break
         members += needing
-        total += nbytes
+        total += joined[1]
     if len(members) > len(own):
         scheduler.unshard_together(members, functools.partial(_launch, members))
 
 
 def _needs_all_gather(scheduler: Scheduler, handle: FlatParamHandle) -> bool:
     return not handle.is_unsharded and not scheduler.has_pending_unshard(handle)
+
+
+def _joined(
+    handles: list[FlatParamHandle], bucket_bytes: int, key: Hashable | None = None
+) -> tuple[Hashable, int] | None:
+    """The key of the bucket one unit's ``handles`` join together (with
+    ``key``: that bucket's) and the bytes they add to it, or None where one
+    of them cannot join it (or there are none)."""
+    total = 0
+    for handle in handles:
+        found = _key_and_bytes(handle, bucket_bytes)
+        if found is None or (key is not None and found[0] != key):
+            return None
+        key, total = found[0], total + found[1]
+    return (key, total) if key is not None else None
 
 
 def _key_and_bytes(handle: FlatParamHandle, bucket_bytes: int) -> tuple[Hashable, int] | None:
