@@ -35,7 +35,10 @@ width 64 gave back 42 MB per trim, refaulted by the next step, 2.4% of
 the step, and the peak was the same without trims). There the trimmer
 trims only once the mark crept that share above its level at the last
 trim, and otherwise checks again after the next ``TRIM_EVERY_BYTES``: the
-resident set may creep by at most that share between trims.
+resident set may creep by at most that share between trims. A check that
+finds the mark out of a small unit's reach waits as long for the next
+(the out-of-reach window alone is a few units there: 64 blocks of width
+64 read the levels 21 times a step, 1-3 ms of a 330 ms step).
 ``COMPOSABLE_SHARD_TRIM_HOST_MEMORY=0`` turns it off; without
 ``malloc_trim`` (musl, macOS) it does nothing. Measurements: docs/how-it-works.md
 ("Memory"). Pinned by tests/runtime/test_host_memory.py.
@@ -144,8 +147,11 @@ class HostMemoryTrimmer:
                 return
             if resident + reach * gathered_bytes < high_water:
                 # Far from the peak: a trim now would only cost page faults,
-                # and so would one until that many more bytes were gathered.
+                # and so would one until that many more bytes were gathered;
+                # a small unit's next check waits a whole trim_every_bytes.
                 self._out_of_reach_bytes = (high_water - resident) // reach - gathered_bytes
+                if small:
+                    self._bytes_since_trim = 0
                 return
             self._high_water_at_trim = high_water
         trim = malloc_trim()

@@ -148,6 +148,27 @@ def test_small_units_trim_again_only_once_the_mark_crept_a_sixty_fourth() -> Non
     assert (trimmer.checks, trimmer.trims) == (4, 3)
 
 
+def test_small_units_far_below_the_mark_check_once_per_trim_every_bytes() -> None:
+    mark = 64_000  # a unit of 10 bytes reaches 40 < 64_000 / 64 = 1_000: small
+    reads: list[tuple[int, int]] = []
+
+    def read_levels() -> tuple[int, int]:
+        reads.append((mark - 200, mark))  # 200 below: out of reach for 200 / 4 - 10 = 40 bytes
+        return reads[-1]
+
+    trimmer = host_memory.HostMemoryTrimmer(trim_every_bytes=100, read_levels=read_levels)
+    for _ in range(10):
+        trimmer.unit_backward_starts(10)
+    assert (len(reads), trimmer.trims) == (1, 0)
+    # The out-of-reach window (40 bytes) alone would check again after 5
+    # units; a small unit waits another trim_every_bytes.
+    for _ in range(9):
+        trimmer.unit_backward_starts(10)
+    assert (len(reads), trimmer.trims) == (1, 0)
+    trimmer.unit_backward_starts(10)
+    assert (len(reads), trimmer.trims) == (2, 0)
+
+
 def _trimming_keeps_training_exact(rank: int, world_size: int) -> None:
     models: list[nn.Module] = []
 
