@@ -198,8 +198,9 @@ def use_sharded_grad_views(
                 param.grad = None
         return placeholder
     sizes, segments = layout.shard_split
-    # One split cuts every local part (a slice per parameter costs more).
-    parts = sharded_flat_grad.split(sizes)
+    # One split cuts every local part (a slice per parameter costs more);
+    # split_with_sizes: torch.split without its Python layer.
+    parts = sharded_flat_grad.split_with_sizes(sizes)
     for segment, param, requires_grad in zip(segments, orig_params, param_requires_grad):
         if not (requires_grad and param.requires_grad):
             continue  # frozen: its .grad stays the user's

@@ -170,6 +170,7 @@ class FlatParamHandle:
         # partial sum kept while the replica all-reduce is skipped ([Note:
         # partial sums without the replica all-reduce] in comm/overrides.py).
         self.reduction_overrides: comm.ReductionOverrides | None = None
+        self._base_settings: GradReduceSettings | None = None  # reduction_settings' last, overrides aside
         self._settings_in_flight: GradReduceSettings | None = None
         self.partial_reduced_grad: torch.Tensor | None = None
         self.use_sharded_views()
@@ -490,7 +491,14 @@ class FlatParamHandle:
         """How the next reduction runs: built per reduction (a dtype change
         in write-back changes the dtypes), with the unit's overrides."""
         grad_dtype = self.reduce_dtype if self.keep_low_precision_grads else self.layout.dtype
-        settings = GradReduceSettings(self.groups, self.reduce_dtype, grad_dtype)
+        settings = self._base_settings  # frozen: reused while built from the same
+        if (
+            settings is None
+            or settings.groups is not self.groups
+            or settings.reduce_dtype != self.reduce_dtype
+            or settings.grad_dtype != grad_dtype
+        ):
+            settings = self._base_settings = GradReduceSettings(self.groups, self.reduce_dtype, grad_dtype)
         return comm.settings_with(settings, self.reduction_overrides)
 
     def reduce_grad(self, *, async_op: bool) -> PendingCollective | None:

@@ -253,9 +253,9 @@ def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.
     with hook_label(state, "post_backward"):
         _queue_finalize_once(state.context)
         if reduce_or_defer(state, handle):  # [Note: units that some ranks skip]
-            # From any state: a unit whose outputs had no hookable tensor
-            # never ran its pre-backward.
-            state.transition(TrainingState.POST_BACKWARD, *TrainingState)
+            # From any state (no check to make): a unit whose outputs had no
+            # hookable tensor never ran its pre-backward.
+            state.training_state = TrainingState.POST_BACKWARD
             state.reshard_frozen_when_done()
             prefetch_in_backward(state, BackwardPrefetch.BACKWARD_POST)
 

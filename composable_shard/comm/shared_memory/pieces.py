@@ -74,6 +74,8 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy)."""
     if not tensor.is_contiguous():
         raise ValueError("shared-memory collectives need contiguous tensors")
+    if tensor.dim() == 1:  # every flat buffer: one view, not two
+        return tensor.view(torch.uint8)
     return tensor.reshape(-1).view(torch.uint8)
 
 
