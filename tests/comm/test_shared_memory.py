@@ -369,8 +369,9 @@ def _files_close_with_their_group(rank: int, world_size: int) -> None:
     comm.all_gather_into(output, torch.ones(2), group, async_op=False)
     reduced = torch.empty(2)
     comm.reduce_scatter(reduced, torch.ones(2 * world_size), group, async_op=False)
-    # Every rank's slots of both operations are mapped here.
-    assert len(mapped_files()) == 2 * world_size
+    # Every rank's header page (for the waits' futexes) and its slots of
+    # both operations are mapped here.
+    assert len(mapped_files()) == 3 * world_size
     assert shared.mapped_bytes > 0 and shared.shared_bytes > 0
     dist.destroy_process_group(group)
     del group, shared

@@ -81,6 +81,66 @@ def test_waiting_for_a_late_peer_costs_under_one_percent_of_a_core() -> None:
         assert fraction[what] < bound, measured
 
 
+def _late_peer_wakes_the_waiting_rank(rank: int, world_size: int) -> dict[str, int]:
+    """A rank waiting for a late peer sleeps on the peer's header entry and is
+    woken by its write, without a single poll's pause ([Note: waking a
+    waiting peer]); with futexes off it polls with back-off. Both give the
+    peer's bytes."""
+    import types
+
+    from composable_shard.comm.shared_memory import slots as slots_module
+
+    group = _set_up_group(world_size, timeout_s=60)
+    ring = transport.shared_memory_of(group).slots
+    pauses = {"futexes": 0, "polling": 0, "futex waits": 0}
+    for way in ("futexes", "polling"):
+        ring._futexes = way == "futexes"  # on every rank: the waker needs them too
+        dist.barrier()
+        output = torch.empty(4 * world_size)
+        if rank == 0:
+            work = comm.all_gather_into(output, torch.full((4,), 1.0), group, async_op=True)
+
+            def pause(seconds: float, way: str = way) -> None:
+                pauses[way] += 1
+                time.sleep(seconds)
+
+            def futex_wait(address: int, expected: int, timeout_s: float, way: str = way) -> bool:
+                pauses["futex waits"] += way == "futexes"
+                return waited(address, expected, timeout_s)
+
+            saved, waited, period = slots_module.time, slots_module.wait_while_equal, slots_module._LIVENESS_PERIOD_S
+            slots_module.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=pause)  # type: ignore[assignment]
+            slots_module.wait_while_equal = futex_wait
+            # A futex wait lasts at most until the next liveness check: 30 s
+            # here, so only the peer's wake-up can end this one in time.
+            slots_module._LIVENESS_PERIOD_S = 30.0
+            try:
+                start = time.monotonic()
+                work.wait()
+                assert time.monotonic() - start < 10.0, way
+            finally:
+                slots_module.time, slots_module.wait_while_equal = saved, waited
+                slots_module._LIVENESS_PERIOD_S = period
+        else:
+            time.sleep(0.3)
+            comm.all_gather_into(output, torch.full((4,), 2.0), group, async_op=True).wait()
+        assert torch.equal(output, torch.tensor([1.0] * 4 + [2.0] * 4)), way
+    ring._futexes = True
+    dist.barrier()
+    return pauses
+
+
+def test_a_late_peer_wakes_the_waiting_rank_without_polling() -> None:
+    from composable_shard.comm.shared_memory.futex import FUTEX_SUPPORTED
+
+    assert FUTEX_SUPPORTED  # the shared-memory path runs on x86-64 Linux only
+    pauses = run_distributed(_late_peer_wakes_the_waiting_rank, 2)[0]
+    assert pauses["futexes"] == 0, pauses
+    # Woken by the peer's write (a spurious wake-up or a signal may add one).
+    assert 1 <= pauses["futex waits"] <= 2, pauses
+    assert pauses["polling"] > 0, pauses  # the fallback polls: the count sees pauses
+
+
 def _wait_takes_a_timeout_keyword(rank: int, world_size: int) -> None:
     group = _set_up_group(world_size, timeout_s=60)
     output = torch.empty(3 * world_size)

@@ -14,6 +14,8 @@ The folder, one noun per module, in import order:
   stale files]);
 - ``files.py``: the group's files: setup agreed by every rank, reservation,
   mapping, removal ([Note: shared-memory setup]);
+- ``futex.py``: sleeping until a peer writes a header entry, and waking
+  the ranks that sleep on one ([Note: waking a waiting peer]);
 - ``slots.py``: rounds, slots, waits for peers, liveness and timeouts,
   ``SharedMemoryWork`` ([Note: slots and waits]);
 - ``collectives.py``: ``HostSharedMemory``: all-gather, reduce-scatter, all-reduce

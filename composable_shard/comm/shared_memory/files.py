@@ -43,6 +43,7 @@ tests/comm/test_failures.py (a peer killed during setup).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -151,6 +152,14 @@ class GroupFiles:
         # (rank, slot) -> bytes touched through the mapping so far (resident
         # in this process: RSS counts them).
         self._touched: dict[tuple[int, int], int] = {}
+        # Every rank's header page, mapped (kept under slot -1) for the
+        # futexes the waits sleep on ([Note: waking a waiting peer] in futex.py):
+        # rank -> the address of its header in this process.
+        self.header_addresses: list[int] = []
+        for peer, fd in enumerate(fds):
+            page = mmap.mmap(fd, _PAGE)
+            self._mappings[(peer, -1)] = (page, None)  # type: ignore[assignment]  # no tensor views it
+            self.header_addresses.append(_address_of(page))
         weakref.finalize(self, _close_all, list(fds) + list(pidfds.values()), self._mappings)
 
     @classmethod
@@ -257,8 +266,18 @@ class GroupFiles:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of shared memory (this rank's files and its peers') this
-        process touched through its mappings: pages its RSS counts."""
-        return sum(round_up(nbytes, _PAGE) for nbytes in self._touched.values())
+        process touched through its mappings (every rank's header page
+        among them): pages its RSS counts."""
+        return self.world_size * _PAGE + sum(round_up(nbytes, _PAGE) for nbytes in self._touched.values())
+
+
+def _address_of(page: mmap.mmap) -> int:
+    """Where ``page`` is mapped in this process (the view that tells is
+    dropped at once: a mapping something exports cannot be closed)."""
+    view = (ctypes.c_char * len(page)).from_buffer(page)
+    address = ctypes.addressof(view)
+    del view
+    return address
 
 
 def round_up(nbytes: int, granule: int) -> int:

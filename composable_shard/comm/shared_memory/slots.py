@@ -32,9 +32,14 @@ ranks that wrote the fewest rounds read first. A round of more than
 ``SLOTS`` back is read during the issue (streaming; the wait reads the last
 ``SLOTS``). A dropped work (freed unwaited) counts as read.
 
-Waiting polls the peers' headers with ``pread`` and sleeps between polls:
-no thread spins (spinning even 50 us slowed the fast path on an
-oversubscribed machine, docs/design/comm.md). Pauses start at 5 us and grow
+Waiting reads the peers' headers with ``pread`` and, while one is behind,
+sleeps in the kernel on its entry until the peer, having written it, wakes
+it ([Note: waking a waiting peer] in futex.py), or until the next liveness
+check: no thread spins (spinning even 50 us slowed the fast path on an
+oversubscribed machine, docs/design/comm.md), and a peer that comes is
+seen within a wake-up (about 8 us here), not at the end of a pause (the
+shortest ``time.sleep`` lasts 80 us on a 2-core VM). Where the kernel has
+no futexes the wait polls with back-off instead: pauses start at 5 us and grow
 by half up to 0.2 ms, so waits under about 2 ms (the fast path, and a peer
 a little behind) overshoot little; past that each pause may grow to a tenth
 of the time waited so far (a peer that comes is seen at most that fraction
@@ -89,6 +94,7 @@ from torch.distributed import ProcessGroup
 from ..tags import current_tag, name_of
 from .eager import build_eager_versions, eagerly, outside_graph
 from .files import HEADER, SLOTS, GroupFiles
+from .futex import FUTEX_SUPPORTED, wait_while_equal, wake_all
 
 __all__ = [
     "SlotRing",
@@ -152,6 +158,9 @@ class SlotRing:
         self._busy = threading.Lock()
         # Set once a peer died or a stream broke: every later call raises it.
         self.failure: RuntimeError | None = None
+        # Whether waits sleep on futexes (else they poll: [Note: waking a
+        # waiting peer] in futex.py); off for good once the kernel refuses one.
+        self._futexes = FUTEX_SUPPORTED
 
     def enter(self, what: str) -> None:
         """Take the ring for one call (issue or wait), or refuse: the group
@@ -191,26 +200,37 @@ class SlotRing:
         calls on one thread, in order; the signature comes first in the
         pair, so a peer that sees the number sees it too), pending in ``work``."""
         os.pwrite(self.files.fds[self.rank], _PUBLISHED.pack(work.signature, seq), (SLOTS + 2 * slot) * _ENTRY.size)
+        self._wake_peers(SLOTS + 2 * slot + 1)
         self._next_seq = seq + 1
         work._pending.append((slot, seq, start, length))
         self._slot_rounds[slot] = (weakref.ref(work), seq)
 
     def mark_read(self, slot: int, seq: int) -> None:
         os.pwrite(self.files.fds[self.rank], _ENTRY.pack(seq), slot * _ENTRY.size)
+        self._wake_peers(slot)
+
+    def _wake_peers(self, entry: int) -> None:
+        """Wake the peers sleeping on this rank's header ``entry``, just written."""
+        if self._futexes:
+            wake_all(self.files.header_addresses[self.rank] + entry * _ENTRY.size)
 
     def await_peers(self, slot: int, seq: int, *, written: bool, timeout_s: float | None, signature: int = 0) -> None:
         """Until every peer has written (``written``: the same kind and size
         of operation as ``signature``) or read round ``seq`` of ``slot``:
-        polls their headers, sleeping with back-off, and every
+        reads their headers, sleeping on a late peer's entry until it is
+        written (or polling with back-off without futexes), and every
         ``_LIVENESS_PERIOD_S`` of waiting, whether they are alive."""
         entry = SLOTS + 2 * slot + 1 if written else slot
         started, deadline, next_check, pause = 0.0, 0.0, 0.0, _FIRST_PAUSE_S
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        seen = 0  # the first waited-for peer's entry, as last read
         while True:
-            waiting = []
+            waiting: list[int] = []
             for peer in peers:
                 header = HEADER.unpack(os.pread(self.files.fds[peer], HEADER.size, 0))
                 if header[entry] < seq:
+                    if not waiting:
+                        seen = header[entry]
                     waiting.append(peer)
                 elif written and header[entry - 1] != signature:
                     raise RuntimeError(
@@ -232,6 +252,12 @@ class SlotRing:
                 next_check = now + _LIVENESS_PERIOD_S
                 if now > deadline:
                     self._time_out(peers, seq, signature, written, timeout_s)
+            if self._futexes:
+                # Until that peer writes the entry (or the next liveness check).
+                address = self.files.header_addresses[peers[0]] + entry * _ENTRY.size
+                if wait_while_equal(address, seen, next_check - now):
+                    continue
+                self._futexes = False  # refused: poll from now on
             time.sleep(pause)
             pause = min(pause * 1.5, max(_SHORT_WAIT_PAUSE_S, (now - started) * _PAUSE_FRACTION), _MAX_PAUSE_S)
 
