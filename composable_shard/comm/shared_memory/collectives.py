@@ -142,13 +142,15 @@ class HostSharedMemory:
         starts = offsets([row.shape[1] for row in rows])
         self.slots.enter("an all-gather")
         try:
-            for row, shard in zip(rows, shards):
-                row[self.rank].copy_(bytes_of(shard))
+            # One call copies every piece (each a call of its own cost more).
+            if rows:
+                torch._foreach_copy_([row[self.rank] for row in rows], [bytes_of(shard) for shard in shards])
 
             def write(region: torch.Tensor, start: int, length: int) -> None:
                 transfer(sent, start, Pieces([region]), 0, length)
 
             def read(slot: int, start: int, length: int) -> None:
+                targets, sources = [], []
                 for peer in range(self.world_size):
                     if peer == self.rank:
                         continue
@@ -157,7 +159,10 @@ class HostSharedMemory:
                         low, high = overlap(at, row.shape[1], start, length)
                         # A buffer its owner freed before waiting (an error path): nobody reads it.
                         if high > low and has_storage(output):
-                            row[peer, low - at : high - at].copy_(region[low - start : high - start])
+                            targets.append(row[peer, low - at : high - at])
+                            sources.append(region[low - start : high - start])
+                if targets:
+                    torch._foreach_copy_(targets, sources)
 
             rounds = _rounds(sent.nbytes, self._gather_piece)
             work = self._stream("an all-gather", signature_of(ALL_GATHER, sent.nbytes), rounds, write, read)
@@ -249,8 +254,8 @@ class HostSharedMemory:
         dtype = inputs[0].dtype
         self.slots.enter("a reduce-scatter")
         try:
-            for output, chunk in zip(outputs, chunks):
-                output.copy_(chunk[self.rank])
+            if chunks:
+                torch._foreach_copy_(list(outputs), [chunk[self.rank] for chunk in chunks])
 
             def write(region: torch.Tensor, start: int, length: int) -> None:
                 for index, peer in enumerate(peers):
@@ -259,11 +264,13 @@ class HostSharedMemory:
             def read(slot: int, start: int, length: int) -> None:
                 if not targets.has_storage():
                     return  # its owner freed it before waiting: nobody reads the result
-                for peer in peers:
+                spans = [(target.view(dtype), offset, target.numel()) for target, offset in targets.spans(start, length)]
+                for peer in peers:  # in rank order, each added to every target at once
                     at = _chunk_offset(self.rank, peer, length)
                     region = self.files.region(peer, slot, at + length)[at:]
-                    for target, offset in targets.spans(start, length):
-                        target.view(dtype).add_(region[offset : offset + target.numel()].view(dtype))
+                    added = [region[offset : offset + numel].view(dtype) for _, offset, numel in spans]
+                    if added:
+                        torch._foreach_add_([target for target, _, _ in spans], added)
 
             rounds = _rounds(targets.nbytes, self._reduce_piece(inputs[0].element_size()))
             signature = signature_of(REDUCE_SCATTER, targets.nbytes * len(peers))

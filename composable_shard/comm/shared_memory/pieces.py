@@ -61,13 +61,17 @@ def transfer(source: Pieces, source_at: int, target: Pieces, target_at: int, nby
             f"shared-memory transfer of {nbytes} bytes from byte {source_at} of {source.nbytes} to byte "
             f"{target_at} of {target.nbytes}: out of range"
         )
+    targets, sources = [], []
     while nbytes > 0:
         source_index, source_offset = source._locate(source_at)
         target_index, target_offset = target._locate(target_at)
         source_piece, target_piece = source._bytes[source_index], target._bytes[target_index]
         length = min(nbytes, source_piece.numel() - source_offset, target_piece.numel() - target_offset)
-        target_piece[target_offset : target_offset + length].copy_(source_piece[source_offset : source_offset + length])
+        targets.append(target_piece[target_offset : target_offset + length])
+        sources.append(source_piece[source_offset : source_offset + length])
         source_at, target_at, nbytes = source_at + length, target_at + length, nbytes - length
+    if targets:
+        torch._foreach_copy_(targets, sources)  # one call for every piece's copy
 
 
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
