@@ -142,9 +142,8 @@ class HostSharedMemory:
         starts = offsets([row.shape[1] for row in rows])
         self.slots.enter("an all-gather")
         try:
-            # One call copies every piece (each a call of its own cost more).
-            if rows:
-                torch._foreach_copy_([row[self.rank] for row in rows], [bytes_of(shard) for shard in shards])
+            # One call copies every piece (_check_paired: one at least).
+            torch._foreach_copy_([row[self.rank] for row in rows], [bytes_of(shard) for shard in shards])
 
             def write(region: torch.Tensor, start: int, length: int) -> None:
                 transfer(sent, start, Pieces([region]), 0, length)
@@ -254,8 +253,7 @@ class HostSharedMemory:
         dtype = inputs[0].dtype
         self.slots.enter("a reduce-scatter")
         try:
-            if chunks:
-                torch._foreach_copy_(list(outputs), [chunk[self.rank] for chunk in chunks])
+            torch._foreach_copy_(list(outputs), [chunk[self.rank] for chunk in chunks])  # _check_paired: one at least
 
             def write(region: torch.Tensor, start: int, length: int) -> None:
                 for index, peer in enumerate(peers):
