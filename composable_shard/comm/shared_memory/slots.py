@@ -210,8 +210,10 @@ class SlotRing:
         self._wake_peers(slot)
 
     def _wake_peers(self, entry: int) -> None:
-        """Wake the peers sleeping on this rank's header ``entry``, just written."""
-        if self._futexes:
+        """Wake the peers sleeping on this rank's header ``entry``, just
+        written (also where this rank's own waits fell back to polling: its
+        peers' may not have)."""
+        if FUTEX_SUPPORTED:
             wake_all(self.files.header_addresses[self.rank] + entry * _ENTRY.size)
 
     def await_peers(self, slot: int, seq: int, *, written: bool, timeout_s: float | None, signature: int = 0) -> None:
