@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import platform
 import sys
 
 __all__ = ["FUTEX_SUPPORTED", "wait_while_equal", "wake_all"]
@@ -44,7 +45,8 @@ class _Timespec(ctypes.Structure):
 
 
 def _load_syscall() -> "ctypes._NamedFuncPointer | None":
-    if not sys.platform.startswith("linux"):
+    # The futex's number is x86-64's (another architecture numbers it otherwise).
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         return None
     try:
         syscall = ctypes.CDLL(None, use_errno=True).syscall
