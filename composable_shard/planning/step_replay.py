@@ -52,7 +52,8 @@ The runtime gathers small units in buckets ([Note: coalesced all-gathers]
 in runtime/gather_buckets.py); the replay applies its rule where a unit is
 gathered: forward in module pre-order, backward in reverse, the followers
 that are not gathered join while each unit's flat parameters share one
-key (``UnitPlan.gather_key``) and the bucket fits. A bucket compute waits
+key (``UnitPlan.gather_key``) and the bucket fits; a unit whose several
+flat parameters share a key is a bucket of its own even alone. A bucket compute waits
 for at once (a unit's own all-gather) is a moment of its own: every
 member's buffer, the shards side by side and the gathered rows; a
 prefetched one keeps the rows (and, through gloo, the side-by-side shards
@@ -308,8 +309,8 @@ def step_moments(
         all-gathers, planned])."""
         if index not in gathered and gather_bucket_bytes > 0:
             members = bucket_from(index, step)
-            if len(members) > 1:
-                fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
+            fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
+            if len(fps) > 1 and units[index].gather_key(gather_bucket_bytes) is not None:
                 in_place = all(fp.gathers_in_place for fp in fps)
                 rows = 0 if in_place else sum(fp.padded_numel * fp.param_dtype.itemsize for fp in fps)
                 side_by_side = 0 if in_place else sum(fp.shard_numel * fp.param_dtype.itemsize for fp in fps)

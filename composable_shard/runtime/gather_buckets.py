@@ -31,7 +31,9 @@ plan counts them (``UnitPlan.gather_key``). One collective then gathers
 them all (``comm.all_gather_together``: every rank's shards of the bucket
 side by side, then each buffer gets its pieces, the same bytes as alone),
 and compute waits for it once, at the first use of any of them. A
-follower's own pre-forward or pre-backward then finds it gathered.
+follower's own pre-forward or pre-backward then finds it gathered. A unit
+of several such flat parameters (a LoRA block's frozen base and adapters)
+shares one collective among them even where no follower joins.
 
 Where the user ordered the all-gathers (``set_modules_to_forward_prefetch``
 or ``set_modules_to_backward_prefetch`` anywhere in the tree) that phase is
@@ -70,8 +72,8 @@ def unshard_with_followers(
     need one and for the followers' (each unit's flat parameters, in the
     phase's order, consumed lazily) that may share it ([Note: coalesced
     all-gathers]).
-    Issues nothing where no follower joins: the caller's usual all-gathers
-    then run alone, one per flat parameter."""
+    Issues nothing where that is one flat parameter alone: the caller's
+    usual all-gather then runs."""
     bucket_bytes = scheduler.gather_bucket_bytes
     if bucket_bytes <= 0:
         return
@@ -91,7 +93,7 @@ def unshard_with_followers(
             break
         members += needing
         total += joined[1]
-    if len(members) > len(own):
+    if len(members) > 1:
         scheduler.unshard_together(members, functools.partial(_launch, members))
 
 

@@ -103,6 +103,58 @@ def test_a_units_flat_parameters_join_its_bucket_together() -> None:
     run_distributed(_unit_flat_params_join_together, 2)
 
 
+def _lone_unit_of_two_flat_params(rank: int, world_size: int) -> None:
+    """A small unit of two flat parameters (frozen base, trainable adapter)
+    whose neighbour is too large to join gathers both in one collective,
+    with no follower; the same parameters and losses, bit for bit, as
+    gathering each alone."""
+
+    class Adapted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = torch.nn.Linear(16, 16)
+            self.adapter = torch.nn.Linear(16, 16, bias=False)
+            self.base.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.adapter(x)
+
+    runs = {}
+    for bucket in (comm.GATHER_BUCKET_BYTES, 0):
+        with gather_bucket_bytes(bucket):
+            torch.manual_seed(0)
+            # The root's 557 KB flat parameter is over a quarter of the bucket: gathered alone.
+            model = torch.nn.Sequential(torch.nn.Linear(16, 8192), torch.nn.Linear(8192, 16), Adapted())
+            fully_shard(model[2])
+            fully_shard(model)
+            assert [len(state.handles) for _, state in unit_states_under(model[2])] == [2]
+            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+            losses, spies = [], []
+            for step in range(3):
+                generator = torch.Generator().manual_seed(step)
+                x = torch.randn(4 * world_size, 16, generator=generator)[rank::world_size]
+                spy = CollectiveSpy()
+                with spy.watching():
+                    loss = model(x).square().mean()
+                spies.append(spy)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+            runs[bucket] = (losses, [p.detach().clone() for p in model.parameters()], spies)
+    (losses, params, spies), (losses_alone, params_alone, spies_alone) = runs.values()
+    for spy, spy_alone in zip(spies, spies_alone):
+        # Forward: the root's own, then the unit's two flat parameters in one.
+        assert (spy.all_gathers_issued(), spy.counts()["all_gather_together"]) == (2, 1), spy.counts()
+        assert (spy_alone.all_gathers_issued(), spy_alone.counts()["all_gather_together"]) == (3, 0)
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_alone))
+    assert all(torch.equal(a, b) for a, b in zip(params, params_alone))
+
+
+def test_a_lone_unit_gathers_its_flat_parameters_in_one_collective() -> None:
+    run_distributed(_lone_unit_of_two_flat_params, 2)
+
+
 # ---------------------------------------------------------- bit for bit
 def _coalesced_equals_alone(rank: int, world_size: int, cases: list[str]) -> None:
     """Both runs bucket their reductions (the default); only the

@@ -53,6 +53,15 @@ def _lora_gpt() -> nn.Module:
     return model
 
 
+def _lone_lora_gpt() -> nn.Module:
+    """One LoRA block after a root too large to join a bucket: the block's
+    two flat parameters share a collective of their own, with no follower
+    ([Note: coalesced all-gathers, planned])."""
+    model = _lora_gpt()
+    model.blocks = model.blocks[:1]
+    return model
+
+
 def planned_loss(logits: torch.Tensor) -> torch.Tensor:
     """The loss the measured step computes (``lm_loss``), as the plan's
     ``loss_fn``: targets of the step's shape (their values do not matter to
@@ -81,6 +90,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
     # The same blocks in two groups of four ([Note: groups of small units] in policy.py).
     "small_unit_groups": (_many_small_gpt, {"policy": SmallUnitGroups({Block}, max_bytes=1 << 19)}, "adamw", False),
     "frozen_lora": (_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
+    "lone_lora": (_lone_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
     "sgd_momentum": (_wide_gpt, {"policy": {Block}}, "sgd", False),
     "bf16_compute": (
         _wide_gpt,
@@ -273,7 +283,7 @@ def _without_source(table: str) -> str:
 
 # Cases measured on every (world size, rank); all of CASES run on rank 0 of
 # the smallest and largest world size (two cores: keep the test short).
-FAKE_PG_SUBSET = ("full_shard", "frozen_lora", "bf16_compute", "full_shard_in_backward")
+FAKE_PG_SUBSET = ("full_shard", "frozen_lora", "lone_lora", "bf16_compute", "full_shard_in_backward")
 
 
 def fake_pg_plan(world_sizes: list[int]) -> list[tuple[int, int, tuple[str, ...]]]:
