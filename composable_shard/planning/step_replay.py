@@ -310,7 +310,7 @@ def step_moments(
         if index not in gathered and gather_bucket_bytes > 0:
             members = bucket_from(index, step)
             fps = [fp for i in members for fp in units[i].flat_params if fp.needs_unshard_storage]
-            if len(fps) > 1 and units[index].gather_key(gather_bucket_bytes) is not None:
+            if len(fps) > 1:
                 in_place = all(fp.gathers_in_place for fp in fps)
                 rows = 0 if in_place else sum(fp.padded_numel * fp.param_dtype.itemsize for fp in fps)
                 side_by_side = 0 if in_place else sum(fp.shard_numel * fp.param_dtype.itemsize for fp in fps)
@@ -332,10 +332,11 @@ def step_moments(
     def bucket_from(index: int, step: int) -> list[int]:
         """The units whose all-gathers join units[index]'s: the followers
         in the phase's order, passing over gathered ones, while each shares
-        its key and the bucket fits."""
+        its key and the bucket fits; none where units[index] has no key
+        (gathered alone)."""
         key = units[index].gather_key(gather_bucket_bytes)
         if key is None:
-            return [index]
+            return []
         members, total = [index], units[index].bytes_of("unsharded_bytes")
         follower = index + step
         while 0 <= follower < len(units):

@@ -53,7 +53,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,15 +152,11 @@ class GroupFiles:
         # (rank, slot) -> bytes touched through the mapping so far (resident
         # in this process: RSS counts them).
         self._touched: dict[tuple[int, int], int] = {}
-        # Every rank's header page, mapped (kept under slot -1) for the
-        # futexes the waits sleep on ([Note: waking a waiting peer] in futex.py):
-        # rank -> the address of its header in this process.
-        self.header_addresses: list[int] = []
-        for peer, fd in enumerate(fds):
-            page = mmap.mmap(fd, _PAGE)
-            self._mappings[(peer, -1)] = (page, None)  # type: ignore[assignment]  # no tensor views it
-            self.header_addresses.append(_address_of(page))
-        weakref.finalize(self, _close_all, list(fds) + list(pidfds.values()), self._mappings)
+        # Every rank's header page, mapped for the futexes the waits sleep on
+        # ([Note: waking a waiting peer] in futex.py), and where it lies here.
+        self._header_pages = [mmap.mmap(fd, _PAGE) for fd in fds]
+        self.header_addresses = [_address_of(page) for page in self._header_pages]
+        weakref.finalize(self, _close_all, list(fds) + list(pidfds.values()), self._mappings, self._header_pages)
 
     @classmethod
     def open(cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool, slot_bytes: int) -> "GroupFiles":
@@ -268,7 +264,7 @@ class GroupFiles:
         """Bytes of shared memory (this rank's files and its peers') this
         process touched through its mappings (every rank's header page
         among them): pages its RSS counts."""
-        return self.world_size * _PAGE + sum(round_up(nbytes, _PAGE) for nbytes in self._touched.values())
+        return len(self._header_pages) * _PAGE + sum(round_up(nbytes, _PAGE) for nbytes in self._touched.values())
 
 
 def _address_of(page: mmap.mmap) -> int:
@@ -392,7 +388,9 @@ def _unlink_quietly(paths: list[str]) -> None:
             pass
 
 
-def _close_all(fds: list[int], mappings: dict | None = None) -> None:
+def _close_all(fds: list[int], mappings: dict | None = None, pages: Sequence[mmap.mmap] = ()) -> None:
+    for page in pages:
+        page.close()  # no view outlives _address_of
     while mappings:
         _, (region, view) = mappings.popitem()
         del view  # the mapping's own tensor: it holds the buffer open
