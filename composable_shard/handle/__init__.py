@@ -12,6 +12,9 @@ The folder, one noun per module, in import order:
   ``requires_grad``, a cast) and what is refused;
 - ``grads.py``: the sharded gradient once reduced: collected from what the
   user left, accumulated (on the host when offloaded), shown as ``.grad``;
+- ``grad_usage.py``: which parameters a backward reached (read off the
+  split that cuts the forward views), and the warning for a trainable one
+  left without a gradient in a unit that got one;
 - ``forward_views.py``: the views of the unsharded buffer the owners show
   in forward and backward (cut once per forward, reused by its backward);
 - ``storage.py``: ``FlatParamHandle``, the buffers and the parameters'

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from . import dtensor_views
 from .dtensor_views import TensorParallelSpec
+from .grad_usage import GradUsage
 from .layout import FlatParamLayout
 
 __all__ = ["ViewPlan", "view_plan_of", "ShownViews", "show_new_views", "storage_key"]
@@ -58,6 +59,8 @@ class ViewPlan(NamedTuple):
     # Every registration of the original parameters on their owners, in
     # layout order (what a reshard puts back).
     orig_registrations: tuple[Registration, ...]
+    # Per parameter, its output of the split (its segment index).
+    param_segments: tuple[int, ...]
 
 
 def view_plan_of(layout: FlatParamLayout, orig_params: Sequence[nn.Parameter]) -> ViewPlan:
@@ -73,7 +76,7 @@ def view_plan_of(layout: FlatParamLayout, orig_params: Sequence[nn.Parameter]) -
     orig_registrations = tuple(
         (parameters, attr, param) for (_, _, owners), param in zip(params, orig_params) for parameters, attr in owners
     )
-    return ViewPlan(layout, list(layout.split_sizes), params, orig_registrations)
+    return ViewPlan(layout, list(layout.split_sizes), params, orig_registrations, tuple(layout.param_segments))
 
 
 class ShownViews(NamedTuple):
@@ -104,13 +107,17 @@ def show_new_views(
     flat: torch.Tensor,
     requires_grad: tuple[bool, ...],
     tp_specs: tuple[TensorParallelSpec | None, ...],
+    usage: GradUsage | None = None,
 ) -> tuple[Registration, ...]:
     """Cut each parameter's autograd view of ``flat`` (the unsharded flat
     parameter), register it on the parameter's owners and return the
     registrations; frozen parameters' views are detached, ``DTensor`` ones
-    wrapped with their spec."""
+    wrapped with their spec; ``usage`` records which a backward reaches
+    ([Note: parameters a backward leaves without a gradient])."""
     # What torch.split does with a list of sizes, without its Python layer.
     segments = flat.split_with_sizes(plan.split_sizes)
+    if usage is not None:
+        usage.watch(segments, plan.param_segments)
     registrations: list[Registration] = []
     for (index, shape, owners), param_requires_grad, spec in zip(plan.params, requires_grad, tp_specs):
         view = segments[index]

@@ -44,6 +44,7 @@ from ..comm import GradReduceSettings, PendingCollective, ShardGroups
 from .layout import FlatParamLayout, ParamInfo, ParamOwner, compute_layout
 from . import dtensor_views, forward_views, grads, writeback
 from .dtensor_views import TensorParallelSpec
+from .grad_usage import GradUsage
 
 __all__ = ["FlatParamHandle", "FlatParamSource"]
 
@@ -156,11 +157,11 @@ class FlatParamHandle:
         # What DTensor parameters show between steps (None for plain ones).
         self._shard_shells: tuple[DTensor | None, ...] = ()
         self._shard_views_of: torch.Tensor | None = None
-        # The layout as the views read it (``_forward_view_plan``), and the
-        # views the last forward showed, for its backward ([Note: forward
-        # views reused in backward] in handle/forward_views.py).
+        # The layout as the views read it (``_forward_view_plan``), and the views the last forward
+        # showed, for its backward ([Note: forward views reused in backward] in handle/forward_views.py).
         self._view_plan: forward_views.ViewPlan | None = None
         self._forward_views: forward_views.ShownViews | None = None
+        self.grad_usage = GradUsage()  # which parameters backwards reach
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
         # (``set_grad_of_other_dtype``); None until the first one.
@@ -281,7 +282,7 @@ class FlatParamHandle:
         self.check_unsharded("use_unsharded_views")
         plan = self._forward_view_plan()
         flat = self.unsharded_flat_param
-        shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs)
+        shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs, self.grad_usage)
         self._forward_views = None
         # Not kept under inference mode, nor while dynamo traces (the query
         # would break the graph; the record is only a saving).

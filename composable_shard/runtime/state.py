@@ -296,6 +296,8 @@ class UnitState:
         Returns whether every trainable handle of the unit is now reduced."""
         context = self.context
         if not self.skip_grad_sync:
+            # [Note: parameters a backward leaves without a gradient] in handle/grad_usage.py
+            handle.grad_usage.check_reduced(handle.layout.params, handle.param_requires_grad, self.fqn)
             settings = handle.reduction_settings()
             # Refuses what a communication hook cannot honour ([Note: communication hooks]).
             check_overrides(settings, handle.param_dtype, f"'{self.fqn}' ({type(self.module).__name__})")
