@@ -59,8 +59,6 @@ class ViewPlan(NamedTuple):
     # Every registration of the original parameters on their owners, in
     # layout order (what a reshard puts back).
     orig_registrations: tuple[Registration, ...]
-    # Per parameter, its output of the split (its segment index).
-    param_segments: tuple[int, ...]
 
 
 def view_plan_of(layout: FlatParamLayout, orig_params: Sequence[nn.Parameter]) -> ViewPlan:
@@ -76,7 +74,7 @@ def view_plan_of(layout: FlatParamLayout, orig_params: Sequence[nn.Parameter]) -
     orig_registrations = tuple(
         (parameters, attr, param) for (_, _, owners), param in zip(params, orig_params) for parameters, attr in owners
     )
-    return ViewPlan(layout, list(layout.split_sizes), params, orig_registrations, tuple(layout.param_segments))
+    return ViewPlan(layout, list(layout.split_sizes), params, orig_registrations)
 
 
 class ShownViews(NamedTuple):
@@ -117,7 +115,7 @@ def show_new_views(
     # What torch.split does with a list of sizes, without its Python layer.
     segments = flat.split_with_sizes(plan.split_sizes)
     if usage is not None:
-        usage.watch(segments, plan.param_segments)
+        usage.watch(segments, plan.layout.param_segments)
     registrations: list[Registration] = []
     for (index, shape, owners), param_requires_grad, spec in zip(plan.params, requires_grad, tp_specs):
         view = segments[index]

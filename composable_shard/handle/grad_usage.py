@@ -84,8 +84,9 @@ class GradUsage:
     def watch(self, segments: Sequence[torch.Tensor], param_segments: tuple[int, ...]) -> None:
         """Record what reaches the split whose outputs are ``segments``
         (``param_segments``: each parameter's output, in layout order)."""
+        # Not while dynamo traces: the grad_fn read would break the graph.
         if not self.armed or self.warned or not segments or torch.compiler.is_compiling():
-            return  # dynamo would break the graph at the grad_fn read
+            return
         node = segments[0].grad_fn
         if node is None:
             return
@@ -110,8 +111,6 @@ class GradUsage:
         if not self.watched:
             return
         self.watched = False
-        if all(self.reached):
-            return
         unreached = [
             info.fqn for info, reached, trainable in zip(params, self.reached, requires_grad) if trainable and not reached
         ]

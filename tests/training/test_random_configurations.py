@@ -26,8 +26,9 @@ import torch
 import torch.nn as nn
 
 import composable_shard as cs
-from composable_shard import BackwardPrefetch, ShardingStrategy, StateDictOptions, comm
+from composable_shard import BackwardPrefetch, ShardingStrategy, StateDictOptions
 
+from tests.support.comm_spies import gather_bucket_bytes, reduce_bucket_bytes
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, LoRAGPT, TinyGPT, lm_loss
 from tests.support.parity import Parity, hybrid_groups, run_parity
@@ -90,12 +91,8 @@ class DrawnGPT(TinyGPT):
 
 
 def _run_configuration(rank: int, world_size: int, config: dict[str, Any]) -> None:
-    saved_buckets = comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES
-    comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES = config["gather_bucket"], config["reduce_bucket"]
-    try:
+    with gather_bucket_bytes(config["gather_bucket"]), reduce_bucket_bytes(config["reduce_bucket"]):
         run_parity(_parity(world_size, config))
-    finally:
-        comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES = saved_buckets
 
 
 def _parity(world_size: int, config: dict[str, Any]) -> Parity:
