@@ -36,7 +36,7 @@ from tests.support.harness_pool import run_distributed
 # thread's bound: in another such worker it measured 1.56% (the process
 # asleep 2.42%), 0.37-0.46% alone seven times the same day; with futexes off
 # and the old back-off capped at 0.2 ms it measured 12.0% and fails. No garbage collection runs in the measured
-# wait (one is run before): a collection the worker's earlier tests left due
+# wait (one is run on both ranks before the peer's lateness starts): a collection the worker's earlier tests left due
 # would be the thread's CPU without being the wait's.
 _WAIT_CPU_BOUND = {"process above asleep": 0.03, "waiting thread": 0.025}
 _LATE_S = 1.5
@@ -52,6 +52,7 @@ def _set_up_group(world_size: int, timeout_s: float) -> dist.ProcessGroup:
 
 def _late_peer_wait_cost(rank: int, world_size: int) -> dict[str, float] | None:
     group = _set_up_group(world_size, timeout_s=60)
+    gc.collect()  # before the peer's lateness starts: it took 0.3 s once in a warm worker
     dist.barrier()
     output = torch.empty(4 * world_size)
     fraction = None
@@ -61,7 +62,6 @@ def _late_peer_wait_cost(rank: int, world_size: int) -> dict[str, float] | None:
         time.sleep(1.0)
         asleep = (time.process_time() - process_start) / (time.monotonic() - start)
         work = comm.all_gather_into(output, torch.full((4,), 1.0), group, async_op=True)
-        gc.collect()
         gc.disable()
         try:
             start, process_start, thread_start = time.monotonic(), time.process_time(), time.thread_time()
