@@ -15,6 +15,8 @@ The folder, one noun per module, in import order:
 - ``grad_usage.py``: which parameters a backward reached (read off the
   split that cuts the forward views), and the warning for a trainable one
   left without a gradient in a unit that got one;
+- ``pending_views.py``: a ``no_sync`` gradient waiting for its reduction
+  as ``.grad`` shows it, and what the user did to that ``.grad`` since;
 - ``forward_views.py``: the views of the unsharded buffer the owners show
   in forward and backward (cut once per forward, reused by its backward);
 - ``storage.py``: ``FlatParamHandle``, the buffers and the parameters'

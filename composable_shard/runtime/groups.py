@@ -89,7 +89,9 @@ def register_group_forward_hooks(state: UnitState, steps: GroupSteps) -> list[Re
     handles = []
     for module in state.members:
         handles.append(
-            module.register_forward_pre_hook(functools.partial(_pre_forward, state, record, steps), with_kwargs=True)
+            module.register_forward_pre_hook(
+                functools.partial(_pre_forward, state, record, steps), with_kwargs=True, prepend=True
+            )
         )
         handles.append(module.register_forward_hook(functools.partial(_post_forward, state, record, steps)))
         handles.append(

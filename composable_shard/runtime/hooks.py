@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from ..api import BackwardPrefetch
-from ..handle import FlatParamHandle
+from ..handle import FlatParamHandle, pending_views
 from .nested_tensors import scan_output
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .groups import GroupSteps, end_open_groups, group_method_hooks, register_group_forward_hooks
@@ -46,7 +46,7 @@ from .lifecycle import (
     start_root_forward,
 )
 from .partial_backward import backward_accumulates, hold_after_partial_backward
-from .pending_grads import reduce_left_behind
+from .pending_grads import reduce_left_behind, show_waiting_grads
 from .prefetch import followers, prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
 from .skipped_units import end_anchor_forward, gather_anchored, reduce_or_defer, reduce_skippable, stays_gathered
@@ -239,6 +239,8 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         else:  # [Note: backwards that accumulate nothing of ours]
             hold_after_partial_backward(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
+        for handle in state.handles:  # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py
+            pending_views.take_user_changes(handle, name_prefix=state.name_prefix, accumulated=False)
         # [Note: trimming the host heap in backward] (runtime/host_memory.py)
         if context.host_memory_trimmer is not None and not torch.compiler.is_compiling():
             gathered = sum(h.unsharded_bytes for h in state.handles if h.needs_unshard_storage)
@@ -277,6 +279,7 @@ def _finalize_backward(context: RootContext) -> None:
     with hook_label(context.root, "finalize_backward"):
         reduce_skippable(context)  # [Note: units that some ranks skip]
         reduce_left_behind(context)  # [Note: no_sync gradients of units that did not run]
+        show_waiting_grads(context)  # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py
         return_tree_to_idle(context, discard_grads=False)
         context.run_deferred_grad_hooks()
 
@@ -290,8 +293,12 @@ def register_hooks(state: UnitState) -> None:
         steps = GroupSteps(_pre_forward, _register_pre_backward_hooks, _end_forward, _after_forward_raised)
         state.module_hooks.extend(register_group_forward_hooks(state, steps))
     else:
+        # Prepended, as FSDP2's: the unit's pre-forward (unshard, input
+        # casts) runs before pre-hooks registered earlier, whatever the
+        # order of the calls: a composable checkpoint applied before
+        # fully_shard saves the cast inputs (tests/training/test_mixed_precision.py).
         state.module_hooks.append(
-            module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+            module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True, prepend=True)
         )
         state.module_hooks.append(module.register_forward_hook(functools.partial(_post_forward, state)))
         state.module_hooks.append(

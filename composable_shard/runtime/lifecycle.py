@@ -55,9 +55,16 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ..handle import pending_views
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
-from .optimizer_checks import is_elementwise, refuse_coupling_optimizer, remember_step_after_pending_forward, remember_step_while_held
+from .optimizer_checks import (
+    is_elementwise,
+    refuse_coupling_optimizer,
+    refuse_local_loss_scaler,
+    remember_step_after_pending_forward,
+    remember_step_while_held,
+)
 from .unit_controls import (
     drop_gathered_written_back,
     end_backward_leaving_reductions,
@@ -272,6 +279,7 @@ def return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
         for handle in unit.handles:
             if discard_grads:
                 handle.clear_unsharded_grad()
+                pending_views.forget_shown(handle)
                 unit.reshard_handle(handle)
             elif keep:
                 handle.hide_unsharded_views()
@@ -337,6 +345,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     # owners: the usual AdamW step does not list (and sort) every unit.
     units = [] if is_elementwise(optimizer) else live_units()
     refuse_coupling_optimizer(optimizer, units)  # [Note: optimizers over shards]
+    refuse_local_loss_scaler(optimizer, live_units)  # [Note: loss scaling over shards]
     for context in list(_ROOT_CONTEXTS):
         if context.root.root_context is not context:
             continue  # a tree that became part of a larger one

@@ -1,5 +1,6 @@
 """Owns: what the optimizer step pre-hook refuses — an optimizer whose
-update is not known to be elementwise stepping sharded parameters, and the
+update is not known to be elementwise stepping sharded parameters, a loss
+scaler that decides its step from this rank's shards alone, and the
 backward of a forward that an optimizer step came between — and the
 registry of optimizers declared elementwise.
 
@@ -7,7 +8,7 @@ Knows nothing of: the lifecycle's gate (lifecycle.py calls it), hooks,
 flattening.
 
 Public names: ``register_elementwise_optimizer``, ``ELEMENTWISE_OPTIMIZERS``,
-``refuse_unless_elementwise``, ``remember_step_while_held``,
+``refuse_unless_elementwise``, ``refuse_local_loss_scaler``, ``remember_step_while_held``,
 ``refuse_backward_after_step``, ``remember_step_after_pending_forward``.
 
 [Note: optimizers over shards]
@@ -56,7 +57,9 @@ carries its forward's number. Pinned by tests/runtime/test_optimizer_checks.py.
 
 from __future__ import annotations
 
+import sys
 import weakref
+from types import FrameType
 from typing import Callable, Iterable, TypeVar
 
 import torch
@@ -69,6 +72,7 @@ __all__ = [
     "is_elementwise",
     "flattens_parameters",
     "refuse_coupling_optimizer",
+    "refuse_local_loss_scaler",
     "remember_step_while_held",
     "refuse_backward_after_step",
     "remember_step_after_pending_forward",
@@ -163,6 +167,66 @@ def _raise_refused(optimizer: torch.optim.Optimizer, param_name: str, reason: st
         "parameter reads only that parameter's own gradient and state (SGD, AdamW, Muon, Adafactor, Shampoo-style "
         f"preconditioners, ...) work on sharded units; for {name} keep its parameters out of sharded units "
         "(ShardingStrategy.NO_SHARD or ignored_states) or use one of those. Nothing was updated."
+    )
+
+
+# [Note: loss scaling over shards]
+# ``torch.amp.GradScaler`` looks for inf/NaN in the gradients the optimizer
+# holds and skips ``optimizer.step()`` where it finds one. Here each rank
+# holds its shard of a sharded gradient: an overflow lands on one rank, that
+# rank skips, the others step, and the ranks' parameters and scales diverge
+# silently (DTensor's FSDP2 gradients agree on it; FSDP1 needs its
+# ``ShardedGradScaler``). So a step called by a GradScaler that does not
+# agree over a process group (``ShardedGradScaler`` keeps one in
+# ``process_group``), over a parameter of a unit sharded over several ranks,
+# raises, naming the scaler to use, at the first step: before any step, on
+# every rank (no rank skips its first step unless its gradients overflowed).
+# Found by the frames of the caller (GradScaler.step and _maybe_opt_step,
+# which calls optimizer.step()): a few frames looked at per step.
+# Pinned by tests/runtime/test_optimizer_checks.py.
+_SCALER_STEPS = tuple(
+    code
+    for code in (
+        getattr(getattr(torch.amp, "GradScaler", None), "step", None),
+        getattr(getattr(torch.amp, "GradScaler", None), "_maybe_opt_step", None),
+    )
+    if code is not None
+)
+_SCALER_CODES = frozenset(function.__code__ for function in _SCALER_STEPS)
+_FRAMES_TO_LOOK_AT = 8
+
+
+def refuse_local_loss_scaler(optimizer: torch.optim.Optimizer, units: Callable[[], Iterable[UnitState]]) -> None:
+    """Raise if ``optimizer.step()`` was called by a ``GradScaler`` that
+    decides from this rank's gradients alone and ``optimizer`` updates a
+    parameter of a unit in ``units()`` sharded over several ranks ([Note:
+    loss scaling over shards])."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_FRAMES_TO_LOOK_AT):
+        if frame is None:
+            return
+        if frame.f_code in _SCALER_CODES:
+            scaler = frame.f_locals.get("self")
+            if scaler is None or hasattr(scaler, "process_group"):
+                return
+            stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
+            for unit in units():
+                if unit.groups.is_sharded and unit.groups.shard_world_size > 1:
+                    for handle in unit.handles:
+                        for info, param in zip(handle.layout.params, handle.orig_params):
+                            if id(param) in stepped:
+                                _raise_local_scaler(scaler, optimizer, f"{unit.name_prefix}{info.fqn}")
+            return
+        frame = frame.f_back
+
+
+def _raise_local_scaler(scaler: object, optimizer: torch.optim.Optimizer, param_name: str) -> None:
+    raise RuntimeError(
+        f"{type(scaler).__name__}.step({type(optimizer).__name__}) over parameter '{param_name}' of a fully_shard "
+        "unit: the scaler looks for inf/NaN in this rank's gradient shards only, so a rank whose shard overflowed "
+        "would skip the step while the others take it, and the ranks would diverge. Use "
+        "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (the same API; it agrees on skipping over "
+        "all ranks). Nothing was updated."
     )
 
 

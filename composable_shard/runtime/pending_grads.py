@@ -1,11 +1,13 @@
-"""Owns: the gradients ``no_sync`` left on flat parameters whose unit did
-not run in the next synchronised backward — reducing them at that
-backward's end, as if their unit had run in it.
+"""Owns: the gradients ``no_sync`` left on flat parameters: reducing those
+whose unit did not run in the next synchronised backward at that
+backward's end, as if their unit had run in it; showing them in ``.grad``
+while they wait, at the end of each backward under ``no_sync``.
 
 Knows nothing of: streams (the unit's ``reduce_grad`` issues through the
 scheduler), the hooks that call it, what ``no_sync`` is for.
 
-Public names: ``mark_local_accumulation``, ``reduce_left_behind``.
+Public names: ``mark_local_accumulation``, ``reduce_left_behind``,
+``show_waiting_grads``.
 
 [Note: no_sync gradients of units that did not run]
 Under ``no_sync`` each flat parameter keeps its unsharded gradient until
@@ -29,10 +31,10 @@ import weakref
 import torch
 
 from .. import comm
-from ..handle import FlatParamHandle
+from ..handle import FlatParamHandle, pending_views
 from .state import RootContext, UnitState
 
-__all__ = ["mark_local_accumulation", "reduce_left_behind"]
+__all__ = ["mark_local_accumulation", "reduce_left_behind", "show_waiting_grads"]
 
 # Trees some of whose units left ``no_sync`` since their last synchronised
 # backward (marked the same on every rank: no_sync is called on every rank).
@@ -76,3 +78,13 @@ def reduce_left_behind(context: RootContext) -> None:
             if not handle.has_unsharded_grad():
                 handle.unsharded_flat_param.grad = torch.zeros_like(handle.unsharded_flat_param)
             unit.reduce_grad(handle)
+
+
+def show_waiting_grads(context: RootContext) -> None:
+    """End of a backward: the ``.grad`` of the parameters of every unit
+    under ``no_sync`` show its waiting gradient ([Note: zero_grad while
+    no_sync gradients wait] in handle/pending_views.py)."""
+    for unit in context.units:
+        if unit.skip_grad_sync:
+            for handle in unit.handles:
+                pending_views.show_waiting_grad(handle)

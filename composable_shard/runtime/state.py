@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..comm import PendingCollective, ReductionOverrides, ShardGroups, check_overrides
 from ..comm.tags import collective_of
-from ..handle import FlatParamHandle
+from ..handle import FlatParamHandle, pending_views
 from .gather_buckets import unshard_with_followers
 from .grad_buckets import hold_for_bucket
 from .host_memory import HostMemoryTrimmer, trimming_enabled
@@ -295,6 +295,9 @@ class UnitState:
         waits: [Note: resharding frozen flat parameters]) and count it.
         Returns whether every trainable handle of the unit is now reduced."""
         context = self.context
+        # Its pre-backward took them in, unless its outputs had no hook:
+        # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py.
+        pending_views.take_user_changes(handle, name_prefix=self.name_prefix, accumulated=True)
         if not self.skip_grad_sync:
             # [Note: parameters a backward leaves without a gradient] in handle/grad_usage.py
             handle.grad_usage.check_reduced(handle.layout.params, handle.param_requires_grad, self.fqn)

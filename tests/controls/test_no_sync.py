@@ -1,19 +1,22 @@
 """no_sync: gradient accumulation without gradient communication inside the
 context, and the next synchronised backward reduces the sum — parity with a
 single-process reference that sums the micro-batches' gradients, for every
-strategy; a spy on ``composable_shard.comm`` counts the collectives."""
+strategy; a spy on ``composable_shard.comm`` counts the collectives.
+``zero_grad()`` between no_sync backwards discards what they accumulated,
+as in one process; an in-place change there is refused."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard import ShardingStrategy, fully_shard, no_sync
+from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, no_sync
 from composable_shard.runtime.state import unit_states_under
 
 from tests.support.comm_spies import CollectiveSpy
@@ -36,16 +39,25 @@ def _micro_batch_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     return loss.detach()
 
 
+def _sharded_and_reference(
+    strategy: ShardingStrategy, make_optimizer: Callable[..., torch.optim.Optimizer]
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, Parity]:
+    """A TinyGPT sharded with ``strategy``, its single-process reference,
+    an optimizer of each and the parity settings."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard(strategy)(model)
+    optimizer, reference_optimizer = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
+    parity = Parity(build=TinyGPT, shard=_shard(strategy), atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
+    return model, reference, optimizer, reference_optimizer, parity
+
+
 def _accumulation_matches_summed_reference(rank: int, world_size: int) -> None:
     micro_batches = 3
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-        torch.manual_seed(0)
-        model = TinyGPT()
-        reference = copy.deepcopy(model)
-        _shard(strategy)(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        parity = Parity(build=TinyGPT, shard=_shard(strategy), atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+        model, reference, optimizer, reference_optimizer, parity = _sharded_and_reference(strategy, adamw)
         local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
         for step in range(2):
             for micro in range(micro_batches):
@@ -63,7 +75,10 @@ def _accumulation_matches_summed_reference(rank: int, world_size: int) -> None:
                     assert not spy.reductions_issued() and counts["all_reduce"] == 0, (strategy, counts)
                     if strategy is ShardingStrategy.NO_SHARD or world_size == 1:
                         assert sum(counts.values()) == 0, (strategy, counts)
-                    assert all(p.grad is None for p in model.parameters()), "no_sync exposed a gradient"
+                    # Each .grad shows this rank's part of its local sum, as
+                    # DDP's shows the local sum ([Note: zero_grad while no_sync
+                    # gradients wait] in composable_shard/handle/pending_views.py).
+                    assert all(p.grad is not None for p in model.parameters()), "no_sync hid its gradient"
                 else:
                     assert spy.reductions_issued() or world_size == 1, counts
                 assert_resharded(model)
@@ -114,3 +129,103 @@ def _no_sync_on_an_unsharded_module_raises(rank: int, world_size: int) -> None:
 
 def test_no_sync_on_a_module_without_units_raises() -> None:
     run_distributed(_no_sync_on_an_unsharded_module_raises, 2)
+
+
+# (synchronised?, zero_grad after it?) per micro-batch: a kept gradient of a
+# synchronised backward, two no_sync backwards, the clear, one more, then
+# the synchronised backward that reduces what is left.
+_CLEARED_ACCUMULATION = ((True, False), (False, False), (False, True), (False, False), (True, False))
+
+
+def _clear(where: str, set_to_none: bool, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if where == "optimizer":
+        optimizer.zero_grad(set_to_none=set_to_none)
+    elif where == "model":
+        model.zero_grad(set_to_none=set_to_none)
+    else:  # one block's parameters only
+        model.blocks[0].zero_grad(set_to_none=set_to_none)
+
+
+def _zero_grad_between_no_sync_backwards_matches_reference(rank: int, world_size: int) -> None:
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        for set_to_none in (True, False):
+            for where in ("optimizer", "model", "block"):
+                sgd = functools.partial(torch.optim.SGD, lr=0.1)
+                model, reference, optimizer, reference_optimizer, parity = _sharded_and_reference(strategy, sgd)
+                for index, (synchronised, clear_after) in enumerate(_CLEARED_ACCUMULATION):
+                    inputs, targets = batch(index)
+                    _micro_batch_step(reference, inputs, targets)
+                    with contextlib.nullcontext() if synchronised else no_sync(model):
+                        _micro_batch_step(model, inputs[local], targets[local])
+                    if clear_after:
+                        _clear(where, set_to_none, model, optimizer)
+                        _clear(where, set_to_none, reference, reference_optimizer)
+                when = f"{strategy.name} zero_grad({where}, set_to_none={set_to_none})"
+                compare_full(model, reference, parity, when, grads=True)
+                optimizer.step()
+                reference_optimizer.step()
+                compare_full(model, reference, parity, f"{when} after the step", grads=False)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_grad_between_no_sync_backwards_discards_them_as_in_one_process(world_size: int) -> None:
+    run_distributed(_zero_grad_between_no_sync_backwards_matches_reference, world_size)
+
+
+def _cleared_low_precision_accumulation_equals_a_fresh_one(rank: int, world_size: int) -> None:
+    """Under bf16 mixed precision the waiting gradient is bf16 and each
+    fp32 parameter's .grad shows it through a stand-in: a clear of the whole
+    model leaves exactly what a run of only the later micro-batches gives."""
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    mixed_precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    grads = []
+    for micro_batches in (_CLEARED_ACCUMULATION, _CLEARED_ACCUMULATION[3:]):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        for block in model.blocks:
+            fully_shard(block, mixed_precision=mixed_precision)
+        fully_shard(model, mixed_precision=mixed_precision)
+        for index, (synchronised, clear_after) in enumerate(micro_batches, start=5 - len(micro_batches)):
+            inputs, targets = batch(index)
+            with contextlib.nullcontext() if synchronised else no_sync(model):
+                _micro_batch_step(model, inputs[local], targets[local])
+            if not synchronised and index == 3:  # no gradient kept from before: each .grad shows the waiting one
+                dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+                assert dtypes == {torch.bfloat16}, f"the bf16 waiting gradient is not shown: {dtypes}"
+            if clear_after:
+                model.zero_grad()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for cleared, fresh in zip(*grads):
+        assert torch.equal(cleared, fresh)
+
+
+def test_zero_grad_discards_a_low_precision_waiting_gradient() -> None:
+    run_distributed(_cleared_low_precision_accumulation_equals_a_fresh_one, 2)
+
+
+def _in_place_change_of_a_waiting_gradient_raises(rank: int, world_size: int) -> None:
+    """Scaling .grad between no_sync backwards cannot be applied to the
+    whole local gradient: the next backward raises, naming the parameter;
+    the tree resets (the waiting gradients are dropped) and the next step
+    matches a reference that starts from the same parameters."""
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard(ShardingStrategy.FULL_SHARD)(model)
+    inputs, targets = batch(0)
+    with no_sync(model):
+        _micro_batch_step(model, inputs[local], targets[local])
+    next(model.blocks[1].parameters()).grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"the \.grad of parameter 'blocks\.1\.[^']*' was changed in place while its no_sync"):
+        _micro_batch_step(model, inputs[local], targets[local])
+    model.zero_grad()
+    inputs, targets = batch(1)
+    _micro_batch_step(model, inputs[local], targets[local])
+    _micro_batch_step(reference, inputs, targets)
+    compare_full(model, reference, Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6), "after the refused change", grads=True)
+
+
+def test_in_place_change_of_a_waiting_gradient_raises_and_the_model_stays_usable() -> None:
+    run_distributed(_in_place_change_of_a_waiting_gradient_raises, 2)

@@ -264,3 +264,59 @@ def _listed_optimizers_train_in_parity(rank: int, world_size: int) -> None:
 
 def test_every_optimizer_listed_as_elementwise_trains_in_parity() -> None:
     run_distributed(_listed_optimizers_train_in_parity, 2)
+
+
+def _loss_scalers(rank: int, world_size: int) -> None:
+    """[Note: loss scaling over shards]: torch.amp.GradScaler over a sharded
+    model raises at its first step, naming the parameter, nothing updated;
+    FSDP1's ShardedGradScaler steps in parity with one process's GradScaler,
+    and where only one rank's shard overflows every rank skips the step and
+    halves its scale."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    shard = shard_manually(ShardingStrategy.FULL_SHARD)
+    shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    parity = Parity(build=TinyGPT, shard=shard, atol=5e-6, reference_optimizer=reference_optimizer)
+    inputs, targets = batch(0)
+    before = [param.detach().clone() for param in model.parameters()]
+    plain = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plain.scale(lm_loss(model(_local(inputs)), _local(targets))).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler\.step\(SGD\) over parameter '[^']+' of a fully_shard unit.*ShardedGradScaler"):
+        plain.step(optimizer)
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before)), "the refused step updated"
+
+    sharded = ShardedGradScaler("cpu", init_scale=2.0**10)
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(2):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        inputs, targets = batch(step)
+        sharded.scale(lm_loss(model(_local(inputs)), _local(targets))).backward()
+        reference_scaler.scale(lm_loss(reference(inputs), targets)).backward()
+        for scaler, stepped in ((sharded, optimizer), (reference_scaler, reference_optimizer)):
+            scaler.step(stepped)
+            scaler.update()
+        compare_full(model, reference, parity, f"ShardedGradScaler step {step}", grads=False)
+    assert sharded.get_scale() == reference_scaler.get_scale()
+
+    # An overflow in one rank's shard only: every rank skips, every scale halves.
+    optimizer.zero_grad()
+    inputs, targets = batch(2)
+    loss = lm_loss(model(_local(inputs)), _local(targets))
+    sharded.scale(loss * (float("inf") if rank == world_size - 1 else 1.0)).backward()
+    with torch.no_grad():
+        before = [param.detach().clone() for param in model.parameters()]
+    scale = sharded.get_scale()
+    sharded.step(optimizer)
+    sharded.update()
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before)), "a rank stepped"
+    assert sharded.get_scale() == scale / 2
+
+
+def test_a_loss_scaler_of_one_rank_is_refused_and_sharded_grad_scaler_is_exact() -> None:
+    run_distributed(_loss_scalers, 2)

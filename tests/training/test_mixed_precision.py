@@ -107,6 +107,24 @@ def _cast_forward_inputs_of_each_unit(model: nn.Module) -> None:
     fully_shard(model)  # the root computes in fp32: no mixed precision
 
 
+def _cast_forward_inputs_under_composable_checkpoint(model: nn.Module) -> None:
+    """As ``_cast_forward_inputs_of_each_unit``, each block also under
+    ``torch.distributed._composable.checkpoint``: the first applied before
+    ``fully_shard``, the second after. Either order casts the inputs before
+    the checkpoint saves them (FSDP2 passes both; the first raised
+    ``CheckpointError``, a recomputed fp32 input against a saved bf16 one,
+    while the unit's pre-forward ran after the checkpoint's)."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    blocks_mp = MixedPrecision(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True)
+    first, second = model.blocks
+    composable_checkpoint(first)
+    fully_shard(first, mixed_precision=blocks_mp)
+    fully_shard(second, mixed_precision=blocks_mp)
+    composable_checkpoint(second)
+    fully_shard(model)
+
+
 _BF16_FP32_REDUCE = MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)
 
 
@@ -145,6 +163,14 @@ def _cases() -> list[PrecisionCase]:
             "cast_forward_inputs into bf16 blocks under an fp32 root",
             _FloatBlocks,
             _cast_forward_inputs_of_each_unit,
+            make_compute=_upcast_in_fp32_units,
+            step_fn=_mse_step,
+            make_batch=_float_batch,
+        ),
+        PrecisionCase(
+            "cast_forward_inputs into bf16 blocks under composable checkpoint, either order",
+            _FloatBlocks,
+            _cast_forward_inputs_under_composable_checkpoint,
             make_compute=_upcast_in_fp32_units,
             step_fn=_mse_step,
             make_batch=_float_batch,
