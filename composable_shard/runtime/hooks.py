@@ -45,7 +45,7 @@ from .lifecycle import (
     return_tree_to_idle,
     start_root_forward,
 )
-from .partial_backward import backward_accumulates, hold_after_partial_backward
+from .partial_backward import backward_accumulates, hold_after_partial_backward, note_accumulating_backward
 from .pending_grads import reduce_left_behind, show_waiting_grads
 from .prefetch import followers, prefetch_in_backward, prefetch_in_forward
 from .root import lazy_init
@@ -277,6 +277,7 @@ def _finalize_backward(context: RootContext) -> None:
     """End of backward: finish every reduction (which sets ``.grad``),
     reshard every unit, reset states for the next step."""
     with hook_label(context.root, "finalize_backward"):
+        note_accumulating_backward(context)  # [Note: a step after backwards that accumulated nothing]
         reduce_skippable(context)  # [Note: units that some ranks skip]
         reduce_left_behind(context)  # [Note: no_sync gradients of units that did not run]
         show_waiting_grads(context)  # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py

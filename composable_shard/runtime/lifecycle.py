@@ -58,6 +58,7 @@ from torch.utils.hooks import RemovableHandle
 from ..handle import pending_views
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
+from .partial_backward import warn_step_after_partial_backwards
 from .optimizer_checks import (
     is_elementwise,
     refuse_coupling_optimizer,
@@ -351,6 +352,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
             continue  # a tree that became part of a larger one
         if backward_was_abandoned(context) and _updates_tree(optimizer, context):
             recover_from_abandoned_backward(context)  # [Note: a backward that raised]
+        # [Note: a step after backwards that accumulated nothing] in partial_backward.py
+        warn_step_after_partial_backwards(context, lambda: _updates_tree(optimizer, context))
         held = any(unit.training_state is TrainingState.HELD_FOR_BACKWARD for unit in context.units)
         if (held or needs_settling(context)) and _updates_tree(optimizer, context):
             if held and tree_phase(context.units, backward_queued=context.post_backward_callback_queued) is TreePhase.HELD_FOR_BACKWARD:

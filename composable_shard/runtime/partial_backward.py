@@ -6,7 +6,8 @@ for a backward that may follow.
 
 Knows nothing of: reductions, streams, the hooks that call it.
 
-Public names: ``backward_accumulates``, ``hold_after_partial_backward``.
+Public names: ``backward_accumulates``, ``hold_after_partial_backward``,
+``note_accumulating_backward``, ``warn_step_after_partial_backwards``.
 
 [Note: backwards that accumulate nothing of ours]
 A gradient penalty runs ``autograd.grad(out, x, create_graph=True)`` and
@@ -22,13 +23,26 @@ end the step: at its end the units it gathered become ``HELD_FOR_BACKWARD``
 ([Note: held for backward] in lifecycle.py), which the outer backward picks
 up and any other entry (a forward, the optimizer step) ends. Pinned by
 tests/training/test_gradient_penalty.py.
+
+[Note: a step after backwards that accumulated nothing]
+``torch.distributed.pipelining``'s split backward (``stage_backward_input``,
+then ``stage_backward_weight`` over the module's parameters: the
+zero-bubble schedules) computes the weights' gradients with
+``autograd.grad`` towards the original parameters, which the units' forward
+never used (it uses views of the flat parameter): they stay None and the
+step does nothing, silently. That is not supported; it is told from a
+gradient penalty (whose outer backward accumulates) by an optimizer step
+over the tree while only backwards that accumulated nothing of ours ran
+since the last step: it warns, naming the tree, once per tree. Pinned by
+tests/training/test_pipeline.py.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
-from typing import cast
+from typing import Callable, cast
 
 import torch
 from torch.autograd import Variable
@@ -38,12 +52,22 @@ from ..handle import FlatParamHandle
 from .state import RootContext, TrainingState, UnitState
 from .labels import hook_label
 
-__all__ = ["backward_accumulates", "hold_after_partial_backward"]
+__all__ = [
+    "backward_accumulates",
+    "hold_after_partial_backward",
+    "note_accumulating_backward",
+    "warn_step_after_partial_backwards",
+]
 
 # Per tree, the backward (graph task id) last classified and the answer.
 _CLASSIFIED: weakref.WeakKeyDictionary[RootContext, tuple[int, bool]] = weakref.WeakKeyDictionary()
 # Per tree, the backward whose end already has the hold queued.
 _HOLD_QUEUED: weakref.WeakKeyDictionary[RootContext, int] = weakref.WeakKeyDictionary()
+# Trees where only backwards that accumulated nothing ran since the last
+# accumulating backward or optimizer step ([Note: a step after backwards
+# that accumulated nothing]), and those already warned about.
+_PARTIAL_ONLY: weakref.WeakSet[RootContext] = weakref.WeakSet()
+_WARNED: weakref.WeakSet[RootContext] = weakref.WeakSet()
 
 
 def backward_accumulates(unit: UnitState) -> bool:
@@ -85,6 +109,7 @@ def hold_after_partial_backward(context: RootContext) -> None:
     if _HOLD_QUEUED.get(context) == task:
         return
     _HOLD_QUEUED[context] = task
+    _PARTIAL_ONLY.add(context)
     # Weak: a callback lives in the engine, out of the collector's sight
     # ([Note: hooks on tensors hold the unit weakly] in hooks.py).
     Variable._execution_engine.queue_callback(functools.partial(_hold_units, weakref.ref(context)))
@@ -101,3 +126,27 @@ def _hold_units(context_ref: weakref.ReferenceType[RootContext]) -> None:
                 unit.transition(TrainingState.HELD_FOR_BACKWARD, TrainingState.PRE_BACKWARD)
                 for handle in unit.handles:
                     handle.hide_unsharded_views()
+
+
+def note_accumulating_backward(context: RootContext) -> None:
+    """A backward that accumulates the tree's gradients ended."""
+    _PARTIAL_ONLY.discard(context)
+
+
+def warn_step_after_partial_backwards(context: RootContext, updates_tree: Callable[[], bool]) -> None:
+    """An optimizer step (over the tree where ``updates_tree()``): warn
+    (once per tree) if only backwards that accumulated nothing of ours ran
+    since the last step or accumulating backward ([Note: a step after
+    backwards that accumulated nothing])."""
+    if context in _PARTIAL_ONLY and updates_tree():
+        _PARTIAL_ONLY.discard(context)
+        if context not in _WARNED:
+            _WARNED.add(context)
+            warnings.warn(
+                f"fully_shard({type(context.root.module).__name__}): optimizer.step() after backwards that computed no gradient of "
+                "its flat parameters (torch.autograd.grad or backward(inputs=...) without them, or "
+                "torch.distributed.pipelining's split backward, stage_backward_input / stage_backward_weight, "
+                "which composable_shard does not support: its weight gradients stay None). The parameters' .grad "
+                "are unchanged. Use loss.backward() (or a schedule without split backward: GPipe, 1F1B).",
+                stacklevel=3,
+            )

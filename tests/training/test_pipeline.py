@@ -22,6 +22,7 @@ import copy
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -259,3 +260,41 @@ def _pipeline_trains_in_parity(rank: int, world_size: int, root: str) -> None:
 
 def test_gpipe_and_1f1b_over_sharded_stages_match_the_single_process_model(tmp_path: Path) -> None:
     run_distributed(_pipeline_trains_in_parity, STAGES * DP, str(tmp_path / "pipeline_checkpoint"))
+
+
+def _split_backward_warns(rank: int, world_size: int) -> None:
+    """[Note: a step after backwards that accumulated nothing]: the split
+    backward of the zero-bubble schedules (stage_backward_input, then
+    stage_backward_weight over the module's parameters) is not supported:
+    its weight gradients stay None, and the optimizer step warns, naming the
+    tree. A gradient penalty (autograd.grad over the input, then a backward
+    that accumulates) steps without the warning."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from composable_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.randn(2, 4, requires_grad=True)
+    output = model(inputs)
+    _, groups = stage_backward_input([output], [torch.ones_like(output)], [inputs], model.parameters())
+    stage_backward_weight(model.parameters(), groups)
+    assert all(param.grad is None for param in model.parameters())
+    with pytest.warns(UserWarning, match=r"fully_shard\(Sequential\): optimizer\.step\(\) after backwards that computed no gradient.*stage_backward_weight"):
+        optimizer.step()
+
+    inputs = torch.randn(2, 4, requires_grad=True)
+    output = model(inputs)
+    (penalty,) = torch.autograd.grad(output.square().sum(), inputs, create_graph=True)
+    (output.sum() + penalty.square().sum()).backward()
+    assert all(param.grad is not None for param in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+
+
+def test_split_backward_of_zero_bubble_schedules_warns_at_the_step() -> None:
+    run_distributed(_split_backward_warns, 2)
