@@ -4,8 +4,8 @@ or replaced (its part of the waiting gradient is discarded), changed in
 place (refused).
 
 Knows nothing of: when a gradient waits or is reduced (the runtime calls
-``show`` after a ``no_sync`` backward and ``take_user_changes`` before the
-next accumulation), hooks, streams, collectives.
+``show_waiting_grad`` after a ``no_sync`` backward and ``take_user_changes``
+before the next accumulation), hooks, streams.
 
 Public names: ``show_waiting_grad``, ``take_user_changes``, ``forget_shown``.
 
@@ -32,7 +32,9 @@ it is reduced, each parameter's ``.grad`` is compared with what it showed:
   since a rank's ``.grad`` holds only its part of the local gradient and the
   change cannot be made to the rest. Each shown ``.grad`` is given a version
   counter of its own (views of one buffer share theirs), so a change is
-  seen on the parameter it was made to;
+  seen on the parameter it was made to; whether it is all zero is agreed
+  over the ranks (one small all-reduce, only after such a change: a rank's
+  part alone may be empty or zero), so they all raise or none does;
 - unchanged: the views are dropped (so that autograd accumulates in place)
   and shown again at the end of that backward if it leaves the gradient
   waiting.
@@ -53,7 +55,6 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from .. import comm
-
 from .dtensor_views import as_grad_of, local_tensor
 from .grads import set_grad_of_other_dtype
 from .layout import FlatParamLayout, ParamInfo
