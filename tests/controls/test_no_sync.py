@@ -14,6 +14,7 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, no_sync
@@ -22,13 +23,16 @@ from composable_shard.runtime.state import unit_states_under
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups
 
 def _shard(strategy: ShardingStrategy) -> Callable[[nn.Module], None]:
+    # The hybrid strategies: 2 x 2 at 4 ranks (tests.support.parity.hybrid_groups).
+    groups = {"process_group": hybrid_groups(dist.get_world_size())} if strategy.name.startswith("HYBRID") else {}
+
     def shard(model: nn.Module) -> None:
         for block in model.blocks:
-            fully_shard(block, strategy=strategy)
-        fully_shard(model, strategy=strategy)
+            fully_shard(block, strategy=strategy, **groups)
+        fully_shard(model, strategy=strategy, **groups)
 
     return shard
 
@@ -148,7 +152,10 @@ def _clear(where: str, set_to_none: bool, model: nn.Module, optimizer: torch.opt
 
 def _zero_grad_between_no_sync_backwards_matches_reference(rank: int, world_size: int) -> None:
     local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+    strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+    if world_size == 4:
+        strategies.append(ShardingStrategy.HYBRID_SHARD)
+    for strategy in strategies:
         for set_to_none in (True, False):
             for where in ("optimizer", "model", "block"):
                 sgd = functools.partial(torch.optim.SGD, lr=0.1)
