@@ -8,7 +8,7 @@ Knows nothing of: shared memory (the other transport), which transport a
 collective takes (``transport``), modules, flat parameters, streams.
 
 Public names: ``all_gather_into``, ``reduce_scatter``, ``message_method``,
-``ChunkOfAllReduce``, ``FreedAtWait``, ``free_storage``, ``all_reduce``, ``all_reduce_max``, ``broadcast``,
+``ChunkOfAllReduce``, ``FreedAtWait``, ``free_storage``, ``all_reduce``, ``all_reduce_max``, ``max_over_groups``, ``broadcast``,
 ``broadcast_object``, ``all_gather_object``.
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "free_storage",
     "all_reduce",
     "all_reduce_max",
+    "max_over_groups",
     "broadcast",
     "broadcast_object",
     "all_gather_object",
@@ -159,6 +160,19 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bo
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def max_over_groups(
+    flags: list[int], groups: tuple[ProcessGroup | None, ...], device: torch.device
+) -> list[int]:
+    """Each of ``flags``' maximum over every rank of ``groups`` in turn (a
+    shard group, then its replicate group: the whole product), reduced on
+    ``device``; a group that is None or of one rank is passed over."""
+    values = torch.tensor(flags, dtype=torch.int32, device=device)
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            all_reduce_max(values, group)
+    return values.tolist()
 
 
 def all_to_all(

@@ -49,12 +49,10 @@ import weakref
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from .. import comm
+from ..comm.process_group import max_over_groups
 from .dtensor_views import as_grad_of, local_tensor
 from .grads import set_grad_of_other_dtype
 from .layout import FlatParamLayout, ParamInfo
@@ -99,7 +97,7 @@ def take_user_changes(handle: FlatParamHandle, *, name_prefix: str, accumulated:
         shown = _SHOWN.pop(handle, None)
         if shown is not None:
             groups = (handle.groups.shard_group, handle.groups.replicate_group)
-            agree = functools.partial(_max_over_groups, groups, handle.compute_device)
+            agree = functools.partial(max_over_groups, groups=groups, device=handle.compute_device)
             _take(shown, handle.unsharded_flat_param.grad, agree, name_prefix=name_prefix, accumulated=accumulated)
 
 
@@ -124,10 +122,9 @@ def _show(
     for info, param, needs_grad in zip(layout.params, orig_params, requires_grad):
         if not (needs_grad and param.requires_grad):
             continue
-        ours = param.grad is None
-        if param.grad is not None:
-            grad = param.grad
-        else:
+        grad = param.grad
+        ours = grad is None
+        if grad is None:
             start = info.offset + info.local_start
             grad = pending[start : start + info.local_numel]
             if grad.device != param.device:  # offloaded: the gradient stays on the device; zeros stand in
@@ -196,12 +193,3 @@ def _take(
             for info in cleared:
                 pending[info.offset : info.offset + info.numel].zero_()
 
-
-def _max_over_groups(groups: tuple[ProcessGroup | None, ...], device: torch.device, flags: list[int]) -> list[int]:
-    """Each of ``flags``' maximum over every rank of ``groups`` (the shard
-    group, then the replicate group), reduced on ``device``."""
-    values = torch.tensor(flags, dtype=torch.int32, device=device)
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            comm.all_reduce_max(values, group)
-    return values.tolist()

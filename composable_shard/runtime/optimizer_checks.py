@@ -150,14 +150,21 @@ def refuse_coupling_optimizer(optimizer: torch.optim.Optimizer, units: Iterable[
     if refusal is None:
         return
     reason, whole_is_exact = refusal
+    stepped = _first_stepped_param(optimizer, (unit for unit in units if unit.groups.is_sharded or not whole_is_exact))
+    if stepped is not None:
+        _raise_refused(optimizer, stepped, reason)
+
+
+def _first_stepped_param(optimizer: torch.optim.Optimizer, units: Iterable[UnitState]) -> str | None:
+    """The name of the first parameter of ``units`` that ``optimizer``
+    steps, or None."""
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
     for unit in units:
-        if whole_is_exact and not unit.groups.is_sharded:
-            continue
         for handle in unit.handles:
             for info, param in zip(handle.layout.params, handle.orig_params):
                 if id(param) in stepped:
-                    _raise_refused(optimizer, f"{unit.name_prefix}{info.fqn}", reason)
+                    return f"{unit.name_prefix}{info.fqn}"
+    return None
 
 
 def _raise_refused(optimizer: torch.optim.Optimizer, param_name: str, reason: str) -> None:
@@ -184,15 +191,7 @@ def _raise_refused(optimizer: torch.optim.Optimizer, param_name: str, reason: st
 # Found by the frames of the caller (GradScaler.step and _maybe_opt_step,
 # which calls optimizer.step()): a few frames looked at per step.
 # Pinned by tests/runtime/test_optimizer_checks.py.
-_SCALER_STEPS = tuple(
-    code
-    for code in (
-        getattr(getattr(torch.amp, "GradScaler", None), "step", None),
-        getattr(getattr(torch.amp, "GradScaler", None), "_maybe_opt_step", None),
-    )
-    if code is not None
-)
-_SCALER_CODES = frozenset(function.__code__ for function in _SCALER_STEPS)
+_SCALER_CODES = frozenset((torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__))
 _FRAMES_TO_LOOK_AT = 8
 
 
@@ -209,13 +208,10 @@ def refuse_local_loss_scaler(optimizer: torch.optim.Optimizer, units: Callable[[
             scaler = frame.f_locals.get("self")
             if scaler is None or hasattr(scaler, "process_group"):
                 return
-            stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
-            for unit in units():
-                if unit.groups.is_sharded and unit.groups.shard_world_size > 1:
-                    for handle in unit.handles:
-                        for info, param in zip(handle.layout.params, handle.orig_params):
-                            if id(param) in stepped:
-                                _raise_local_scaler(scaler, optimizer, f"{unit.name_prefix}{info.fqn}")
+            sharded = (unit for unit in units() if unit.groups.is_sharded and unit.groups.shard_world_size > 1)
+            stepped = _first_stepped_param(optimizer, sharded)
+            if stepped is not None:
+                _raise_local_scaler(scaler, optimizer, stepped)
             return
         frame = frame.f_back
 

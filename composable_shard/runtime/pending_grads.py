@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .. import comm
+from ..comm.process_group import max_over_groups
 from ..handle import FlatParamHandle, pending_views
 from .state import RootContext, UnitState
 
@@ -65,14 +65,14 @@ def reduce_left_behind(context: RootContext) -> None:
                 key = (handle.groups.shard_group, handle.groups.replicate_group)
                 by_groups.setdefault(key, []).append((unit, handle))
     for (shard_group, replicate_group), members in by_groups.items():
-        device = members[0][1].compute_device
-        held = torch.tensor([handle.has_unsharded_grad() for _, handle in members], dtype=torch.int32, device=device)
         # Over the shard group, then the replicate group: every rank of
         # both (hybrid: the whole product) learns of any gradient.
-        for group in (shard_group, replicate_group):
-            if group is not None and torch.distributed.get_world_size(group) > 1:
-                comm.all_reduce_max(held, group)
-        for (unit, handle), anyone_holds in zip(members, held.tolist()):
+        held = max_over_groups(
+            [int(handle.has_unsharded_grad()) for _, handle in members],
+            (shard_group, replicate_group),
+            members[0][1].compute_device,
+        )
+        for (unit, handle), anyone_holds in zip(members, held):
             if not anyone_holds:
                 continue
             if not handle.has_unsharded_grad():

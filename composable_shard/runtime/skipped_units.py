@@ -48,7 +48,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .. import comm
+from ..comm.process_group import max_over_groups
 from ..comm import tags
 from ..handle import FlatParamHandle
 from .state import RootContext, TrainingState, UnitState, units_of
@@ -228,13 +228,12 @@ def reduce_skippable(context: RootContext) -> None:
                 key = (handle.groups.shard_group, handle.groups.replicate_group)
                 by_groups.setdefault(key, []).append((unit, handle))
     for (shard_group, replicate_group), members in by_groups.items():
-        held = torch.tensor(
-            [handle.has_unsharded_grad() for _, handle in members], dtype=torch.int32, device=members[0][1].compute_device
+        held = max_over_groups(
+            [int(handle.has_unsharded_grad()) for _, handle in members],
+            (shard_group, replicate_group),
+            members[0][1].compute_device,
         )
-        for group in (shard_group, replicate_group):
-            if group is not None and torch.distributed.get_world_size(group) > 1:
-                comm.all_reduce_max(held, group)
-        for (unit, handle), anyone_holds in zip(members, held.tolist()):
+        for (unit, handle), anyone_holds in zip(members, held):
             if not anyone_holds:
                 continue  # no rank ran it: no gradient, as in one process
             if not handle.has_unsharded_grad():

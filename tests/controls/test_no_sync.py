@@ -23,7 +23,7 @@ from composable_shard.runtime.state import unit_states_under
 from tests.support.comm_spies import CollectiveSpy
 from tests.support.harness_pool import run_distributed
 from tests.support.models import TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, step_and_compare
 
 def _shard(strategy: ShardingStrategy) -> Callable[[nn.Module], None]:
     # The hybrid strategies: 2 x 2 at 4 ranks (tests.support.parity.hybrid_groups).
@@ -86,12 +86,7 @@ def _accumulation_matches_summed_reference(rank: int, world_size: int) -> None:
                 else:
                     assert spy.reductions_issued() or world_size == 1, counts
                 assert_resharded(model)
-            compare_full(model, reference, parity, f"{strategy.name} step {step}", grads=True)
-            optimizer.step()
-            reference_optimizer.step()
-            optimizer.zero_grad()
-            reference_optimizer.zero_grad()
-            compare_full(model, reference, parity, f"{strategy.name} step {step} after optimizer step", grads=False)
+            step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"{strategy.name} step {step}")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -169,10 +164,7 @@ def _zero_grad_between_no_sync_backwards_matches_reference(rank: int, world_size
                         _clear(where, set_to_none, model, optimizer)
                         _clear(where, set_to_none, reference, reference_optimizer)
                 when = f"{strategy.name} zero_grad({where}, set_to_none={set_to_none})"
-                compare_full(model, reference, parity, when, grads=True)
-                optimizer.step()
-                reference_optimizer.step()
-                compare_full(model, reference, parity, f"{when} after the step", grads=False)
+                step_and_compare(model, reference, (optimizer, reference_optimizer), parity, when)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
