@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .comm import ShardGroups
 from .handle import FlatParamHandle, FlatParamSource
+from .units.composable_registry import mark_fully_sharded
 from .units.materialize import cast_unit_buffers, check_materializable, materialize_unit, sync_unit_states
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
@@ -180,7 +181,7 @@ def fully_shard(
             limit_all_gathers=limit_all_gathers,
         )
         policy, strategy = layout_policy, getattr(layout_policy, "root_strategy", strategy)
-    ignored_modules, ignored_params = split_ignored(name, ignored_states)
+    ignored_modules, ignored_params = split_ignored(name, ignored_states, members)
     base_kwargs = dict(
         strategy=strategy,
         mixed_precision=mixed_precision,
@@ -522,5 +523,6 @@ def _build_unit(
         state.module_hooks.extend(attach(state))
     for member in members:
         register_state(member, state)
+        mark_fully_sharded(member)
     return state
 

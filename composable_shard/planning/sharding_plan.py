@@ -253,7 +253,7 @@ def plan(
     allowed = budget_layouts(name, memory_budget, strategy) if memory_budget is not None else ()
     device_type = more.get("device") or default_device_type(module)
     ignored_states = list(ignored_states) if ignored_states is not None else None  # read twice when grouping
-    ignored_modules, ignored_params = split_ignored(name, ignored_states)
+    ignored_modules, ignored_params = split_ignored(name, ignored_states, [module])
     base = dict(
         strategy=strategy,
         mixed_precision=mixed_precision,

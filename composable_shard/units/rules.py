@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..handle.layout import ParamOwner
 from ..handle import FlatParamSource
+from .composable_registry import replicated_modules
 from ..policy import Policy, UnitChoice, select_units
 from ..runtime.state import UnitState, get_state, unit_states_under
 
@@ -64,11 +65,13 @@ OVERRIDABLE = frozenset(
 
 
 def split_ignored(
-    name: str, ignored_states: Iterable[nn.Module | nn.Parameter] | None
+    name: str, ignored_states: Iterable[nn.Module | nn.Parameter] | None, roots: Sequence[nn.Module]
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Ignored modules and every ignored parameter (those of ignored modules
-    included)."""
-    modules: set[nn.Module] = set()
+    included): those given, and the modules torch's ``replicate`` manages
+    under ``roots`` ([Note: composing with torch's replicate] in
+    units/composable_registry.py)."""
+    modules: set[nn.Module] = replicated_modules(name, roots)
     params: set[nn.Parameter] = set()
     for item in ignored_states or ():
         if isinstance(item, nn.Parameter):
