@@ -3,8 +3,9 @@ the configurations of FSDP2's test_replicate_and_fully_shard on TinyGPT:
 units inside a replicated model, replicated modules inside a unit, both
 nested. Each trains in parity with one process on the global batch (loss,
 full gradients and parameters every step), and each side leaves the
-other's parameters alone. Refusals: fully_shard on a module replicate
-manages, replicate on a unit. 2 ranks.
+other's parameters alone; a checkpoint of such a model round-trips.
+Refusals: fully_shard on a module replicate manages, replicate on a unit.
+2 ranks.
 
 Pinned: [Note: composing with torch's replicate] in
 interop/composable_registry.py."""
@@ -16,11 +17,11 @@ import torch
 import torch.nn as nn
 from torch.distributed._composable import replicate
 
-from composable_shard import fully_shard, plan
+from composable_shard import StateDictOptions, fully_shard, get_model_state_dict, load_checkpoint, plan, save_checkpoint
 from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
-from tests.support.models import TinyGPT
+from tests.support.models import TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, run_parity
 
 
@@ -126,3 +127,41 @@ def _refusals(rank: int, world_size: int) -> None:
 
 def test_fully_shard_refuses_a_replicated_module_and_replicate_refuses_a_unit() -> None:
     run_distributed(_refusals, 2)
+
+
+def _checkpoint_round_trip(rank: int, world_size: int, directory: str) -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        _replicated_and_sharded_blocks(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        inputs, targets = batch(step)
+        local = slice(rank * 4, rank * 4 + 4)
+        lm_loss(model(inputs[local]), targets[local]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    full = StateDictOptions(full_state_dict=True)
+    model, optimizer = build()
+    for step in range(2):
+        train_step(model, optimizer, step)
+    save_checkpoint(directory, model, optimizer)
+    loaded, loaded_optimizer = build()
+    load_checkpoint(directory, loaded, loaded_optimizer)
+    saved_values = get_model_state_dict(model, options=full)
+    loaded_values = get_model_state_dict(loaded, options=full)
+    assert saved_values.keys() == loaded_values.keys() == model.state_dict().keys()
+    for name, value in saved_values.items():
+        torch.testing.assert_close(loaded_values[name], value, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    # The optimizer state came back too: the next step is the same, bit for bit.
+    train_step(model, optimizer, 2)
+    train_step(loaded, loaded_optimizer, 2)
+    loaded_values = get_model_state_dict(loaded, options=full)
+    for name, value in get_model_state_dict(model, options=full).items():
+        torch.testing.assert_close(loaded_values[name], value, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_checkpoint_of_replicated_and_sharded_modules_round_trips(tmp_path) -> None:
+    run_distributed(_checkpoint_round_trip, 2, str(tmp_path / "checkpoint"))
