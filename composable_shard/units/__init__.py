@@ -12,6 +12,7 @@ Layout::
     units/tensor_parallel.py  the data-parallel dimensions of a mesh; DTensor checks
     materialize.py      meta-device materialisation, moving to the compute
                         device, rank 0's values everywhere, buffer casts
+    param_kinds.py      parameters a flat parameter cannot hold, refused by name
     composable_registry.py  units marked in torch's composable-API registry;
                         the modules torch's ``replicate`` manages left to it
 

@@ -31,6 +31,7 @@ from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..handle.layout import ParamOwner
 from ..handle import FlatParamSource
 from .composable_registry import replicated_modules
+from .param_kinds import check_flattenable
 from ..policy import Policy, UnitChoice, select_units
 from ..runtime.state import UnitState, get_state, unit_states_under
 
@@ -243,6 +244,7 @@ def assign_param_owners(
                 "already sharded unit after that unit was sharded. Register parameters before calling "
                 "fully_shard on their module."
             )
+        check_flattenable(name, regs[0][0].fqn, param)  # [Note: parameters a flat parameter cannot hold]
         sources[owner_unit].append(FlatParamSource(param, tuple(owner for owner, _ in regs)))
     return sources
 

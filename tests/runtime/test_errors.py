@@ -149,6 +149,60 @@ def test_bad_use_raises_a_clear_error_and_model_still_trains(case: str) -> None:
     run_distributed(_CASES[case], 2)
 
 
+class _Holder(nn.Module):
+    """A module holding one parameter the forward never uses."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        super().__init__()
+        self.w = param
+
+
+def _odd_parameter(kind: str) -> nn.Parameter:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    if kind == "lazy":
+        return nn.parameter.UninitializedParameter()
+    dense = torch.randn(4, 4)
+    return {
+        "subclass": lambda: nn.Parameter(TwoTensor(dense, dense * 2)),
+        "sparse": lambda: nn.Parameter(dense.to_sparse()),
+        "nested": lambda: nn.Parameter(torch.nested.nested_tensor([dense[0], dense[1, :3]])),
+        "quantized": lambda: nn.Parameter(torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), requires_grad=False),
+    }[kind]()
+
+
+_ODD_KINDS = {
+    "subclass": "a tensor subclass \\(TwoTensor\\)",
+    "sparse": "a sparse_coo tensor",
+    "nested": "a nested tensor",
+    "quantized": "a quantized tensor",
+    "lazy": "an uninitialised parameter of a lazy module",
+}
+
+
+def _odd_parameters_are_refused(rank: int, world_size: int) -> None:
+    for kind, what in _ODD_KINDS.items():
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        odd = _odd_parameter(kind)
+        model.blocks[1].add_module("extra", _Holder(odd))
+        with pytest.raises(ValueError, match=rf"fully_shard\(TinyGPT\): parameter 'blocks\.1\.extra\.w' is {what}, which a flat parameter cannot hold.*ignored_states=\[module\]"):
+            fully_shard(model, policy=ModuleWrapPolicy({Block}))
+        # Nothing was changed: no unit, the parameter is the same object.
+        assert not any(is_fully_sharded(module) for module in model.modules()), kind
+        assert model.blocks[1].extra.w is odd
+        # Kept out with ignored_states, it is left as it is, and the rest trains like the reference.
+        fully_shard(model, policy=ModuleWrapPolicy({Block}), ignored_states=[model.blocks[1].extra])
+        assert model.blocks[1].extra.w is odd and type(odd) is type(_odd_parameter(kind)), kind
+        del model.blocks[1].extra  # the reference has no such module to compare
+        _train_step_matches(model, reference, rank, world_size)
+
+
+def test_parameters_a_flat_parameter_cannot_hold_are_refused_by_name() -> None:
+    run_distributed(_odd_parameters_are_refused, 2)
+
+
 def _params_on_different_devices_raise(rank: int, world_size: int) -> None:
     model = TinyGPT()
     model.blocks.cuda(rank)
