@@ -8,7 +8,25 @@ the unsharded buffer and its views (``handle.storage``), modules' training
 state, hooks, streams (the scheduler decides where these copies run).
 
 Public names: ``set_grad_of_other_dtype``, ``collect_user_grads``,
-``accumulate_grad``, ``download_grad``, ``use_sharded_grad_views``.
+``accumulate_grad``, ``download_grad``, ``use_sharded_grad_views``,
+``refuse_grad_dtype``.
+
+[Note: a parameter's grad_dtype]
+torch 2.11 gave leaf tensors ``grad_dtype``: the dtype autograd casts their
+gradients to (``None``: whatever dtype arrives), by default their own and
+following their casts. A flat parameter's gradient is of its dtype (or the
+mixed-precision policy's), reduced and accumulated so; a parameter's
+``.grad`` is a view of it. A ``grad_dtype`` set to anything else was not
+honoured: a float32 one on a bfloat16 parameter made backward and
+``unshard_params(with_grads=True)`` raise torch's "attempting to assign a
+gradient with dtype", and ``None`` silently accumulated a custom
+``autograd.Function``'s float32 gradients in bfloat16 (FSDP2's
+test_fully_shard_conversion.py). So ``fully_shard`` refuses such a
+parameter by name (units/param_kinds.py), and so does the next forward when
+it was set later (handle/writeback.py), naming what gives the dtypes
+wanted: float32 parameters with ``MixedPrecision(param_dtype=...)``.
+Pinned by tests/runtime/test_errors.py
+(test_a_grad_dtype_other_than_the_parameters_is_refused_by_name).
 
 [Note: sharded gradient ownership]
 The handle keeps no reference to the sharded gradient: the parameters'
@@ -80,7 +98,27 @@ __all__ = [
     "accumulate_grad",
     "download_grad",
     "use_sharded_grad_views",
+    "refuse_grad_dtype",
 ]
+
+# Leaf tensors have ``grad_dtype`` from torch 2.11 ([Note: a parameter's grad_dtype]).
+_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
+
+def refuse_grad_dtype(param: torch.Tensor, fqn: str, name: str | None = None) -> None:
+    """Raise, naming ``fqn`` (in ``fully_shard(name)`` where given), if
+    ``param``'s ``grad_dtype`` is not its dtype ([Note: a parameter's
+    grad_dtype])."""
+    if not _HAS_GRAD_DTYPE or param.grad_dtype == param.dtype:
+        return
+    wanted = "None (any dtype)" if param.grad_dtype is None else str(param.grad_dtype)
+    raise ValueError(
+        f"fully_shard{'' if name is None else f'({name})'}: parameter '{fqn}' has grad_dtype {wanted}, other than its dtype "
+        f"{param.dtype}; its gradient is a view of its flat parameter's, which has the parameter's dtype "
+        "(or the mixed-precision policy's). For float32 gradients of low-precision compute, keep the "
+        "parameters in float32 and pass mixed_precision=MixedPrecision(param_dtype=torch.bfloat16). Set "
+        "param.grad_dtype = param.dtype to go on."
+    )
 
 
 def set_grad_of_other_dtype(

@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from .layout import FlatParamLayout, ParamInfo
 from .dtensor_views import local_tensor
+from .grads import refuse_grad_dtype
 
 __all__ = ["UserEdit", "ShardedParams", "find_user_edits", "common_cast_dtype", "check_requires_grad_change"]
 
@@ -92,6 +93,7 @@ def find_user_edits(handle: ShardedParams, *, name_prefix: str) -> tuple[list[Us
     shard_ptr = handle.sharded_flat_param.untyped_storage().data_ptr()
     for info, param in zip(handle.layout.params, handle.orig_params):
         requires_grad.append(param.requires_grad)
+        refuse_grad_dtype(param, f"{name_prefix}{info.fqn}")  # [Note: a parameter's grad_dtype] in grads.py
         for owner in info.owners:
             if owner.module._parameters.get(owner.attr) is not param:
                 raise RuntimeError(

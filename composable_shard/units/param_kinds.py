@@ -1,7 +1,7 @@
 """Owns: which parameters a flat parameter can hold — the refusal, before
 anything is sharded, of the others by name: tensor subclasses other than
 ``DTensor``, sparse, nested and quantized tensors, and lazy modules'
-uninitialised parameters.
+uninitialised parameters, and a ``grad_dtype`` other than the parameter's.
 
 Knows nothing of: units, process groups, storage (``units/rules.py`` calls
 it for each parameter it gives a new unit).
@@ -35,6 +35,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parameter import UninitializedParameter
 
+from ..handle.grads import refuse_grad_dtype
+
 __all__ = ["check_flattenable"]
 
 
@@ -43,6 +45,7 @@ def check_flattenable(name: str, fqn: str, param: torch.Tensor) -> None:
     cannot hold ``param`` ([Note: parameters a flat parameter cannot hold])."""
     what = _unflattenable_kind(param)
     if what is None:
+        refuse_grad_dtype(param, fqn, name)  # [Note: a parameter's grad_dtype] in handle/grads.py
         return
     raise ValueError(
         f"fully_shard({name}): parameter '{fqn}' is {what}, which a flat parameter cannot hold (each "

@@ -203,6 +203,37 @@ def test_parameters_a_flat_parameter_cannot_hold_are_refused_by_name() -> None:
     run_distributed(_odd_parameters_are_refused, 2)
 
 
+def _grad_dtype_is_refused(rank: int, world_size: int) -> None:
+    has_grad_dtype = hasattr(torch.Tensor, "grad_dtype")  # torch 2.11 and later
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    weight = model.blocks[1].fc_in.weight
+    for grad_dtype, shown in ((torch.float64, "torch.float64"), (None, r"None \(any dtype\)")):
+        weight.grad_dtype = grad_dtype
+        if not has_grad_dtype:
+            break  # a plain attribute there, which autograd ignores: nothing to refuse
+        with pytest.raises(ValueError, match=rf"fully_shard\(Block\): parameter 'fc_in\.weight' has grad_dtype {shown}, other than its dtype torch\.float32.*MixedPrecision\(param_dtype="):
+            fully_shard(model.blocks[1])
+        assert not any(is_fully_sharded(module) for module in model.modules())
+    if has_grad_dtype:
+        weight.grad_dtype = weight.dtype
+    _shard_blocks_and_root(model)
+    _train_step_matches(model, reference, rank, world_size, step=0)
+    if has_grad_dtype:
+        # Set after sharding: the next forward refuses it, naming it in the model.
+        weight.grad_dtype = torch.float64
+        inputs, _ = batch(1)
+        with pytest.raises(ValueError, match=r"fully_shard: parameter 'blocks\.1\.fc_in\.weight' has grad_dtype torch\.float64"):
+            model(inputs[:2])
+        weight.grad_dtype = weight.dtype
+    _train_step_matches(model, reference, rank, world_size, step=1)
+
+
+def test_a_grad_dtype_other_than_the_parameters_is_refused_by_name() -> None:
+    run_distributed(_grad_dtype_is_refused, 2)
+
+
 def _params_on_different_devices_raise(rank: int, world_size: int) -> None:
     model = TinyGPT()
     model.blocks.cuda(rank)
