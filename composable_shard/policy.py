@@ -5,7 +5,7 @@ Knows nothing of: hooks, tensors' storage, process groups.
 Public names: ``Policy``, ``ModuleWrapPolicy``, ``SizeBasedPolicy``,
 ``CustomPolicy``, ``LayoutPolicy``, ``SmallUnitGroups``, ``UnitChoice``,
 ``select_units``, ``unit_name``, ``is_small_unit``,
-``SMALL_UNIT_GROUP_BYTES``.
+``is_container_without_forward``, ``SMALL_UNIT_GROUP_BYTES``.
 
 A policy is asked about each module of the tree below the root (the root is
 always a unit). Modules already made units by an earlier ``fully_shard`` call,
@@ -32,8 +32,29 @@ __all__ = [
     "select_units",
     "unit_name",
     "is_small_unit",
+    "is_container_without_forward",
     "SMALL_UNIT_GROUP_BYTES",
 ]
+
+# [Note: containers without a forward]
+# A unit gathers in its module's forward pre-hook. ``nn.ModuleList`` and
+# its kin have no forward: their parent calls the children directly, so a
+# unit made of one never gathered, and the children ran on their 1-D shards
+# (torch's "mat2 must be a matrix" at the first forward). FSDP2 refuses
+# ModuleList and ModuleDict the same way, and FSDP1's size-based policy never
+# picks them. So ``fully_shard`` refuses such a module, given or chosen by
+# a policy, by name (units/rules.py: ``choose_units``), and
+# ``SizeBasedPolicy`` passes over it (its parameters go to the unit above,
+# or to its children's units). A subclass that defines ``forward`` is an
+# ordinary module. Pinned by tests/runtime/test_errors.py
+# (test_containers_without_a_forward_are_refused_and_passed_over).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def is_container_without_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is a container whose class defines no forward
+    ([Note: containers without a forward])."""
+    return isinstance(module, _CONTAINERS) and type(module).forward is nn.Module.forward
 
 # ``SmallUnitGroups``' default group size: the default size of a bucket of
 # small units' all-gathers (``comm.GATHER_BUCKET_BYTES``), which a unit
@@ -147,6 +168,8 @@ class SizeBasedPolicy(Policy):
                 if skip(child):
                     continue
                 visit(child)
+                if is_container_without_forward(child):
+                    continue  # [Note: containers without a forward]
                 if unclaimed_numel(child) >= self.min_num_params:
                     chosen.append(UnitChoice(child))
                     claimed.update(id(p) for p in child.parameters())

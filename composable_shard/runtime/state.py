@@ -18,7 +18,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -216,6 +216,15 @@ class UnitState:
 
     def __repr__(self) -> str:
         return f"UnitState({self.fqn}, {self.training_state.name}, {len(self.handles)} flat params)"
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # copy.deepcopy and pickle (torch.save of a module) both come here:
+        # a unit's shards, process groups and hooks belong to this run.
+        raise TypeError(
+            f"composable_shard: a sharded module cannot be deep-copied or pickled (unit '{self.fqn}', "
+            f"{type(self.module).__name__}): its shards and process groups belong to this run. Copy the model "
+            "before fully_shard; to save it, use get_model_state_dict or save_checkpoint."
+        )
 
     # ------------------------------------------------------------ mechanics
     @property

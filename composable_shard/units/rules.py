@@ -32,7 +32,7 @@ from ..handle.layout import ParamOwner
 from ..handle import FlatParamSource
 from .composable_registry import replicated_modules
 from .param_kinds import check_flattenable
-from ..policy import Policy, UnitChoice, select_units
+from ..policy import Policy, UnitChoice, is_container_without_forward, select_units
 from ..runtime.state import UnitState, get_state, unit_states_under
 
 __all__ = [
@@ -119,7 +119,27 @@ def choose_units(
     first module."""
     members = _group_modules(module)
     choices = [choice for member in members for choice in select_units(member, policy, unit_skipper(ignored_modules))]
-    return choices + [UnitChoice(members[0], group=tuple(members[1:]))]
+    choices.append(UnitChoice(members[0], group=tuple(members[1:])))
+    for choice in choices:
+        for unit_module in choice.modules:
+            if is_container_without_forward(unit_module):
+                _refuse_container(unit_module, members, by_policy=choice is not choices[-1])
+    return choices
+
+
+def _refuse_container(container: nn.Module, members: list[nn.Module], *, by_policy: bool) -> None:
+    """[Note: containers without a forward] in policy.py."""
+    kind = type(container).__name__
+    if by_policy:
+        where = next(name for member in members for name, sub in member.named_modules() if sub is container)
+        chosen = f"the policy chose '{where}' ({kind}) as a unit, but a {kind}"
+    else:
+        chosen = f"a {kind}"
+    raise ValueError(
+        f"fully_shard({'+'.join(type(m).__name__ for m in members)}): {chosen} has no forward of its own: "
+        "its parent calls its children directly, so the unit would never gather. Shard its elements "
+        "(e.g. each block: policy=ModuleWrapPolicy({Block})) or the module that calls them."
+    )
 
 
 def check_group_members(given: Any) -> list[nn.Module]:

@@ -5,13 +5,15 @@ reference)."""
 from __future__ import annotations
 
 import copy
+import io
 import re
 
 import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard import CustomPolicy, ModuleWrapPolicy, fully_shard, is_fully_sharded, unshard_params
+from composable_shard import CustomPolicy, ModuleWrapPolicy, SizeBasedPolicy, fully_shard, is_fully_sharded, unshard_params
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss
@@ -232,6 +234,47 @@ def _grad_dtype_is_refused(rank: int, world_size: int) -> None:
 
 def test_a_grad_dtype_other_than_the_parameters_is_refused_by_name() -> None:
     run_distributed(_grad_dtype_is_refused, 2)
+
+
+def _containers_refused_and_passed_over(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"fully_shard\(ModuleList\): a ModuleList has no forward of its own.*never gather"):
+        fully_shard(model.blocks)
+    with pytest.raises(ValueError, match=r"fully_shard\(TinyGPT\): the policy chose 'blocks' \(ModuleList\) as a unit, but a ModuleList"):
+        fully_shard(model, policy=ModuleWrapPolicy({nn.ModuleList, Block}))
+    assert not any(is_fully_sharded(module) for module in model.modules())
+    # A size-based policy passes over the container: each block alone is
+    # below the threshold, the three together above it, so every parameter
+    # goes to the root (before: the list was a unit that never gathered and
+    # the first forward raised in a Linear on 1-D shards).
+    block_numel = sum(param.numel() for param in model.blocks[0].parameters())
+    fully_shard(model, policy=SizeBasedPolicy(2 * block_numel))
+    assert [name for name, _ in unit_states_under(model)] == [""]
+    _train_step_matches(model, reference, rank, world_size)
+
+
+def test_containers_without_a_forward_are_refused_and_passed_over() -> None:
+    run_distributed(_containers_refused_and_passed_over, 2)
+
+
+def _copies_refused(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    _shard_blocks_and_root(model)
+    _train_step_matches(model, reference, rank, world_size, step=0)
+    refused = r"a sharded module cannot be deep-copied or pickled \(unit '{}', {}\).*Copy the model before fully_shard"
+    with pytest.raises(TypeError, match=refused.format("<root>", "TinyGPT")):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match=refused.format(r"blocks\.0", "Block")):
+        torch.save(model.blocks[0], io.BytesIO())
+    _train_step_matches(model, reference, rank, world_size, step=1)
+
+
+def test_deepcopy_and_pickling_of_a_sharded_module_are_refused_by_name() -> None:
+    run_distributed(_copies_refused, 2)
 
 
 def _params_on_different_devices_raise(rank: int, world_size: int) -> None:
