@@ -21,6 +21,7 @@ Layout (each module depends only on those above it)::
                        gradients (autograd.grad over inputs) holds, not ends
     pending_grads.py   no_sync gradients of units absent from the
                        synchronised backward, reduced at its end
+    compiled_autograd.py  a backward under compiled autograd, refused
     forward_inputs.py  device check, mixed-precision cast, the frozen
                        parameters' end-of-use report
     hooks.py           the hooks, each a few lines, and their registration

@@ -34,6 +34,7 @@ from ..handle import FlatParamHandle, pending_views
 from .nested_tensors import scan_output
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .groups import GroupSteps, end_open_groups, group_method_hooks, register_group_forward_hooks
+from .compiled_autograd import refuse_compiled_autograd
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
 from .optimizer_checks import refuse_backward_after_step
@@ -228,6 +229,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> bool:
 def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> None:
     # [Note: optimizer step between forward and backward]
     refuse_backward_after_step(state.context, forward_serial, state.fqn, reset_after_error)
+    refuse_compiled_autograd(state.context, state.fqn, reset_after_error)  # [Note: compiled autograd]
     if state.training_state is TrainingState.PRE_BACKWARD:
         return  # another output of the same unit already did it
     with hook_label(state, "pre_backward"):

@@ -17,8 +17,10 @@ differences on near-zero gradients; SGD keeps them at round-off.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -120,3 +122,39 @@ def test_compiled_blocks_and_compiled_model_match_reference_without_new_graph_br
     results = run_distributed(_compiled_runs_match_reference, 2, timeout=300)
     if results[0] != results[1]:
         raise AssertionError(f"ranks saw different graph breaks: {results}")
+
+
+def _compiled_autograd_refused(rank: int, world_size: int) -> None:
+    from torch._dynamo import compiled_autograd
+
+    from tests.support.models import batch, lm_loss
+    from tests.support.parity import compare_full
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    parity = Parity(build=TinyGPT, shard=lambda module: None)
+    inputs, targets = batch(0)
+    local = slice(rank * 4, rank * 4 + 4)
+    loss = lm_loss(model(inputs[local]), targets[local])
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        with pytest.raises(RuntimeError, match=r"fully_shard\(<root>\): backward \(reaching unit '[\w.<>]+'\) runs under compiled autograd.*is usable"):
+            loss.backward()
+    # The raise reset the tree: eager steps match the reference again.
+    for step in range(2):
+        inputs, targets = batch(step + 1)
+        lm_loss(reference(inputs), targets).backward()
+        lm_loss(model(inputs[local]), targets[local]).backward()
+        compare_full(model, reference, parity, f"step {step}", grads=True)
+        for module in (model, reference):
+            with torch.no_grad():
+                for param in module.parameters():
+                    param -= 0.1 * param.grad
+            module.zero_grad(set_to_none=True)
+
+
+def test_compiled_autograd_is_refused_and_the_model_trains_after() -> None:
+    run_distributed(_compiled_autograd_refused, 2)
