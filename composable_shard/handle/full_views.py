@@ -136,8 +136,19 @@ def show_full_params(handle: FlatParamHandle, full_flat: torch.Tensor, full_grad
 
 
 def load_shard_from_full(handle: FlatParamHandle, full_flat: torch.Tensor) -> None:
-    """Copy this rank's window of a full flat copy into the shard."""
+    """Copy this rank's window of a full flat copy into the shard, only
+    where it differs (NaN equal to NaN): an unchanged shard is not written,
+    so its version counter stays. Under NO_SHARD a forward's views are the
+    shard's own, saved by autograd, and an ``unshard_params`` between that
+    forward and its backward that changed nothing must not fail the
+    backward (an edit there fails it, as an in-place edit of a parameter
+    between forward and backward does in one process). Pinned by
+    tests/controls/test_unshard_params.py
+    (test_unshard_params_between_forward_and_backward_keeps_the_backward)."""
     start = handle.layout.shard_rank * handle.layout.shard_numel
+    shard = handle.sharded_flat_param
     with torch.no_grad():
-        window = full_flat[start : start + handle.layout.shard_numel]
-        handle.sharded_flat_param.copy_(window)
+        window = full_flat[start : start + handle.layout.shard_numel].to(shard.device, shard.dtype)
+        edited = (window != shard) & ~(window.isnan() & shard.isnan())
+        if bool(edited.any()):  # a host-device sync, once per handle per unshard_params
+            shard.copy_(window)

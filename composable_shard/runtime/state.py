@@ -461,12 +461,21 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Pe
     part; parameters in reverse layout order. An optimizer stepping from its
     hook works, since nothing reads the shard again in this backward. With
     CPU offload the gradients reach host memory only at the end of
-    backward, so the hooks run there. Pinned by
+    backward, so the hooks run there. torch's
+    ``torch.distributed.optim._apply_optimizer_in_backward`` tags each
+    parameter with its optimizers (``_in_backward_optimizers``) and hooks
+    the parameter's gradient accumulator, which never runs here: the tagged
+    optimizers step at the same place, and ``.grad`` is cleared after, as
+    its hook does (FSDP1 steps them in its post-backward too; before, the
+    parameters silently never moved). Pinned by
     tests/runtime/test_optimizer_in_backward.py.
     """
     if handle.finish_grad_reduction(reduced) is False:
         return  # a partial sum kept for a later all-reduce: no gradient yet
-    if any(param._post_accumulate_grad_hooks for param in handle.orig_params):
+    if any(
+        param._post_accumulate_grad_hooks or getattr(param, _IN_BACKWARD_OPTIMIZERS, None)
+        for param in handle.orig_params
+    ):
         if context.offloads_params:
             context.handles_with_deferred_grad_hooks.append(handle)
         else:
@@ -474,13 +483,24 @@ def _finish_reduction(context: RootContext, handle: FlatParamHandle, reduced: Pe
             context.scheduler.mark_shards_written()  # an optimizer in backward: [Note: what a lane waits for]
 
 
+# The attribute torch's _apply_optimizer_in_backward tags parameters with.
+_IN_BACKWARD_OPTIMIZERS = "_in_backward_optimizers"
+
+
 def run_user_grad_hooks(handle: FlatParamHandle) -> None:
     """See [Note: user post-accumulate-grad hooks]."""
     for param, requires_grad in zip(reversed(handle.orig_params), reversed(handle.param_requires_grad)):
+        if not (requires_grad and param.requires_grad):
+            continue  # a frozen parameter gets no gradient, no hook
         hooks = param._post_accumulate_grad_hooks
-        if hooks and requires_grad and param.requires_grad:  # a frozen parameter gets no gradient, no hook
+        if hooks:
             for hook in tuple(hooks.values()):
                 hook(param)
+        optimizers = getattr(param, _IN_BACKWARD_OPTIMIZERS, None)
+        if optimizers:
+            for optimizer in optimizers:
+                optimizer.step()
+            param.grad = None
 
 
 def raise_internal(unit: UnitState, message: str) -> None:

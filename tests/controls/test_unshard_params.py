@@ -229,3 +229,40 @@ def _errors_inside_forward_or_backward(rank: int, world_size: int) -> None:
 
 def test_unshard_params_inside_forward_or_backward_raises_and_model_still_trains() -> None:
     run_distributed(_errors_inside_forward_or_backward, 2)
+
+
+def _between_forward_and_backward(rank: int, world_size: int) -> None:
+    """An ``unshard_params`` (writeback on, nothing changed) between a
+    forward and its backward leaves that backward as it was: under NO_SHARD
+    (HYBRID_SHARD at 2 ranks: shard groups of one) the forward's views are
+    the shard's own, which a write-back of unchanged values bumped past
+    what autograd saved (backward raised "modified by an inplace
+    operation"; FSDP1's test_summon_full_params_respects_reshard_after_forward)."""
+    local = _local(rank, world_size)
+    for name, shard in _shardings(world_size).items():
+        if name == "bf16 mixed precision":
+            continue  # against an fp32 reference: the strategies cover the write-back
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        shard(model)
+        parity = Parity(build=TinyGPT, shard=lambda m: None)
+        for step in range(2):
+            inputs, targets = batch(step)
+            loss = lm_loss(model(inputs[local]), targets[local])
+            with unshard_params(model):
+                seen = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for n, value in reference.named_parameters():
+                assert seen[n].shape == value.shape, f"{name}: {n}"
+            loss.backward()
+            lm_loss(reference(inputs), targets).backward()
+            compare_full(model, reference, parity, f"{name}, step {step}", grads=True)
+            for module in (model, reference):
+                with torch.no_grad():
+                    for param in module.parameters():
+                        param -= 0.1 * param.grad
+                module.zero_grad(set_to_none=True)
+
+
+def test_unshard_params_between_forward_and_backward_keeps_the_backward() -> None:
+    run_distributed(_between_forward_and_backward, 2)

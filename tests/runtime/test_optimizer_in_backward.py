@@ -138,3 +138,37 @@ def _optimizer_in_backward_under_mixed_precision(rank: int, world_size: int) -> 
 
 def test_optimizer_in_backward_under_mixed_precision() -> None:
     run_distributed(_optimizer_in_backward_under_mixed_precision, 2)
+
+
+def _torch_apply_optimizer_in_backward(rank: int, world_size: int) -> None:
+    """torch's ``_apply_optimizer_in_backward`` (as FSDP1's
+    test_fsdp_optimizer_overlap uses it), with and without its hook: each
+    parameter's optimizer steps once per synchronised backward, ``.grad`` is
+    cleared, and training matches the reference stepped after backward
+    (before: the parameters never moved, silently)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    for register_hook in (True, False):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        _shard()(model)
+        _apply_optimizer_in_backward(
+            torch.optim.AdamW, model.parameters(), {"lr": 1e-2, "weight_decay": 0.1, "foreach": False},
+            register_hook=register_hook,
+        )
+        parity = Parity(build=TinyGPT, shard=lambda m: None, atol=5e-6, rtol=1e-5, reference_optimizer=reference_optimizer)
+        for step in range(3):
+            inputs, targets = batch(step)
+            lm_loss(reference(inputs), targets).backward()
+            lm_loss(model(inputs[local]), targets[local]).backward()
+            assert all(p.grad is None for p in model.parameters()), f"register_hook={register_hook}"
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            compare_full(model, reference, parity, f"register_hook={register_hook}, step {step}", grads=False)
+
+
+def test_torch_apply_optimizer_in_backward_steps_each_parameter() -> None:
+    run_distributed(_torch_apply_optimizer_in_backward, 2)
