@@ -8,7 +8,7 @@ Knows nothing of: the flat layout's arithmetic, collectives, modules'
 training state, hooks.
 
 Public names: ``TensorParallelSpec``, ``tensor_parallel_spec``,
-``local_tensor``, ``norm_group_of``, ``forward_view``, ``show_local``, ``as_grad_of``.
+``local_tensor``, ``norm_group_of``, ``forward_view``, ``show_local``, ``show_local_data``, ``as_grad_of``.
 
 [Note: DTensor parameters]
 A parameter that is a ``DTensor`` (``parallelize_module`` on a "tp" mesh
@@ -54,7 +54,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["TensorParallelSpec", "tensor_parallel_spec", "local_tensor", "norm_group_of", "forward_view", "show_local", "as_grad_of"]
+__all__ = [
+    "TensorParallelSpec",
+    "tensor_parallel_spec",
+    "local_tensor",
+    "norm_group_of",
+    "forward_view",
+    "show_local",
+    "show_local_data",
+    "as_grad_of",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,6 +184,18 @@ def show_local(param: nn.Parameter, shell: DTensor) -> None:
     tp_param.data = shell
     tp_param._local_tensor = shell._local_tensor
     tp_param._spec = shell._spec
+
+
+def show_local_data(param: nn.Parameter, spec: TensorParallelSpec | None, local: torch.Tensor, *, full: bool) -> None:
+    """Point ``param``'s data at ``local``: its range of the shard, or
+    (``full``) its whole local tensor; a ``DTensor`` parameter (``spec``
+    not None) shows it with its spec (see the note)."""
+    if spec is None:
+        param.data = local
+    elif full:
+        show_local(param, full_dtensor(local, spec))
+    else:
+        show_local(param, range_dtensor(local, spec))
 
 
 def as_grad_of(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

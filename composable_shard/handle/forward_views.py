@@ -8,7 +8,23 @@ training state (the handle passes the buffer; the runtime says when views
 may be reused).
 
 Public names: ``ViewPlan``, ``view_plan_of``, ``ShownViews``,
-``show_new_views``, ``storage_key``.
+``show_new_views``, ``storage_key``, ``take_back_owners``, ``SHOWN_MARK``.
+
+[Note: a parameter replaced during a step]
+Between steps, a parameter object the user replaced on its module is
+refused by the next write-back (handle/writeback.py). Inside a step (a
+forward and its backward) the owners hold views, or the original
+parameters again between a unit's forward and its backward, and every
+showing and every reshard registered ours over whatever was there: a
+``module.weight = nn.Parameter(...)`` between a forward and its backward
+was silently thrown away, and the next steps trained the old values
+(FSDP1 raises there). So each showing and each return of the originals
+first checks that every owner holds what was registered (its original
+parameter, the views last shown, or an explicit ``unshard()``'s shown
+parameter, marked ``SHOWN_MARK``); otherwise every owner gets its original
+back and it raises naming the parameter. Pinned by
+tests/runtime/test_param_changes.py
+(test_a_parameter_replaced_between_forward_and_backward_is_refused).
 
 [Note: forward views reused in backward]
 A unit's forward cuts its views from the unsharded buffer anew (a fresh
@@ -41,7 +57,11 @@ from .dtensor_views import TensorParallelSpec
 from .grad_usage import GradUsage
 from .layout import FlatParamLayout
 
-__all__ = ["ViewPlan", "view_plan_of", "ShownViews", "show_new_views", "storage_key"]
+__all__ = ["ViewPlan", "view_plan_of", "ShownViews", "show_new_views", "storage_key", "take_back_owners", "SHOWN_MARK"]
+
+# The attribute marking a parameter an explicit ``unshard()`` registered
+# (handle/full_views.py): ours, not a user's replacement.
+SHOWN_MARK = "_composable_shard_shown"
 
 # One registration: (the owner module's ``_parameters``, attribute, what it holds).
 Registration = tuple[dict, str, torch.Tensor]
@@ -130,3 +150,30 @@ def show_new_views(
             parameters[attr] = view
             registrations.append((parameters, attr, view))
     return tuple(registrations)
+
+
+def take_back_owners(plan: ViewPlan, shown: tuple[Registration, ...] | None, *, give_back: bool) -> None:
+    """Raise if an owner holds something else than its original parameter
+    or what ``shown`` registered there (the last views shown, aligned with
+    ``plan.orig_registrations``), after registering every original back;
+    with ``give_back``, register them back anyway ([Note: a parameter
+    replaced during a step])."""
+    registrations = plan.orig_registrations
+    replaced = [
+        index
+        for index, (parameters, attr, param) in enumerate(registrations)
+        if (current := parameters.get(attr)) is not param
+        and not (shown and current is shown[index][2])
+        and not getattr(current, SHOWN_MARK, False)
+    ]
+    if give_back or replaced:
+        for parameters, attr, param in registrations:
+            parameters[attr] = param
+    if replaced:
+        names = [owner.fqn for info in plan.layout.params for owner in info.owners]
+        raise RuntimeError(
+            f"fully_shard: parameter {[names[index] for index in replaced][:4]} was replaced by another object "
+            "during a step (between a unit's forward and its backward); the original was registered back and "
+            "the new object dropped. Change a parameter between steps, by assigning its .data or copy_() "
+            "into it."
+        )

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from . import dtensor_views
+from . import dtensor_views, forward_views
 from .storage import FlatParamHandle
 
 __all__ = [
@@ -50,6 +50,7 @@ def show_unsharded_params(handle: FlatParamHandle) -> tuple[nn.Parameter, ...]:
             dtensor_views.forward_view(view, spec) if spec is not None else view,
             requires_grad=handle.param_requires_grad[index],
         )
+        setattr(param, forward_views.SHOWN_MARK, True)  # ours: [Note: a parameter replaced during a step]
         for owner in info.owners:
             owner.module._parameters[owner.attr] = param
         shown.append(param)

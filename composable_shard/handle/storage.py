@@ -161,6 +161,8 @@ class FlatParamHandle:
         # showed, for its backward ([Note: forward views reused in backward] in handle/forward_views.py).
         self._view_plan: forward_views.ViewPlan | None = None
         self._forward_views: forward_views.ShownViews | None = None
+        # What the owners were last shown in place of the originals (None: the originals).
+        self._shown: tuple[forward_views.Registration, ...] | None = None
         self.grad_usage = GradUsage()  # which parameters backwards reach
         # 0-dim, the parameters' dtype, on the shard's device: the storage
         # every low-precision ``.grad`` is first assigned as a view of
@@ -245,23 +247,16 @@ class FlatParamHandle:
         self._register_orig_params()
 
     def show_local_data(self, index: int, local: torch.Tensor, *, full: bool = False) -> None:
-        """Point parameter ``index``'s data at ``local``: its range of the
-        shard, or (``full``) its whole local tensor; a ``DTensor`` parameter
-        shows it with the spec of [Note: DTensor parameters]."""
-        param, spec = self.orig_params[index], self.tp_specs[index]
-        if spec is None:
-            param.data = local
-        elif full:
-            dtensor_views.show_local(param, dtensor_views.full_dtensor(local, spec))
-        else:
-            dtensor_views.show_local(param, dtensor_views.range_dtensor(local, spec))
+        """Point parameter ``index``'s data at ``local`` (``dtensor_views.show_local_data``)."""
+        dtensor_views.show_local_data(self.orig_params[index], self.tp_specs[index], local, full=full)
 
     def _register_orig_params(self) -> None:
         """Register the original parameters back on their owners (their
-        ``.data`` is left as it is)."""
-        for parameters, attr, param in self._forward_view_plan().orig_registrations:
-            parameters[attr] = param
+        ``.data`` is left as it is); raises on one replaced during the step
+        ([Note: a parameter replaced during a step] in handle/forward_views.py)."""
+        shown, self._shown = self._shown, None
         self.shows_unsharded_views = False
+        forward_views.take_back_owners(self._forward_view_plan(), shown, give_back=True)
 
     def hide_unsharded_views(self) -> None:
         """Show the owners the original parameters (the shard) again and
@@ -282,7 +277,8 @@ class FlatParamHandle:
         self.check_unsharded("use_unsharded_views")
         plan = self._forward_view_plan()
         flat = self.unsharded_flat_param
-        shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs, self.grad_usage)
+        forward_views.take_back_owners(plan, self._shown, give_back=False)
+        shown = self._shown = forward_views.show_new_views(plan, flat, self.param_requires_grad, self.tp_specs, self.grad_usage)
         self._forward_views = None
         # Not kept under inference mode, nor while dynamo traces (the query
         # would break the graph; the record is only a saving).
@@ -301,7 +297,9 @@ class FlatParamHandle:
             return False
         if not shown.still_valid(self._forward_view_plan(), self.param_requires_grad, self.unsharded_flat_param):
             return False
+        forward_views.take_back_owners(shown.plan, self._shown, give_back=False)
         shown.show()
+        self._shown = shown.registrations
         self.shows_unsharded_views = True
         return True
 

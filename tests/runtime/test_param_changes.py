@@ -554,3 +554,40 @@ def _partial_cast_is_refused(rank: int, world_size: int) -> None:
 
 def test_cast_of_part_of_a_flat_parameter_is_refused_at_the_next_forward() -> None:
     run_distributed(_partial_cast_is_refused, 2)
+
+
+def _replaced_between_forward_and_backward(rank: int, world_size: int) -> None:
+    from tests.support.parity import Parity, compare_full
+
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block, strategy=strategy)
+        fully_shard(model, strategy=strategy)
+        original = model.blocks[1].fc_in.weight
+        inputs, targets = batch(0)
+        loss = lm_loss(model(inputs[local]), targets[local])
+        model.blocks[1].fc_in.weight = nn.Parameter(torch.full((48, 16), 0.5))
+        with pytest.raises(RuntimeError, match=r"parameter \['fc_in\.weight'\] was replaced by another object during a step.*original was registered back"):
+            loss.backward()
+        # Nothing of the replacement stayed: the original is back and the
+        # model trains like the reference from its untouched values.
+        assert model.blocks[1].fc_in.weight is original, strategy
+        parity = Parity(build=TinyGPT, shard=lambda m: None)
+        for step in range(1, 3):
+            inputs, targets = batch(step)
+            lm_loss(reference(inputs), targets).backward()
+            lm_loss(model(inputs[local]), targets[local]).backward()
+            compare_full(model, reference, parity, f"{strategy.name}, step {step}", grads=True)
+            for module in (model, reference):
+                with torch.no_grad():
+                    for param in module.parameters():
+                        param -= 0.1 * param.grad
+                module.zero_grad(set_to_none=True)
+
+
+def test_a_parameter_replaced_between_forward_and_backward_is_refused() -> None:
+    run_distributed(_replaced_between_forward_and_backward, 2)
