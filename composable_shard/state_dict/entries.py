@@ -8,6 +8,19 @@ shared-module paths included), each sharded parameter's ranges on every rank
 Knows nothing of: state-dict values and their checks (``model``, ``optim``,
 ``checks``), optimizers, files.
 
+[Note: checkpoint-wrapper prefixes]
+torch's ``checkpoint_wrapper`` (activation checkpointing) puts the wrapped
+module under ``_checkpoint_wrapped_module``; its own state-dict hooks take
+that segment out of the keys and put it back on load, and torch's
+``get_model_state_dict`` names parameters without it, so a checkpoint does
+not depend on where activation checkpointing was applied. Keys here drop
+it too (``state_dict_key``), and the module hooks (hooks.py) look for both
+forms, since the wrapper's hooks run before or after theirs depending on
+which module wraps which. Before: ``module.state_dict()`` gave the 1-D
+shards of parameters under a wrapper and ``set_model_state_dict`` refused
+a plain model's keys (FSDP1's test_fsdp_state_dict_with_activation_checkpoint).
+Pinned by tests/state_dict/test_model.py
+(test_state_dicts_under_checkpoint_wrappers_have_the_plain_models_keys).
 """
 
 from __future__ import annotations
@@ -35,7 +48,17 @@ __all__ = [
     "is_shown_unsharded",
     "sharding_of",
     "full_tensor_of_local",
+    "state_dict_key",
 ]
+
+# The segment torch's checkpoint_wrapper puts the wrapped module under.
+_WRAPPER_SEGMENT = "_checkpoint_wrapped_module."
+
+
+def state_dict_key(name: str) -> str:
+    """``name`` (a module path and attribute) as state dicts give it, without
+    checkpoint wrappers' segments ([Note: checkpoint-wrapper prefixes])."""
+    return name.replace(_WRAPPER_SEGMENT, "") if _WRAPPER_SEGMENT in name else name
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,7 +115,7 @@ def model_entries(module: nn.Module, units: list[UnitState]) -> ModelEntries:
     keys_of: dict[int, list[str]] = {}
     prefixes_of: dict[int, list[str]] = {}
     for module_name, submodule in module.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
+        prefix = state_dict_key(f"{module_name}.") if module_name else ""
         prefixes_of.setdefault(id(submodule), []).append(prefix)
         for attr, param in submodule._parameters.items():
             if param is None:

@@ -37,7 +37,7 @@ from ..handle import FlatParamHandle
 from ..handle.dtensor_views import TensorParallelSpec, as_grad_of, full_dtensor, local_tensor
 from ..runtime import enter_between_steps
 from ..runtime.state import UnitState
-from .entries import is_shown_unsharded
+from .entries import is_shown_unsharded, state_dict_key
 from .shards import LocalBox, global_shape, local_part, param_view
 
 __all__ = ["register_state_dict_hooks"]
@@ -76,7 +76,11 @@ def _relative_prefixes(root: nn.Module) -> dict[int, list[str]]:
 
 
 def _keys(info: ParamInfo, prefixes: dict[int, list[str]], prefix: str) -> list[str]:
-    return [prefix + rel + owner.attr for owner in info.owners for rel in prefixes.get(id(owner.module), [])]
+    """Every key the parameter may go by below ``prefix``: with checkpoint
+    wrappers' segments and without ([Note: checkpoint-wrapper prefixes] in
+    entries.py)."""
+    keys = [prefix + rel + owner.attr for owner in info.owners for rel in prefixes.get(id(owner.module), [])]
+    return list(dict.fromkeys(form for key in keys for form in (key, state_dict_key(key))))
 
 
 def _post_state_dict(

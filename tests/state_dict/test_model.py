@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 
 from composable_shard import (
     StateDictError,
     StateDictOptions,
+    fully_shard,
     get_model_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
     unshard_params,
 )
@@ -27,7 +30,7 @@ from composable_shard.state_dict.shards import is_sharded_tensor, range_boxes
 
 from tests.support.comm_spies import CommSpy
 from tests.support.harness_pool import run_distributed, world_sizes
-from tests.support.models import DIM, BufferedGPT, LoRAGPT, batch, lm_loss
+from tests.support.models import DIM, Block, BufferedGPT, LoRAGPT, TinyGPT, batch, lm_loss
 from tests.support.state_dicts import FULL, FULL_RANK0, assert_same_tensors, full_params, perturbed, shard, train_steps
 
 # -------------------------------------------------------- sharded boxes
@@ -220,3 +223,59 @@ def _frozen_parameters_can_be_left_out(rank: int, world_size: int) -> None:
 
 def test_frozen_parameters_can_be_left_out_of_state_dicts() -> None:
     run_distributed(_frozen_parameters_can_be_left_out, 2)
+
+
+def _wrap_blocks_then_shard(model: torch.nn.Module) -> None:
+
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = checkpoint_wrapper(block)
+        fully_shard(model.blocks[index])
+    fully_shard(model)
+
+
+def _shard_then_apply_checkpointing(model: torch.nn.Module) -> None:
+    fully_shard(model.blocks[0])
+    fully_shard(model)  # blocks 1 and 2 are the root's
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+
+
+def _checkpoint_wrapped_state_dicts(rank: int, world_size: int) -> None:
+    def wrap_whole_model(model: torch.nn.Module) -> torch.nn.Module:
+        wrapped = checkpoint_wrapper(model)
+        fully_shard(wrapped)
+        return wrapped
+
+    layouts = {
+        "fully_shard(checkpoint_wrapper(block))": lambda m: (_wrap_blocks_then_shard(m), m)[1],
+        "fully_shard(checkpoint_wrapper(model))": wrap_whole_model,
+        "apply_activation_checkpointing after fully_shard": lambda m: (_shard_then_apply_checkpointing(m), m)[1],
+    }
+    for name, wrap in layouts.items():
+        torch.manual_seed(0)
+        reference = TinyGPT()
+        model = wrap(copy.deepcopy(reference))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        train_steps(model, optimizer, range(2))
+        for step in range(2):
+            inputs, targets = batch(step)
+            lm_loss(reference(inputs), targets).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        # The plain model's keys and full values, every way of asking.
+        expected = reference.state_dict()
+        assert_same_tensors(model.state_dict(), expected, f"{name}: module.state_dict()", atol=1e-5)
+        assert_same_tensors(get_model_state_dict(model, options=FULL), expected, f"{name}: get_model_state_dict", atol=1e-5)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
+        assert sorted(optimizer_state) == sorted(dict(reference.named_parameters())), f"{name}: {sorted(optimizer_state)}"
+        # A plain model's state dict loads both ways.
+        torch.manual_seed(1)
+        fresh = TinyGPT().state_dict()
+        set_model_state_dict(model, fresh, options=FULL)
+        assert_same_tensors(get_model_state_dict(model, options=FULL), fresh, f"{name}: after set_model_state_dict")
+        model.load_state_dict(expected)
+        assert_same_tensors(model.state_dict(), expected, f"{name}: after load_state_dict", atol=1e-5)
+
+
+def test_state_dicts_under_checkpoint_wrappers_have_the_plain_models_keys() -> None:
+    run_distributed(_checkpoint_wrapped_state_dicts, 2)
