@@ -212,11 +212,12 @@ def fully_shard(
         prepare(name)
 
     # Validated: from here on the module is changed.
+    paths = {id(sub): path for member in members for path, sub in member.named_modules()}
     for choice, kwargs, unit_groups in zip(choices, kwargs_per_unit, groups):
         unit_sources = sources[id(choice.module)]
         unit_members = list(choice.modules)  # a group's modules: the list given, or its policy's
         for member in unit_members:
-            materialize_unit(member, compute_device, param_init_fn, skip)
+            materialize_unit(member, compute_device, param_init_fn, skip, paths.get(id(member), ""))
         if sync_module_states:  # parameters once, then each module's buffers
             for index, member in enumerate(unit_members):
                 sync_unit_states(member, unit_sources if index == 0 else [], skip, unit_groups)

@@ -28,6 +28,17 @@ rank's random state (each unit's data-parallel ranks take their first
 one's values). Meta buffers get uninitialised storage: the init
 function must fill them (``reset_parameters`` of the norms does). Pinned by
 tests/runtime/test_deferred_init.py.
+
+[Note: tensors an init left unwritten]
+New storage holds whatever memory held. A floating-point tensor given
+storage here is filled with NaN first; one the init function left NaN
+anywhere raises, naming it. Before, an init that skipped a tensor left
+garbage silently: FSDP1's style of ``param_init_fn`` (act only on meta
+tensors: ``to_empty``, then ``reset_parameters``) did nothing here, since
+the tensors have storage by then, and training started from uninitialised
+memory (values up to 7e28, FSDP1's test_fsdp_meta). Integer tensors are not
+checked (no value marks them). Pinned by tests/runtime/test_deferred_init.py
+(test_an_init_that_leaves_a_tensor_unwritten_is_refused_by_name).
 """
 
 from __future__ import annotations
@@ -91,15 +102,17 @@ def materialize_unit(
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None,
     skip: Callable[[nn.Module], bool],
+    name: str = "",
 ) -> None:
     """Give meta tensors real storage on ``device`` and initialise them
     (``param_init_fn(module)``, else ``module.reset_parameters()``); move
-    tensors on another device to ``device``. Parameter objects are kept.
-    See [Note: deferred initialisation]."""
-    for prefix, module in _unit_modules(unit, skip):
+    tensors on another device to ``device``. Parameter objects are kept;
+    ``name``: the unit's path in the module given to ``fully_shard``, for
+    messages. See [Note: deferred initialisation]."""
+    for prefix, module in _unit_modules(unit, skip, f"{name}." if name else ""):
         tensors = list(_own_tensors(module))
         if any(t.is_meta for t in tensors):
-            _materialize_module(module, prefix.rstrip(".") or "<unit root>", device, param_init_fn=param_init_fn)
+            _materialize_module(module, prefix.rstrip(".") or "<root>", device, param_init_fn=param_init_fn)
         elif any(t.device != device for t in tensors):
             _move_module(module, device)
 
@@ -110,12 +123,21 @@ def _materialize_module(
     name = type(module).__name__
     if param_init_fn is None and not callable(getattr(module, "reset_parameters", None)):
         raise ValueError(_no_init_message(fqn, name))  # check_materializable normally caught it
-    for param in module._parameters.values():
+    materialized: list[str] = []
+    for attr, param in module._parameters.items():
         if param is not None and param.is_meta:
             _materialize_param(param, device, name)
+            materialized.append(attr)
     for attr, buffer in module._buffers.items():
         if buffer is not None and buffer.is_meta:
             module._buffers[attr] = torch.empty_like(buffer, device=device)
+            materialized.append(attr)
+    tensors = {**module._parameters, **module._buffers}
+    with torch.no_grad():
+        for attr in materialized:  # [Note: tensors an init left unwritten]
+            tensor = tensors[attr]
+            if tensor is not None and _can_mark_unwritten(tensor):
+                tensor.fill_(float("nan"))
     params_before = dict(module._parameters)
     with torch.no_grad():
         if param_init_fn is not None:
@@ -129,6 +151,27 @@ def _materialize_module(
             f"fully_shard: after initialising {name}, {left} are still on the meta device. Make "
             "param_init_fn (or reset_parameters) give every parameter and buffer of the module real values."
         )
+    tensors = {**module._parameters, **module._buffers}
+    unwritten = [
+        attr
+        for attr in materialized
+        if (tensor := tensors.get(attr)) is not None and _can_mark_unwritten(tensor) and bool(tensor.isnan().any())
+    ]
+    if unwritten:
+        how = "param_init_fn(module)" if param_init_fn is not None else f"{name}.reset_parameters()"
+        raise ValueError(
+            f"fully_shard: module '{fqn}' ({name}) was built on the meta device, and {how} left {unwritten} "
+            "(partly) unwritten: they would hold uninitialised memory. fully_shard calls it after the module's "
+            "own tensors got storage on the compute device, so they are no longer on meta: an init written for "
+            "FSDP1 that acts only on meta tensors (to_empty, then reset_parameters) does nothing here. Initialise "
+            "every parameter and buffer unconditionally, e.g. param_init_fn=lambda m: m.reset_parameters()."
+        )
+
+
+def _can_mark_unwritten(tensor: torch.Tensor) -> bool:
+    """Whether NaN can mark ``tensor``'s elements as not yet written:
+    floating point (an init gives no NaN; integer tensors are not checked)."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _materialize_param(param: nn.Parameter, device: torch.device, module_name: str) -> None:

@@ -204,6 +204,37 @@ def test_meta_module_without_initialiser_raises_before_sharding_and_fsdp1_style_
     run_distributed(_errors_leave_model_untouched, 2)
 
 
+def _unwritten_tensors_refused(rank: int, world_size: int) -> None:
+    def only_on_meta(module: nn.Module) -> None:  # FSDP1's test_fsdp_meta init: nothing is on meta here
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            module.to_empty(device="cpu", recurse=False)
+            module.reset_parameters()
+
+    def weights_only(module: nn.Module) -> None:
+        nn.init.ones_(module.weight)
+
+    def all_but_a_row(module: nn.Module) -> None:
+        module.reset_parameters()
+        module.weight[0].fill_(float("nan"))  # unwritten, as an init that skipped it leaves it
+
+    cases = [(only_on_meta, r"\['weight', 'bias'\]"), (weights_only, r"\['bias'\]"), (all_but_a_row, r"\['weight'\]")]
+    for init, unwritten in cases:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=rf"module '0' \(Linear\) was built on the meta device, and param_init_fn\(module\) left {unwritten} \(partly\) unwritten.*FSDP1"):
+            fully_shard(model, policy={nn.Linear}, param_init_fn=init)
+    # Writing every tensor passes, and the values are the init's.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model, policy={nn.Linear}, param_init_fn=lambda module: [nn.init.ones_(p) for p in module.parameters(recurse=False)])
+    with unshard_params(model, writeback=False):
+        assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
+
+
+def test_an_init_that_leaves_a_tensor_unwritten_is_refused_by_name() -> None:
+    run_distributed(_unwritten_tensors_refused, 2)
+
+
 def _device_id_on_cpu_is_a_no_op(rank: int, world_size: int) -> None:
     run_parity(Parity(build=TinyGPT, shard=lambda m: fully_shard(m, policy={Block}, device_id=torch.device("cpu"))))
 
