@@ -18,6 +18,7 @@ after a change of world size or strategy: each rank takes its range.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, TypeGuard
@@ -487,11 +488,11 @@ def _receive_broadcast(
             by_fqn = _by_fqn(params)
             skeleton = {"error": None, "param_groups": list(state_dict["param_groups"]), "state": {}}
             for fqn, values in state_dict["state"].items():
-                op = by_fqn[fqn]
+                sender = by_fqn[fqn]
                 skeleton["state"][fqn] = {
                     key: _TensorSpec(tuple(global_shape(value)), value.dtype)  # type: ignore[arg-type]
-                    if op.entry is not None and isinstance(value, torch.Tensor)
-                    and (id(op.param) in owned or is_param_shaped(key, value, op.entry.info.shape))
+                    if sender.entry is not None and isinstance(value, torch.Tensor)
+                    and (id(sender.param) in owned or is_param_shaped(key, value, sender.entry.info.shape))
                     else value
                     for key, value in (values or {}).items()
                 }
@@ -500,33 +501,49 @@ def _receive_broadcast(
     skeleton = comm.broadcast_object(skeleton)
     if skeleton["error"] is not None:
         raise StateDictError(skeleton["error"])
+    # In rank 0's order, the same on every rank whatever order each
+    # optimizer holds its parameters in (each broadcast pairs up by it).
+    by_fqn = _by_fqn(params)
+    devices = [op.entry.handle.compute_device for op in params if op.entry is not None]
     state: dict[str, Any] = {}
-    for op in params:
-        values = skeleton["state"].get(op.fqn)
-        if values is None:
-            continue
-        state[op.fqn] = {}
+    absent: list[str] = []
+    for fqn, values in skeleton["state"].items():
+        op = by_fqn.get(fqn)
+        if op is None:
+            absent.append(fqn)
+        else:
+            state[fqn] = {}
         for key, item in values.items():
-            if isinstance(item, _TensorSpec):
-                full = _broadcast_full(state_dict, op, key, item)
-                if id(op.param) in owned:  # the owner keeps it whole
-                    state[op.fqn][key] = full.view(item.shape).clone()
-                    continue
-                info = op.entry.info  # type: ignore[union-attr]  # specs are for sharded parameters
-                box = op.entry.local_box  # type: ignore[union-attr]
-                if box is not None:
-                    full = box.of_full(full.view(box.global_shape))
-                state[op.fqn][key] = local_part(full, info).clone()
-            else:
-                state[op.fqn][key] = item
+            if not isinstance(item, _TensorSpec):
+                if op is not None:  # rank 0's own objects: copied, as every other load path does
+                    state[fqn][key] = item.clone() if isinstance(item, torch.Tensor) else copy.deepcopy(item)
+                continue
+            device = op.entry.handle.compute_device if op is not None and op.entry is not None else devices[0]
+            full = _broadcast_full(state_dict, fqn, key, item, device)
+            if op is None:
+                continue  # received only to keep the broadcasts paired
+            if id(op.param) in owned:  # the owner keeps it whole
+                state[fqn][key] = full.view(item.shape).clone()
+                continue
+            info = op.entry.info  # type: ignore[union-attr]  # specs are for sharded parameters
+            box = op.entry.local_box  # type: ignore[union-attr]
+            if box is not None:
+                full = box.of_full(full.view(box.global_shape))
+            state[fqn][key] = local_part(full, info).clone()
+    if absent:
+        raise StateDictError(
+            f"{what}: rank 0's optimizer state holds {sorted(absent)[:4]}, which this rank's optimizer does not "
+            "step. Build the optimizer over the same parameters on every rank. Nothing was loaded on this rank."
+        )
     return state, skeleton["param_groups"]
 
 
-def _broadcast_full(state_dict: Mapping[str, Any], op: OptimParam, key: str, spec: _TensorSpec) -> torch.Tensor:
-    device = op.entry.handle.compute_device  # type: ignore[union-attr]  # specs are for sharded parameters
+def _broadcast_full(
+    state_dict: Mapping[str, Any], fqn: str, key: str, spec: _TensorSpec, device: torch.device
+) -> torch.Tensor:
     numel = torch.Size(spec.shape).numel()
     if is_rank0():
-        tensor = state_dict["state"][op.fqn][key].detach().reshape(-1).to(device).contiguous()
+        tensor = state_dict["state"][fqn][key].detach().reshape(-1).to(device).contiguous()
     else:
         tensor = torch.empty(numel, dtype=spec.dtype, device=device)
     comm.broadcast(tensor, 0, None)

@@ -186,3 +186,45 @@ def test_state_dict_package_holds_all_four_functions() -> None:
     assert get_model_state_dict is composable_shard.get_model_state_dict
     assert set_model_state_dict is composable_shard.set_model_state_dict
     assert save_checkpoint is composable_shard.save_checkpoint and load_checkpoint is composable_shard.load_checkpoint
+
+
+def _broadcast_into_other_orders(rank: int, world_size: int) -> None:
+    """``broadcast_from_rank0`` pairs its broadcasts by name: an optimizer
+    built over the parameters in another order on each rank loads rank 0's
+    state exactly (before: the broadcasts paired by each rank's own order,
+    gloo aborted on a size mismatch, and same-sized tensors would have gone
+    to the wrong parameters); rank 0's dict is copied, not aliased; a rank
+    whose optimizer lacks a parameter rank 0 sends raises, naming it."""
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def build(seed: int, order: int, drop_last: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = shard(BufferedGPT(), "manual")
+        params = list(model.parameters())[:: 1 if order == 0 else -1]
+        return model, torch.optim.AdamW(params[:-1] if drop_last else params, lr=1e-2)
+
+    original = build(0, order=0)
+    train_steps(*original, range(2))
+    model_full = get_model_state_dict(original[0], options=FULL)
+    optimizer_full = get_optimizer_state_dict(*original, options=FULL)
+    steps_before = {fqn: copy.deepcopy(values["step"]) for fqn, values in optimizer_full["state"].items()}
+    restored = build(1, order=rank % 2)
+    set_model_state_dict(restored[0], model_full if rank == 0 else {}, options=broadcast)
+    set_optimizer_state_dict(*restored, optimizer_full if rank == 0 else {}, options=broadcast)
+    reloaded = get_optimizer_state_dict(*restored, options=FULL)["state"]
+    assert_same_tensors(dict(sorted(reloaded.items())), dict(sorted(optimizer_full["state"].items())), "reloaded")
+    _assert_resumes_identically(original, restored, "resumed after a broadcast into another order")
+    for fqn, step in steps_before.items():  # the caller's dict did not step with the optimizer
+        assert torch.equal(torch.as_tensor(optimizer_full["state"][fqn]["step"]), torch.as_tensor(step)), fqn
+
+    lacking = build(1, order=0, drop_last=rank == 1)
+    if rank == 1:
+        with pytest.raises(StateDictError, match=r"rank 0's optimizer state holds \['[\w.]+'\], which this rank's optimizer does not step"):
+            set_optimizer_state_dict(*lacking, {}, options=broadcast)
+        assert not lacking[1].state
+    else:
+        set_optimizer_state_dict(*lacking, optimizer_full, options=broadcast)
+
+
+def test_broadcast_from_rank0_loads_into_optimizers_of_another_parameter_order() -> None:
+    run_distributed(_broadcast_into_other_orders, 2)
