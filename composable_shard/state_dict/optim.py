@@ -270,8 +270,19 @@ def _merged_state_layout(params: list[OptimParam], optimizer: torch.optim.Optimi
             key: ("sharded", value.dtype) if _is_local_shaped(value, op.param) else ("value", _cpu_copy(value))
             for key, value in param_state.items()
         }
+    # The sharded parameters each rank's optimizer steps: gathered with the
+    # names, since a parameter one rank's optimizer leaves out would gather
+    # zeros for that rank's range, silently (FSDP1 raises too).
+    stepped = sorted(op.fqn for op in params if op.entry is not None)
     merged: dict[str, dict[str, tuple]] = {}
-    for rank_state in comm.all_gather_object(local):
+    gathered = comm.all_gather_object((local, stepped))
+    differing = sorted(set().union(*(fqns for _, fqns in gathered)) - set.intersection(*(set(f) for _, f in gathered)))
+    if differing:
+        raise StateDictError(
+            f"get_optimizer_state_dict: the optimizers of some ranks do not step {differing[:4]}, which others do: "
+            "their parts of its state would be missing. Build the optimizer over the same parameters on every rank."
+        )
+    for rank_state, _ in gathered:
         for fqn, names in rank_state.items():
             for key, item in names.items():
                 merged.setdefault(fqn, {}).setdefault(key, item)

@@ -194,7 +194,9 @@ def _broadcast_into_other_orders(rank: int, world_size: int) -> None:
     state exactly (before: the broadcasts paired by each rank's own order,
     gloo aborted on a size mismatch, and same-sized tensors would have gone
     to the wrong parameters); rank 0's dict is copied, not aliased; a rank
-    whose optimizer lacks a parameter rank 0 sends raises, naming it."""
+    whose optimizer lacks a parameter rank 0 sends raises, naming it, and
+    so does gathering a full state dict over such optimizers, on every rank
+    (FSDP1's test_full_optim_state_dict_nested_invalid)."""
     broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
     def build(seed: int, order: int, drop_last: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -224,6 +226,9 @@ def _broadcast_into_other_orders(rank: int, world_size: int) -> None:
         assert not lacking[1].state
     else:
         set_optimizer_state_dict(*lacking, optimizer_full, options=broadcast)
+    # Gathering state the ranks do not all hold raises on every rank (before: zeros for the missing range).
+    with pytest.raises(StateDictError, match=r"the optimizers of some ranks do not step \['[\w.]+'\], which others do"):
+        get_optimizer_state_dict(*lacking, options=FULL)
 
 
 def test_broadcast_from_rank0_loads_into_optimizers_of_another_parameter_order() -> None:
