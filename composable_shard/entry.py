@@ -226,6 +226,7 @@ def fully_shard(
         }
         state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)
         state.orig_buffer_dtypes = orig_buffer_dtypes
+        state.ignored_params = frozenset(ignored_params)
     # A budgeted layout's bucket size, smaller or 0 where the budget holds
     # the layouts only so ([Note: a layout chosen for a memory budget] in
     # planning/budget.py): read by the root.

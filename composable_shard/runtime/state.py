@@ -160,6 +160,10 @@ class UnitState:
         # and by name relative to it: full state dicts give buffers back in
         # these dtypes. Read with buffer_dtypes_of.
         self.orig_buffer_dtypes: dict[int, dict[str, torch.dtype]] = {}
+        # The parameters its fully_shard call left out (ignored_states, and
+        # those of ignored modules), which stay out of the units above it
+        # (units/rules.py: ``split_ignored``), as in FSDP1.
+        self.ignored_params: frozenset[nn.Parameter] = frozenset()
         # The user's overrides of the gradient reduction (divide factor,
         # replica all-reduce, hooks: composable_shard/reduce_controls.py),
         # shared with the unit's handles.

@@ -69,15 +69,24 @@ def split_ignored(
     name: str, ignored_states: Iterable[nn.Module | nn.Parameter] | None, roots: Sequence[nn.Module]
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Ignored modules and every ignored parameter (those of ignored modules
-    included): those given, and the modules torch's ``replicate`` manages
-    under ``roots`` ([Note: composing with torch's replicate] in
-    units/composable_registry.py)."""
+    included): those given, the modules torch's ``replicate`` manages under
+    ``roots`` ([Note: composing with torch's replicate] in
+    units/composable_registry.py), and the parameters units sharded earlier
+    under ``roots`` left out (they stay out above them, as in FSDP1; before,
+    the parent's call refused them as "registered after that unit was
+    sharded")."""
     modules: set[nn.Module] = replicated_modules(name, roots)
     params: set[nn.Parameter] = set()
     for item in ignored_states or ():
         if isinstance(item, nn.Parameter):
             params.add(item)
         elif isinstance(item, nn.Module):
+            if get_state(item) is not None:
+                raise ValueError(
+                    f"fully_shard({name}): ignored_states holds {type(item).__name__}, which an earlier "
+                    "fully_shard call made a unit; a unit cannot be left out of the tree above it. Drop it from "
+                    "ignored_states, or pass its own ignored_states when sharding it."
+                )
             modules.add(item)
         else:
             raise TypeError(
@@ -86,6 +95,9 @@ def split_ignored(
             )
     for ignored in modules:
         params.update(ignored.parameters())
+    for root in roots:
+        for _, state in unit_states_under(root):
+            params.update(state.ignored_params)
     return modules, params
 
 

@@ -118,3 +118,37 @@ def _buffers_never_sharded_and_cast(rank: int, world_size: int) -> None:
 
 def test_buffers_are_never_sharded_and_cast_per_buffer_dtype() -> None:
     run_distributed(_buffers_never_sharded_and_cast, 2)
+
+
+def _ignored_by_a_child_unit(rank: int, world_size: int) -> None:
+    """What a unit's own call left out stays out of the units above it, as
+    in FSDP1 (before: the parent's call refused those parameters as
+    "registered inside an already sharded unit after that unit was
+    sharded"), given as a module or as its parameters; a unit itself in
+    ``ignored_states`` is refused by name, changing nothing."""
+    for as_parameters in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        ignored_module = model.blocks[1].fc_out
+        ignored = list(ignored_module.parameters())
+        fully_shard(model.blocks[1], ignored_states=ignored if as_parameters else [ignored_module])
+        fully_shard(model.blocks[0])
+        fully_shard(model)
+        owned = {id(p) for _, state in unit_states_under(model) for h in state.handles for p in h.orig_params}
+        assert not owned & {id(p) for p in ignored}, as_parameters
+        assert all(p.shape == q.shape for p, q in zip(ignored, TinyGPT().blocks[1].fc_out.parameters()))
+        inputs, _ = batch(0)
+        model(inputs[:2]).sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in ignored)
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    fully_shard(model.blocks[0])
+    with pytest.raises(ValueError, match=r"fully_shard\(TinyGPT\): ignored_states holds Block, which an earlier fully_shard call made a unit"):
+        fully_shard(model, ignored_states=[model.blocks[0]])
+    assert not is_fully_sharded(model)
+    fully_shard(model)
+
+
+def test_what_a_child_unit_ignored_stays_out_of_its_parent() -> None:
+    run_distributed(_ignored_by_a_child_unit, 2)
