@@ -162,6 +162,11 @@ def fully_shard(
             f"fully_shard({name}): this module is already sharded (by an earlier fully_shard call or "
             "its policy). Call fully_shard once per module."
         )
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"fully_shard({name}): param_init_fn must be a callable taking a module, got "
+            f"{type(param_init_fn).__name__}. Pass a function, or None to use each module's reset_parameters()."
+        )
     if not use_orig_params:
         raise ValueError(
             f"fully_shard({name}): use_orig_params=False is not supported; composable_shard always keeps "

@@ -82,6 +82,8 @@ def _bad_arguments_raise(rank: int, world_size: int) -> None:
         fully_shard(model, policy=CustomPolicy(lambda m: {"sync_module_states": True} if isinstance(m, Block) else False))
     with pytest.raises(TypeError, match="ignored_states holds a str"):
         fully_shard(model, ignored_states=["blocks.0"])
+    with pytest.raises(TypeError, match=r"fully_shard\(TinyGPT\): param_init_fn must be a callable taking a module, got int"):
+        fully_shard(model, param_init_fn=42)
     assert not any(is_fully_sharded(m) for m in model.modules())
     assert all(p.shape == q.shape for p, q in zip(model.parameters(), reference.parameters()))
     _shard_blocks_and_root(model)

@@ -279,3 +279,39 @@ def _checkpoint_wrapped_state_dicts(rank: int, world_size: int) -> None:
 
 def test_state_dicts_under_checkpoint_wrappers_have_the_plain_models_keys() -> None:
     run_distributed(_checkpoint_wrapped_state_dicts, 2)
+
+
+class _SharedSubmodule(torch.nn.Module):
+    """One submodule reachable by two names (FSDP1's
+    test_shared_module_and_shared_parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        self.net2 = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        self.net3 = self.net2
+        self.weight = torch.nn.Parameter(torch.randn(10))
+        self.alias = self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net3(self.net2(self.net1(x))) + self.weight.sum()
+
+
+def _shared_submodule_loads(rank: int, world_size: int) -> None:
+    """``load_state_dict`` of a plain state dict into a model whose
+    submodule goes by two names (torch visits it under both): each value
+    sliced once (before: the second name's slice was cut from the first's
+    and loading raised a size mismatch)."""
+    for policy in (None, {torch.nn.Sequential}):
+        torch.manual_seed(0)
+        expected = _SharedSubmodule().state_dict()
+        torch.manual_seed(1)
+        model = _SharedSubmodule()
+        fully_shard(model, policy=policy)
+        model.load_state_dict(expected)
+        assert_same_tensors(model.state_dict(), expected, f"policy={policy}: after load_state_dict")
+        assert_same_tensors(get_model_state_dict(model, options=FULL), expected, f"policy={policy}: full")
+
+
+def test_load_state_dict_into_a_submodule_with_two_names() -> None:
+    run_distributed(_shared_submodule_loads, 2)
