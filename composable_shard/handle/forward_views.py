@@ -159,13 +159,14 @@ def take_back_owners(plan: ViewPlan, shown: tuple[Registration, ...] | None, *, 
     with ``give_back``, register them back anyway ([Note: a parameter
     replaced during a step])."""
     registrations = plan.orig_registrations
-    replaced = [
-        index
-        for index, (parameters, attr, param) in enumerate(registrations)
-        if (current := parameters.get(attr)) is not param
-        and not (shown and current is shown[index][2])
-        and not getattr(current, SHOWN_MARK, False)
-    ]
+    # A plain loop: dynamo traces this in a compiled root's hooks, and a
+    # comprehension binding a name breaks its graph ("uninitialized cell").
+    replaced = []
+    for index, (parameters, attr, param) in enumerate(registrations):
+        current = parameters.get(attr)
+        if current is param or (shown and current is shown[index][2]) or getattr(current, SHOWN_MARK, False):
+            continue
+        replaced.append(index)
     if give_back or replaced:
         for parameters, attr, param in registrations:
             parameters[attr] = param
