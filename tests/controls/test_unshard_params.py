@@ -18,7 +18,7 @@ from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unsh
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, TinyGPT, batch, lm_loss
-from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step
+from tests.support.parity import Parity, assert_resharded, compare_full, hybrid_groups, plain_step, sgd_steps_in_parity
 
 
 def _local(rank: int, world_size: int) -> slice:
@@ -238,7 +238,6 @@ def _between_forward_and_backward(rank: int, world_size: int) -> None:
     the shard's own, which a write-back of unchanged values bumped past
     what autograd saved (backward raised "modified by an inplace
     operation"; FSDP1's test_summon_full_params_respects_reshard_after_forward)."""
-    local = _local(rank, world_size)
     for name, shard in _shardings(world_size).items():
         if name == "bf16 mixed precision":
             continue  # against an fp32 reference: the strategies cover the write-back
@@ -246,22 +245,14 @@ def _between_forward_and_backward(rank: int, world_size: int) -> None:
         model = TinyGPT()
         reference = copy.deepcopy(model)
         shard(model)
-        parity = Parity(build=TinyGPT, shard=lambda m: None)
-        for step in range(2):
-            inputs, targets = batch(step)
-            loss = lm_loss(model(inputs[local]), targets[local])
+
+        def look_inside(model: nn.Module = model, reference: nn.Module = reference, name: str = name) -> None:
             with unshard_params(model):
                 seen = {n: p.detach().clone() for n, p in model.named_parameters()}
             for n, value in reference.named_parameters():
                 assert seen[n].shape == value.shape, f"{name}: {n}"
-            loss.backward()
-            lm_loss(reference(inputs), targets).backward()
-            compare_full(model, reference, parity, f"{name}, step {step}", grads=True)
-            for module in (model, reference):
-                with torch.no_grad():
-                    for param in module.parameters():
-                        param -= 0.1 * param.grad
-                module.zero_grad(set_to_none=True)
+
+        sgd_steps_in_parity(model, reference, range(2), name, between=look_inside)
 
 
 def test_unshard_params_between_forward_and_backward_keeps_the_backward() -> None:

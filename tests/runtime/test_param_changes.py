@@ -42,7 +42,7 @@ from tests.support.harness_pool import run_distributed, world_sizes
 from tests.support.harness_worker import run_subtests
 from tests.support.mixed_precision import PrecisionCase, reference_step
 from tests.support.models import TinyGPT, batch, function_checkpoint_gpt, lm_loss
-from tests.support.parity import assert_resharded, plain_step
+from tests.support.parity import assert_resharded, plain_step, sgd_steps_in_parity, shard_manually
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 BF16_FP32_REDUCE = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -557,16 +557,12 @@ def test_cast_of_part_of_a_flat_parameter_is_refused_at_the_next_forward() -> No
 
 
 def _replaced_between_forward_and_backward(rank: int, world_size: int) -> None:
-    from tests.support.parity import Parity, compare_full
-
     local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        for block in model.blocks:
-            fully_shard(block, strategy=strategy)
-        fully_shard(model, strategy=strategy)
+        shard_manually(strategy)(model)
         original = model.blocks[1].fc_in.weight
         inputs, targets = batch(0)
         loss = lm_loss(model(inputs[local]), targets[local])
@@ -576,17 +572,7 @@ def _replaced_between_forward_and_backward(rank: int, world_size: int) -> None:
         # Nothing of the replacement stayed: the original is back and the
         # model trains like the reference from its untouched values.
         assert model.blocks[1].fc_in.weight is original, strategy
-        parity = Parity(build=TinyGPT, shard=lambda m: None)
-        for step in range(1, 3):
-            inputs, targets = batch(step)
-            lm_loss(reference(inputs), targets).backward()
-            lm_loss(model(inputs[local]), targets[local]).backward()
-            compare_full(model, reference, parity, f"{strategy.name}, step {step}", grads=True)
-            for module in (model, reference):
-                with torch.no_grad():
-                    for param in module.parameters():
-                        param -= 0.1 * param.grad
-                module.zero_grad(set_to_none=True)
+        sgd_steps_in_parity(model, reference, range(1, 3), strategy.name)
 
 
 def test_a_parameter_replaced_between_forward_and_backward_is_refused() -> None:

@@ -348,6 +348,32 @@ def step_and_compare(
     compare_full(model, reference, parity, f"{when} after optimizer step", grads=False)
 
 
+def sgd_steps_in_parity(
+    model: nn.Module, reference: nn.Module, steps: range, when: str, between: Callable[[], None] | None = None
+) -> None:
+    """For each step: the model's forward on this rank's slice of
+    ``batch(step)`` (then ``between()``, where given) and its backward, the
+    reference's on the whole batch, full gradients compared, then both
+    updated by plain SGD (lr 0.1) and their gradients cleared."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    parity = Parity(build=lambda: reference, shard=lambda module: None)
+    for step in steps:
+        inputs, targets = batch(step)
+        loss = lm_loss(model(inputs[local]), targets[local])
+        if between is not None:
+            between()
+        loss.backward()
+        lm_loss(reference(inputs), targets).backward()
+        compare_full(model, reference, parity, f"{when}, step {step}", grads=True)
+        for module in (model, reference):
+            with torch.no_grad():
+                for param in module.parameters():
+                    if param.grad is not None:
+                        param -= 0.1 * param.grad
+            module.zero_grad(set_to_none=True)
+
+
 def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard, replicate) groups for hybrid sharding tests: 2x2 at 4 ranks,
     1 x world_size otherwise. Every rank creates every group."""

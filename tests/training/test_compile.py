@@ -28,8 +28,8 @@ from composable_shard import fully_shard
 
 from tests.support.harness_pool import run_distributed
 from tests.support.hf_models import decoder_layers, hf_step, tiny_llama
-from tests.support.models import TinyGPT
-from tests.support.parity import Parity, run_parity
+from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.parity import Parity, run_parity, sgd_steps_in_parity
 
 # Graph breaks dynamo reports over a parity run at 2 ranks (torch 2.13.0),
 # per case. Each comes from our hooks: the asynchronous all-gather, the wait
@@ -127,16 +127,12 @@ def test_compiled_blocks_and_compiled_model_match_reference_without_new_graph_br
 def _compiled_autograd_refused(rank: int, world_size: int) -> None:
     from torch._dynamo import compiled_autograd
 
-    from tests.support.models import batch, lm_loss
-    from tests.support.parity import compare_full
-
     torch.manual_seed(0)
     model = TinyGPT()
     reference = copy.deepcopy(model)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    parity = Parity(build=TinyGPT, shard=lambda module: None)
     inputs, targets = batch(0)
     local = slice(rank * 4, rank * 4 + 4)
     loss = lm_loss(model(inputs[local]), targets[local])
@@ -144,16 +140,7 @@ def _compiled_autograd_refused(rank: int, world_size: int) -> None:
         with pytest.raises(RuntimeError, match=r"fully_shard\(<root>\): backward \(reaching unit '[\w.<>]+'\) runs under compiled autograd.*is usable"):
             loss.backward()
     # The raise reset the tree: eager steps match the reference again.
-    for step in range(2):
-        inputs, targets = batch(step + 1)
-        lm_loss(reference(inputs), targets).backward()
-        lm_loss(model(inputs[local]), targets[local]).backward()
-        compare_full(model, reference, parity, f"step {step}", grads=True)
-        for module in (model, reference):
-            with torch.no_grad():
-                for param in module.parameters():
-                    param -= 0.1 * param.grad
-            module.zero_grad(set_to_none=True)
+    sgd_steps_in_parity(model, reference, range(1, 3), "eager after the refusal")
 
 
 def test_compiled_autograd_is_refused_and_the_model_trains_after() -> None:
