@@ -159,18 +159,20 @@ def take_back_owners(plan: ViewPlan, shown: tuple[Registration, ...] | None, *, 
     with ``give_back``, register them back anyway ([Note: a parameter
     replaced during a step])."""
     registrations = plan.orig_registrations
-    # A plain loop: dynamo traces this in a compiled root's hooks, and a
-    # comprehension binding a name breaks its graph ("uninitialized cell").
+    # One plain loop (it runs at every showing and reshard): dynamo traces
+    # it in a compiled root's hooks, and a comprehension binding a name
+    # breaks its graph ("uninitialized cell").
     replaced = []
     for index, (parameters, attr, param) in enumerate(registrations):
         current = parameters.get(attr)
-        if current is param or (shown and current is shown[index][2]) or getattr(current, SHOWN_MARK, False):
-            continue
-        replaced.append(index)
-    if give_back or replaced:
-        for parameters, attr, param in registrations:
+        if current is not param and not (shown and current is shown[index][2]) and not getattr(current, SHOWN_MARK, False):
+            replaced.append(index)
+        if give_back:
             parameters[attr] = param
     if replaced:
+        if not give_back:
+            for parameters, attr, param in registrations:
+                parameters[attr] = param
         names = [owner.fqn for info in plan.layout.params for owner in info.owners]
         raise RuntimeError(
             f"fully_shard: parameter {[names[index] for index in replaced][:4]} was replaced by another object "

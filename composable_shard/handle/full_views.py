@@ -85,7 +85,7 @@ def write_back_shown_edits(handle: FlatParamHandle, shown: Sequence[nn.Parameter
         shard = handle.sharded_flat_param
         if window.data_ptr() != shard.data_ptr():  # else the shown views are the shard's own
             current = handle.shard_on_compute_device().to(window.dtype)
-            edited = (window != current) & ~(window.isnan() & current.isnan())
+            edited = _differs(window, current)
             if bool(edited.any()):  # a host-device sync, once per handle per explicit unshard
                 shard.copy_(torch.where(edited.to(shard.device), window.to(shard.device, shard.dtype), shard))
     return wrong
@@ -150,6 +150,10 @@ def load_shard_from_full(handle: FlatParamHandle, full_flat: torch.Tensor) -> No
     shard = handle.sharded_flat_param
     with torch.no_grad():
         window = full_flat[start : start + handle.layout.shard_numel].to(shard.device, shard.dtype)
-        edited = (window != shard) & ~(window.isnan() & shard.isnan())
-        if bool(edited.any()):  # a host-device sync, once per handle per unshard_params
+        if bool(_differs(window, shard).any()):  # a host-device sync, once per handle per unshard_params
             shard.copy_(window)
+
+
+def _differs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where ``new`` holds another value than ``old`` (NaN equal to NaN)."""
+    return (new != old) & ~(new.isnan() & old.isnan())

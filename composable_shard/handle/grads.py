@@ -105,15 +105,16 @@ __all__ = [
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
-def refuse_grad_dtype(param: torch.Tensor, fqn: str, name: str | None = None) -> None:
-    """Raise, naming ``fqn`` (in ``fully_shard(name)`` where given), if
-    ``param``'s ``grad_dtype`` is not its dtype ([Note: a parameter's
-    grad_dtype])."""
+def refuse_grad_dtype(param: torch.Tensor, fqn: str, name: str | None = None, *, prefix: str = "") -> None:
+    """Raise, naming ``prefix + fqn`` (in ``fully_shard(name)`` where
+    given), if ``param``'s ``grad_dtype`` is not its dtype ([Note: a
+    parameter's grad_dtype]). Read for every parameter at every root
+    forward: the name is only put together to raise."""
     if not _HAS_GRAD_DTYPE or param.grad_dtype == param.dtype:
         return
     wanted = "None (any dtype)" if param.grad_dtype is None else str(param.grad_dtype)
     raise ValueError(
-        f"fully_shard{'' if name is None else f'({name})'}: parameter '{fqn}' has grad_dtype {wanted}, other than its dtype "
+        f"fully_shard{'' if name is None else f'({name})'}: parameter '{prefix}{fqn}' has grad_dtype {wanted}, other than its dtype "
         f"{param.dtype}; its gradient is a view of its flat parameter's, which has the parameter's dtype "
         "(or the mixed-precision policy's). For float32 gradients of low-precision compute, keep the "
         "parameters in float32 and pass mixed_precision=MixedPrecision(param_dtype=torch.bfloat16). Set "

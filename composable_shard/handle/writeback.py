@@ -93,7 +93,7 @@ def find_user_edits(handle: ShardedParams, *, name_prefix: str) -> tuple[list[Us
     shard_ptr = handle.sharded_flat_param.untyped_storage().data_ptr()
     for info, param in zip(handle.layout.params, handle.orig_params):
         requires_grad.append(param.requires_grad)
-        refuse_grad_dtype(param, f"{name_prefix}{info.fqn}")  # [Note: a parameter's grad_dtype] in grads.py
+        refuse_grad_dtype(param, info.fqn, prefix=name_prefix)  # [Note: a parameter's grad_dtype] in grads.py
         for owner in info.owners:
             if owner.module._parameters.get(owner.attr) is not param:
                 raise RuntimeError(

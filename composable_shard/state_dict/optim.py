@@ -515,7 +515,8 @@ def _receive_broadcast(
     # In rank 0's order, the same on every rank whatever order each
     # optimizer holds its parameters in (each broadcast pairs up by it).
     by_fqn = _by_fqn(params)
-    devices = [op.entry.handle.compute_device for op in params if op.entry is not None]
+    # Where a tensor this rank does not keep is received: any of its sharded parameters' device.
+    fallback_device = next((op.entry.handle.compute_device for op in params if op.entry is not None), torch.device("cpu"))
     state: dict[str, Any] = {}
     absent: list[str] = []
     for fqn, values in skeleton["state"].items():
@@ -529,7 +530,7 @@ def _receive_broadcast(
                 if op is not None:  # rank 0's own objects: copied, as every other load path does
                     state[fqn][key] = item.clone() if isinstance(item, torch.Tensor) else copy.deepcopy(item)
                 continue
-            device = op.entry.handle.compute_device if op is not None and op.entry is not None else devices[0]
+            device = op.entry.handle.compute_device if op is not None and op.entry is not None else fallback_device
             full = _broadcast_full(state_dict, fqn, key, item, device)
             if op is None:
                 continue  # received only to keep the broadcasts paired

@@ -123,21 +123,16 @@ def _materialize_module(
     name = type(module).__name__
     if param_init_fn is None and not callable(getattr(module, "reset_parameters", None)):
         raise ValueError(_no_init_message(fqn, name))  # check_materializable normally caught it
-    materialized: list[str] = []
+    materialized: list[str] = []  # [Note: tensors an init left unwritten]
     for attr, param in module._parameters.items():
         if param is not None and param.is_meta:
             _materialize_param(param, device, name)
+            _mark_unwritten(param)
             materialized.append(attr)
     for attr, buffer in module._buffers.items():
         if buffer is not None and buffer.is_meta:
-            module._buffers[attr] = torch.empty_like(buffer, device=device)
+            module._buffers[attr] = _mark_unwritten(torch.empty_like(buffer, device=device))
             materialized.append(attr)
-    tensors = {**module._parameters, **module._buffers}
-    with torch.no_grad():
-        for attr in materialized:  # [Note: tensors an init left unwritten]
-            tensor = tensors[attr]
-            if tensor is not None and _can_mark_unwritten(tensor):
-                tensor.fill_(float("nan"))
     params_before = dict(module._parameters)
     with torch.no_grad():
         if param_init_fn is not None:
@@ -172,6 +167,15 @@ def _can_mark_unwritten(tensor: torch.Tensor) -> bool:
     """Whether NaN can mark ``tensor``'s elements as not yet written:
     floating point (an init gives no NaN; integer tensors are not checked)."""
     return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _mark_unwritten(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, filled with NaN where NaN can mark it ([Note: tensors an
+    init left unwritten])."""
+    if _can_mark_unwritten(tensor):
+        with torch.no_grad():
+            tensor.fill_(float("nan"))
+    return tensor
 
 
 def _materialize_param(param: nn.Parameter, device: torch.device, module_name: str) -> None:

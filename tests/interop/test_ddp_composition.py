@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from composable_shard import ShardingStrategy, fully_shard, is_fully_sharded
 
 from tests.support.harness_pool import run_distributed
-from tests.support.parity import Parity, compare_full
+from tests.support.parity import Parity, step_and_compare
 
 
 class Inner(nn.Module):
@@ -73,12 +73,7 @@ def _train(rank: int, world_size: int, strategy: str, ignored_as: str, dim: int)
             torch.testing.assert_close(mean_loss / world_size, reference_loss.detach(), atol=2e-6, rtol=1e-5)
             loss.backward()
             reference_loss.backward()
-            compare_full(model, reference, parity, f"step {step} after backward", grads=True)
-            optimizer.step()
-            reference_optimizer.step()
-            optimizer.zero_grad()
-            reference_optimizer.zero_grad()
-            compare_full(model, reference, parity, f"step {step} after optimizer step", grads=False)
+            step_and_compare(model, reference, (optimizer, reference_optimizer), parity, f"step {step}")
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
