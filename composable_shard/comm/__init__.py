@@ -101,13 +101,12 @@ __all__ = [
 Work = dist.Work
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class PendingCollective:
-    """An issued collective and the tensors it reads or writes.
-
-    Whoever holds this keeps ``output`` and ``inputs`` alive until the work is
-    waited on (the backend may still be reading or writing them).
-    """
+    """An issued collective and the tensors it reads or writes: whoever holds
+    this keeps ``output`` and ``inputs`` alive until the work is waited on
+    (the backend may still use them); then ``inputs`` may go (``Scheduler``
+    drops them before a reduction's finish allocates)."""
 
     work: Work | ChunkOfAllReduce | SharedMemoryWork | TagCheckedWork | GatheredThenCopied | FreedAtWait | None
     output: torch.Tensor

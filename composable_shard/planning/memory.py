@@ -212,22 +212,12 @@ class FlatParamPlan:
     def reduction_kept_at_finish_bytes(self) -> int:
         """What a finished reduction still keeps, besides the sharded
         gradient it became, while its finish (and the user's hooks) run:
-        the inputs gloo held (the padded gradient in the reduce dtype and,
-        cast, in the compute dtype), the output if cast to the gradient
-        dtype (``comm.reduce_grad``, ``comm.finish_grad_reduction``)."""
-        if not self.requires_grad:
+        the output if cast to the gradient dtype (``comm.finish_grad_reduction``).
+        Its inputs (the padded gradient, its cast) were dropped at the wait
+        (``Scheduler._finish_reduction``)."""
+        if not self.requires_grad or self.grad_dtype == self.reduce_dtype:
             return 0
-        reduce, compute = self.reduce_dtype.itemsize, self.param_dtype.itemsize
-        cast = self.padded_numel * compute if self.param_dtype != self.reduce_dtype else 0
-        if not self.is_sharded:
-            kept = cast
-        elif self.reduction_frees_grad:
-            kept = 0
-        else:
-            kept = self.padded_numel * reduce + cast
-        if self.grad_dtype != self.reduce_dtype:
-            kept += self.shard_numel * reduce
-        return kept
+        return self.shard_numel * self.reduce_dtype.itemsize
 
     def bucket_key(self, bucket_bytes: int) -> tuple | None:
         """The bucket its reduction joins ([Note: coalesced reductions] in

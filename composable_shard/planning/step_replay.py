@@ -39,8 +39,9 @@ nothing to train issues nothing). While held, a unit's padded gradient
 counts as unsharded. Issuing a bucket finishes the reduction in flight,
 then holds the held gradients, their casts to the reduce dtype, the
 side-by-side copy and the output at once; in flight it keeps the output
-(and, through gloo, the copy). Its finish copies each unit's shard out of
-the output before the output goes. Through shared memory there is no
+(and, through gloo, the copy; on CUDA the gradients and casts the lane
+reads too). Its wait drops all but the output, then its finish copies each
+unit's shard out of the output before the output goes. Through shared memory there is no
 side-by-side copy: a reduce-scatter's output is each unit's shard and an
 all-reduce sums each gradient where it lies, divided in place, so the
 finish copies only where a shard is cast to the gradient dtype. ``buckets_in_backward`` lists the
@@ -269,10 +270,11 @@ def step_moments(
                 )
             else:
                 copies = sum(fp.shard_numel * fp.reduce_dtype.itemsize for fp in members)
+            # The wait dropped the inputs (gloo's side-by-side copy of a
+            # reduce-scatter): the output stays until every copy is made.
+            output = sum(fp.shard_numel * fp.reduce_dtype.itemsize for fp in members)
             label = f"finish of the bucket of {names_of(flying)}"
-            moments.append(
-                StepPeak(label, reduced, gathered.total, unsharded_grads, comm + in_flight + copies, 0, acts)
-            )
+            moments.append(StepPeak(label, reduced, gathered.total, unsharded_grads, comm + output + copies, 0, acts))
         for i in flying:
             finish(i, unsharded_grads, comm, acts)
         in_flight, flying, flying_is_bucket = 0, [], False

@@ -40,7 +40,8 @@ tests/scheduler/test_cuda_lanes.py (a fake of CUDA's stream rules).
 [Note: buffer lifetimes across lanes]
 Buffers are never tied to a stream with ``record_stream``: a tensor compute
 allocated and a lane reads stays referenced by its ``InFlight`` until
-compute waited on the fence; a block a lane allocated and the host frees is
+compute waited on the fence, and no longer (a reduction's inputs go before
+its finish allocates); a block a lane allocated and the host frees is
 reused by the lane only after the compute event recorded at the free.
 docs/design/runtime.md has the stream-order argument behind the three notes.
 """
@@ -441,14 +442,16 @@ class Scheduler:
 
     def _finish_reduction(self, reduction: _Reduction) -> None:
         # The fence first, also when nothing was returned: the launch may
-        # still have enqueued work (see [Note: lane fences]). Compute waits
-        # for the collective only, so the blocks of its inputs that compute
-        # allocated may be reused once the InFlight is dropped.
+        # still have enqueued work (see [Note: lane fences]).
         in_flight = reduction.in_flight
         self.reduce_scatter_lane.wait(in_flight)
         pending = in_flight.pending
         if pending is None:
             return
+        # Compute is ordered after everything the collective read (on CPU the
+        # backend is done with it): its inputs go now, before the finish
+        # allocates ([Note: buffer lifetimes across lanes]).
+        pending.inputs = ()
         if not reduction.finish_on_lane:
             reduction.on_done(pending)
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -126,6 +127,42 @@ def test_scheduler_host_wait_orders_downloads_before_host_reads() -> None:
         memory.access("host gradient", cuda.host_op("optimizer reads gradient"), write=False)
     assert memory.races == [], memory.races
     assert reduce_stream.name != "compute" and ("synchronize", "compute", "") in cuda.log
+
+
+def test_a_reductions_inputs_go_at_its_wait_before_its_finish_allocates() -> None:
+    # [Note: buffer lifetimes across lanes]: the gradients compute allocated
+    # and the lane read (a bucket's, on CUDA) stay referenced until compute
+    # waited on the fence, and not a moment longer: the finish's copies may
+    # reuse their blocks, ordered after the lane's reads. Before, they lived
+    # through the finish (one bucket of gradients more at the CUDA peak, seen
+    # on an H200 by tests/planning/test_plan.py's CUDA variant).
+    cuda = FakeCuda()
+    seen: list[tuple[bool, bool]] = []
+    with cuda.installed():
+        scheduler = Scheduler(_CUDA, limit_all_gathers=True)
+        memory = cuda.memory
+        alive: list[weakref.ref] = []
+
+        def launch(async_op: bool) -> PendingCollective:
+            gradient = torch.ones(4)  # compute's, held only by the pending collective
+            memory.access("gradient", cuda.launch("backward writes gradient"), write=True)
+            weakref.finalize(gradient, memory.free, "gradient", allocated_on="compute")
+            alive.append(weakref.ref(gradient))
+            with torch.cuda.stream(scheduler.reduce_scatter_lane.stream):  # type: ignore[attr-defined]
+                op = cuda.launch("all-reduce of the bucket")
+                memory.access("gradient", op, write=False)
+                memory.allocate("summed", op)
+            return PendingCollective(None, torch.zeros(4), (gradient,))
+
+        def on_done(reduced: PendingCollective) -> None:
+            seen.append((alive[-1]() is None, reduced.inputs == ()))
+            memory.allocate("finished shard", cuda.launch("finish copies the shard"))
+
+        scheduler.reduce(launch, on_done)
+        scheduler.reduce(launch, on_done)  # pushes the first out
+        scheduler.wait_for_reductions()
+    assert seen == [(True, True), (True, True)]
+    assert memory.races == [], memory.races
 
 
 def test_scheduler_holds_a_freed_buffer_only_until_the_next_all_gather_allocated() -> None:

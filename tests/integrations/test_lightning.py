@@ -1,5 +1,6 @@
 """The Lightning strategies (composable_shard.integrations.lightning) with a
-real ``lightning.pytorch.Trainer`` and ``lightning.fabric.Fabric`` on CPU:
+real ``lightning.pytorch.Trainer`` and ``lightning.fabric.Fabric`` on CPU
+(the Trainer on a GPU too, where there is one):
 parameters after every optimizer step equal one process training the
 unsharded model on the global batch (accumulation, clipping, bf16-mixed),
 checkpoints resume exactly (also at another world size), and misuse is
@@ -36,7 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from composable_shard import fully_shard, is_fully_sharded, unshard_params
 from composable_shard.integrations.lightning import FabricShardStrategy, ShardStrategy
 
-from tests.support.harness_pool import run_distributed
+from tests.support.harness_pool import requires_cuda, run_distributed
 from tests.support.models import DIM, Block
 from tests.support.parity import StepSlack
 
@@ -177,10 +178,10 @@ def _in_harness_ranks(rank: int) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _trainer(world_size: int, strategy: ShardStrategy, **kwargs: Any) -> pl.Trainer:
+def _trainer(world_size: int, strategy: ShardStrategy, *, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
     kwargs.setdefault("max_epochs", 1)
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world_size,
         strategy=strategy,
         logger=False,
@@ -200,14 +201,15 @@ def _reference(
     clip: float | None = None,
     autocast: bool = False,
     dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
 ) -> _Reference:
     """One process, the unsharded model, the global batch: what Lightning's
     loop does (loss / accumulate, clip the norm, step, scheduler per step)
-    with the module's own optimizer."""
-    model = copy.deepcopy(module).to(dtype)
+    with the module's own optimizer, on ``device``."""
+    model = copy.deepcopy(module).to(device, dtype)
     optimizer = model.configure_optimizers()["optimizer"]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    x_all, y_all = _data().tensors
+    x_all, y_all = (t.to(device) for t in _data().tensors)
     record = _Reference()
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     for epoch in range(epochs):
@@ -217,7 +219,7 @@ def _reference(
         micro = GLOBAL_BATCH // accumulate
         for index in range(SAMPLES // micro):
             x, y = x_all[order[index * micro : (index + 1) * micro]], y_all[order[index * micro : (index + 1) * micro]]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = F.mse_loss(model(x.to(dtype)), y.to(dtype)) / accumulate
             loss.backward()
             if (index + 1) % accumulate:
@@ -330,6 +332,32 @@ def _trainer_matches_reference(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trainer_matches_one_process_on_the_global_batch(world_size: int) -> None:
     run_distributed(_trainer_matches_reference, world_size, timeout=300)
+
+
+def _trainer_on_a_gpu_matches_reference(rank: int, world_size: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    # fp32: the policy given to the strategy; the module built on the CPU.
+    torch.manual_seed(0)
+    module = Regressor()
+    expected = _reference(module, epochs=1, device=device)
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), accelerator="gpu")
+    assert {p.device for p in module.parameters()} == {device}
+    _assert_steps_equal(recorder.steps, recorder.grads, expected, TIGHT)
+
+    # bf16-mixed: autocast on the device over fp32 parameters.
+    torch.manual_seed(0)
+    module = Regressor()
+    expected = _reference(module, epochs=1, autocast=True, device=device)
+    recorder = _fit(rank, world_size, module, ShardStrategy(policy={Block}), precision="bf16-mixed", accelerator="gpu")
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    _assert_steps_equal(recorder.steps, None, expected, BF16)
+
+
+@requires_cuda
+def test_trainer_on_a_gpu_matches_one_process_on_the_gpu() -> None:
+    """``accelerator="gpu"``: NCCL, the rank's CUDA device, the loop above."""
+    run_distributed(_trainer_on_a_gpu_matches_reference, 1, backend="nccl", timeout=300)
 
 
 def _whole_parameter_optimizer_matches_reference(rank: int, world_size: int) -> None:
