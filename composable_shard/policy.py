@@ -33,6 +33,7 @@ __all__ = [
     "unit_name",
     "is_small_unit",
     "is_container_without_forward",
+    "reads_children_parameters",
     "SMALL_UNIT_GROUP_BYTES",
 ]
 
@@ -55,6 +56,22 @@ def is_container_without_forward(module: nn.Module) -> bool:
     """Whether ``module`` is a container whose class defines no forward
     ([Note: containers without a forward])."""
     return isinstance(module, _CONTAINERS) and type(module).forward is nn.Module.forward
+
+
+# [Note: modules that read their children's parameters]
+# ``nn.MultiheadAttention`` hands ``out_proj.weight`` and ``out_proj.bias``
+# to ``F.multi_head_attention_forward`` and never calls ``out_proj``: a unit
+# there would never gather, and the attention ran on its 1-D shards (torch's
+# "mat2 must be a matrix"). Policies never look inside such a module (its
+# children's parameters go to the unit that holds it; FSDP1's size-based
+# policy does the same), and a child made a unit by hand is refused by name
+# when a ``fully_shard`` call covers the parent (units/rules.py). Pinned by
+# tests/runtime/test_errors.py
+# (test_children_of_multihead_attention_are_never_units).
+def reads_children_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s forward reads its children's parameters without
+    calling them ([Note: modules that read their children's parameters])."""
+    return isinstance(module, nn.MultiheadAttention)
 
 # ``SmallUnitGroups``' default group size: the default size of a bucket of
 # small units' all-gathers (``comm.GATHER_BUCKET_BYTES``), which a unit
@@ -107,7 +124,8 @@ class _PerModulePolicy(Policy):
             for child in module.children():
                 if skip(child):
                     continue
-                visit(child)
+                if not reads_children_parameters(child):
+                    visit(child)
                 decision = self.decide(child)
                 if decision is True or isinstance(decision, dict):
                     chosen.append(UnitChoice(child, dict(decision) if isinstance(decision, dict) else {}))
@@ -149,7 +167,9 @@ class CustomPolicy(_PerModulePolicy):
 
 class SizeBasedPolicy(Policy):
     """Bottom-up: a subtree with at least ``min_num_params`` parameters not yet
-    claimed by a unit below it becomes a unit."""
+    claimed by a unit below it becomes a unit. Parameters of units made
+    earlier and of ignored modules are not counted (they are claimed: an
+    earlier unit's are its local shard, of another size on every rank)."""
 
     def __init__(self, min_num_params: int) -> None:
         if min_num_params < 1:
@@ -166,8 +186,10 @@ class SizeBasedPolicy(Policy):
         def visit(module: nn.Module) -> None:
             for child in module.children():
                 if skip(child):
+                    claimed.update(id(p) for p in child.parameters())
                     continue
-                visit(child)
+                if not reads_children_parameters(child):
+                    visit(child)
                 if is_container_without_forward(child):
                     continue  # [Note: containers without a forward]
                 if unclaimed_numel(child) >= self.min_num_params:

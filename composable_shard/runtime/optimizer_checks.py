@@ -206,7 +206,8 @@ def refuse_local_loss_scaler(optimizer: torch.optim.Optimizer, units: Callable[[
             return
         if frame.f_code in _SCALER_CODES:
             scaler = frame.f_locals.get("self")
-            if scaler is None or hasattr(scaler, "process_group"):
+            # Sharded, or disabled (its step is the optimizer's, nothing decided).
+            if scaler is None or hasattr(scaler, "process_group") or not scaler.is_enabled():
                 return
             sharded = (unit for unit in units() if unit.groups.is_sharded and unit.groups.shard_world_size > 1)
             stepped = _first_stepped_param(optimizer, sharded)

@@ -32,7 +32,7 @@ from ..handle.layout import ParamOwner
 from ..handle import FlatParamSource
 from .composable_registry import replicated_modules
 from .param_kinds import check_flattenable
-from ..policy import Policy, UnitChoice, is_container_without_forward, select_units
+from ..policy import Policy, UnitChoice, is_container_without_forward, reads_children_parameters, select_units
 from ..runtime.state import UnitState, get_state, unit_states_under
 
 __all__ = [
@@ -136,7 +136,27 @@ def choose_units(
         for unit_module in choice.modules:
             if is_container_without_forward(unit_module):
                 _refuse_container(unit_module, members, by_policy=choice is not choices[-1])
+    _refuse_units_read_by_their_parent(members, {id(m) for choice in choices for m in choice.modules})
     return choices
+
+
+def _refuse_units_read_by_their_parent(members: list[nn.Module], new_units: set[int]) -> None:
+    """[Note: modules that read their children's parameters] in policy.py:
+    a child of such a module, made a unit earlier or in this call, is
+    refused by name."""
+    for member in members:
+        for name, module in member.named_modules():
+            if not reads_children_parameters(module):
+                continue
+            for child_name, child in module.named_children():
+                if id(child) in new_units or get_state(child) is not None:
+                    where = f"{name}.{child_name}" if name else child_name
+                    raise ValueError(
+                        f"fully_shard({type(member).__name__}): '{where}' ({type(child).__name__}) is a unit, but "
+                        f"its parent {type(module).__name__} reads its parameters without calling it, so the unit "
+                        f"would never gather. Make '{name or type(member).__name__}' (or a module above it) the "
+                        "unit instead; policies never pick such a child."
+                    )
 
 
 def _refuse_container(container: nn.Module, members: list[nn.Module], *, by_policy: bool) -> None:

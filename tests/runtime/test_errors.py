@@ -16,7 +16,7 @@ from composable_shard import CustomPolicy, ModuleWrapPolicy, SizeBasedPolicy, fu
 from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed
-from tests.support.models import Block, TinyGPT, batch, lm_loss
+from tests.support.models import DIM, Block, TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, assert_resharded, compare_full
 
 
@@ -259,6 +259,82 @@ def _containers_refused_and_passed_over(rank: int, world_size: int) -> None:
 
 def test_containers_without_a_forward_are_refused_and_passed_over() -> None:
     run_distributed(_containers_refused_and_passed_over, 2)
+
+
+class _AttentionBlock(nn.Module):
+    """A residual block around ``nn.MultiheadAttention``, then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.mha(x, x, x, need_weights=False)[0])
+
+
+def _attention_gpt() -> nn.Module:
+    model = TinyGPT(n_blocks=0)
+    model.blocks = nn.ModuleList([_AttentionBlock() for _ in range(2)])
+    return model
+
+
+def _multihead_attention_children(rank: int, world_size: int) -> None:
+    # MultiheadAttention passes out_proj's parameters to its functional form
+    # and never calls out_proj: before, a policy that picked out_proj (its
+    # size alone, or a Linear subclass) made a unit that never gathered, and
+    # the first forward raised "mat2 must be a matrix".
+    out_proj_numel = DIM * DIM + DIM
+    for policy, expected in (
+        (SizeBasedPolicy(out_proj_numel), ["", "tok_emb", "blocks.0.mha", "blocks.0.fc", "blocks.1.mha", "blocks.1.fc"]),
+        (ModuleWrapPolicy({nn.Linear}), ["", "blocks.0.fc", "blocks.1.fc", "head"]),
+    ):
+        torch.manual_seed(0)
+        model = _attention_gpt()
+        reference = copy.deepcopy(model)
+        fully_shard(model, policy=policy)
+        assert [name for name, _ in unit_states_under(model)] == expected, type(policy).__name__
+        _train_step_matches(model, reference, rank, world_size)
+    # Made a unit by hand: refused by name once a call covers the attention.
+    model = _attention_gpt()
+    fully_shard(model.blocks[1].mha.out_proj)
+    refused = (
+        r"fully_shard\(TinyGPT\): 'blocks\.1\.mha\.out_proj' \(NonDynamicallyQuantizableLinear\) is a unit, but its "
+        r"parent MultiheadAttention reads its parameters without calling it.*Make 'blocks\.1\.mha'"
+    )
+    with pytest.raises(ValueError, match=refused):
+        fully_shard(model)
+    assert not is_fully_sharded(model)
+
+
+def test_children_of_multihead_attention_are_never_units() -> None:
+    run_distributed(_multihead_attention_children, 2)
+
+
+def _size_policy_counts_whole_parameters(rank: int, world_size: int) -> None:
+    # A block's parameters besides fc_in stay below the threshold; fc_in is
+    # an earlier unit (its parameters are now this rank's shard) or ignored.
+    # Before, the policy counted those too, at their local size (another on
+    # each rank: ranks could choose different units and hang), and made
+    # blocks.0 a unit.
+    threshold = sum(param.numel() for name, param in Block().named_parameters() if not name.startswith("fc_in")) + 1
+    for earlier_unit in (True, False):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        if earlier_unit:
+            fully_shard(model.blocks[0].fc_in)
+            fully_shard(model, policy=SizeBasedPolicy(threshold))
+        else:
+            fully_shard(model, policy=SizeBasedPolicy(threshold), ignored_states=[model.blocks[0].fc_in])
+        units = [name for name, _ in unit_states_under(model)]
+        assert units == ["", *(["blocks.0.fc_in"] if earlier_unit else []), "blocks.1", "blocks.2"], units
+        if earlier_unit:  # ignored parameters' gradients stay local: no parity to check there
+            _train_step_matches(model, reference, rank, world_size)
+
+
+def test_size_based_policy_counts_neither_earlier_units_nor_ignored_modules() -> None:
+    run_distributed(_size_policy_counts_whole_parameters, 2)
 
 
 def _copies_refused(rank: int, world_size: int) -> None:

@@ -290,6 +290,19 @@ def _loss_scalers(rank: int, world_size: int) -> None:
         plain.step(optimizer)
     assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before)), "the refused step updated"
 
+    # A disabled scaler (the usual GradScaler(enabled=use_fp16)) decides
+    # nothing: its step is the optimizer's, taken.
+    for disabled in (torch.amp.GradScaler("cpu", enabled=False), ShardedGradScaler("cpu", enabled=False)):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        inputs, targets = batch(3)
+        disabled.scale(lm_loss(model(_local(inputs)), _local(targets))).backward()
+        lm_loss(reference(inputs), targets).backward()
+        disabled.step(optimizer)
+        disabled.update()
+        reference_optimizer.step()
+        compare_full(model, reference, parity, f"disabled {type(disabled).__name__}", grads=False)
+
     sharded = ShardedGradScaler("cpu", init_scale=2.0**10)
     reference_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(2):
