@@ -15,6 +15,7 @@ Public names: ``all_gather_into``, ``reduce_scatter``, ``message_method``,
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, TypedDict
 
 import torch
@@ -158,8 +159,18 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bo
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    """Element-wise maximum of ``tensor`` in place over the group
+    (synchronous); a NaN on any rank gives NaN, as ``torch.maximum`` does
+    (gloo's MAX keeps or drops a peer's NaN by the order it compares in:
+    an inf-norm over shards missed a NaN gradient)."""
+    if not tensor.is_floating_point():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return
+    flat = tensor.view(-1)
+    packed = torch.cat([flat.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf), flat.isnan().to(flat.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    value, nan = packed.split(flat.numel())
+    flat.copy_(value.masked_fill(nan > 0, math.nan))
 
 
 def max_over_groups(

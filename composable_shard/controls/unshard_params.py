@@ -218,10 +218,21 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             grads = local_grads.setdefault(groups, [])
             if param.grad is not None:
                 grads.append(local_tensor(param.grad))
-    # Parameters no unit owns (ignored states) are whole on every rank (a
+    # ``module``'s parameters that a unit above it owns (a plain module
+    # holding units and its ancestor's parameters) are that unit's local
+    # parts; before, they counted as whole, and each rank clipped by its own
+    # norm. Those no unit owns (ignored states) are whole on every rank (a
     # DTensor one: its local part, summed over its mesh when sharded).
-    for param in module.parameters():
-        if id(param) not in owned and param.grad is not None and param.grad.numel() > 0:
+    leftover = [param for param in module.parameters() if id(param) not in owned]
+    tree = units[0].root_context.units if leftover and units[0].root_context is not None else []
+    above = {id(param): groups for unit in tree if unit not in units for param, groups in unit_norm_groups(unit)}
+    for param in leftover:
+        owner_groups = above.get(id(param))
+        if owner_groups is not None:
+            grads = local_grads.setdefault(owner_groups, [])  # with a gradient here or not, as above
+            if param.grad is not None:
+                grads.append(local_tensor(param.grad))
+        elif param.grad is not None and param.grad.numel() > 0:
             local_grads.setdefault(unowned_norm_groups(param.grad), []).append(local_tensor(param.grad))
     total_norm = global_grad_norm(local_grads, norm_type, units[0].compute_device)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -281,6 +292,11 @@ def global_grad_norm(
     (every rank must pass the same keys in the same order). fp32, on
     ``device``, equal on every rank. Collective over those groups."""
     norm_type = float(norm_type)
+    if not norm_type > 0:  # also NaN; -inf (min |g|) and 0 (a count) are no sums of shards' parts
+        raise ValueError(
+            f"clip_grad_norm_/get_total_norm over sharded gradients: norm_type={norm_type} is not supported; use "
+            "a p-norm with p > 0 or inf. Nothing was clipped."
+        )
     parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]] = [
         (groups, _norm_contribution(grads, norm_type, device)) for groups, grads in local_grads.items()
     ]

@@ -188,11 +188,6 @@ def _sharded_total_norm(
     norm_type: float,
     error_if_nonfinite: bool,
 ) -> torch.Tensor:
-    if not (norm_type > 0):  # also NaN; -inf and 0 are no norm of a sum of shards
-        raise ValueError(
-            f"clip_grad_norm_/get_total_norm over sharded gradients: norm_type={norm_type} is not supported; use "
-            "a p-norm with p > 0 or inf."
-        )
     device = next(iter(owners.values()))[1]  # where the groups' collectives run
     # In the order given (every rank passes the same tensors): the keys,
     # and so the collectives, agree across ranks. A tensor no unit owns

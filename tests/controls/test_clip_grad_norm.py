@@ -7,6 +7,7 @@ mixing strategies; low-precision gradients."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -183,6 +184,59 @@ def _frozen_empty_and_low_precision(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_frozen_empty_local_parts_and_low_precision_grads(world_size: int) -> None:
     run_distributed(_frozen_empty_and_low_precision, world_size)
+
+
+class _Sub(nn.Module):
+    """A plain module: a child made a unit, and a Linear its parent's unit holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.own = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(self.inner(x))
+
+
+def _clip_edges(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Sub(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    fully_shard(model[0].inner)
+    fully_shard(model)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    per_rank = 8 // world_size
+    reference(x).square().mean().backward()
+    model(x[rank * per_rank : (rank + 1) * per_rank]).square().mean().backward()
+    # The plain module's own Linear is its parent unit's shards: before, they
+    # counted as whole tensors and each rank clipped by its own norm.
+    expected = torch.nn.utils.clip_grad_norm_(reference[0].parameters(), 1e-3)
+    total = clip_grad_norm_(model[0], 1e-3)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    with unshard_params(model, with_grads=True, writeback=False):
+        for (name, param), theirs in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    # A NaN in the last rank's gradient shard only: the inf-norm is NaN on
+    # every rank, as in one process (gloo's MAX dropped a peer's NaN).
+    if rank == world_size - 1:
+        with torch.no_grad():
+            next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0).view(-1)[0] = math.nan
+    assert torch.isnan(clip_grad_norm_(model, 1.0, norm_type=math.inf))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=math.inf, error_if_nonfinite=True)
+
+    # Orders no sum over shards gives (before: -inf clipped by the inf-norm, 0 divided by zero).
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for norm_type in (-math.inf, 0.0):
+        with pytest.raises(ValueError, match=rf"norm_type={norm_type} is not supported; use a p-norm with p > 0 or inf"):
+            clip_grad_norm_(model, 1.0, norm_type=norm_type)
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before) if not a.isnan().any())
+
+
+def test_clip_grad_norm_of_a_plain_submodule_nan_shards_and_unsupported_orders() -> None:
+    run_distributed(_clip_edges, 2)
 
 
 def _clip_errors(rank: int, world_size: int) -> None:
