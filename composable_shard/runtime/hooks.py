@@ -37,6 +37,7 @@ from .groups import GroupSteps, end_open_groups, group_method_hooks, register_gr
 from .compiled_autograd import refuse_compiled_autograd
 from .forward_inputs import cast_inputs, check_input_devices, hook_inputs_for_frozen_reshard
 from .labels import hook_label
+from .nested_backwards import defer_nested_reduction, note_backward_task, reduce_nested_deferred
 from .optimizer_checks import refuse_backward_after_step
 from .lifecycle import (
     end_forward_without_backward,
@@ -241,6 +242,7 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
         else:  # [Note: backwards that accumulate nothing of ours]
             hold_after_partial_backward(context)
         state.transition(TrainingState.PRE_BACKWARD, *BETWEEN_STEPS, TrainingState.POST_BACKWARD)
+        note_backward_task(state)  # [Note: reentrant checkpoints inside a unit]
         for handle in state.handles:  # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py
             pending_views.take_user_changes(handle, name_prefix=state.name_prefix, accumulated=False)
         # [Note: trimming the host heap in backward] (runtime/host_memory.py)
@@ -256,11 +258,17 @@ def _pre_backward(state: UnitState, forward_serial: int, grad: torch.Tensor) -> 
 def _post_backward(state: UnitState, handle: FlatParamHandle, flat_param: torch.Tensor) -> None:
     with hook_label(state, "post_backward"):
         _queue_finalize_once(state.context)
-        if reduce_or_defer(state, handle):  # [Note: units that some ranks skip]
-            # From any state (no check to make): a unit whose outputs had no
-            # hookable tensor never ran its pre-backward.
-            state.training_state = TrainingState.POST_BACKWARD
-            state.reshard_frozen_when_done()
+        if not defer_nested_reduction(state, handle):  # [Note: reentrant checkpoints inside a unit]
+            _reduce_after_backward(state, handle)
+
+
+def _reduce_after_backward(state: UnitState, handle: FlatParamHandle, *, prefetch: bool = True) -> None:
+    if reduce_or_defer(state, handle):  # [Note: units that some ranks skip]
+        # From any state (no check to make): a unit whose outputs had no
+        # hookable tensor never ran its pre-backward.
+        state.training_state = TrainingState.POST_BACKWARD
+        state.reshard_frozen_when_done()
+        if prefetch:
             prefetch_in_backward(state, BackwardPrefetch.BACKWARD_POST)
 
 
@@ -280,6 +288,8 @@ def _finalize_backward(context: RootContext) -> None:
     reshard every unit, reset states for the next step."""
     with hook_label(context.root, "finalize_backward"):
         note_accumulating_backward(context)  # [Note: a step after backwards that accumulated nothing]
+        # [Note: reentrant checkpoints inside a unit]
+        reduce_nested_deferred(context, functools.partial(_reduce_after_backward, prefetch=False))
         reduce_skippable(context)  # [Note: units that some ranks skip]
         reduce_left_behind(context)  # [Note: no_sync gradients of units that did not run]
         show_waiting_grads(context)  # [Note: zero_grad while no_sync gradients wait] in handle/pending_views.py

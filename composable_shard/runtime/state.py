@@ -142,6 +142,11 @@ class UnitState:
         self.pending_backward_uses = 0
         # Trainable handles whose gradient was reduced in this backward.
         self.reduced_handles: set[FlatParamHandle] = set()
+        # The backward (graph task id) whose pre-backward gathered the unit,
+        # and the handles held for its end ([Note: reentrant checkpoints
+        # inside a unit] in runtime/nested_backwards.py).
+        self.backward_task = -1
+        self.nested_deferred: list[FlatParamHandle] = []
         # Inside no_sync: gradients stay unsharded and accumulate locally.
         self.skip_grad_sync = False
         # Per-unit runtime controls (controls/per_unit.py; checked by
@@ -351,6 +356,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.reduced_handles.clear()
         self.pending_backward_uses = 0
+        self.nested_deferred = []
 
 
 class RootContext:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard import fully_shard, unshard_params
+from composable_shard import ShardingStrategy, fully_shard, unshard_params
 
 from tests.support.harness_pool import run_distributed
 from tests.support.models import Block, LoRAGPT, TinyGPT, function_checkpoint_gpt, lm_loss
@@ -21,6 +21,12 @@ from tests.support.parity import Parity, assert_resharded, plain_step, run_parit
 def _shard_blocks_and_root(model: nn.Module) -> None:
     for block in model.blocks:
         fully_shard(block)
+    fully_shard(model)
+
+
+def _shard_fc_in_and_root(model: nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block.fc_in)
     fully_shard(model)
 
 
@@ -62,6 +68,20 @@ def _checkpointing_matches_reference(rank: int, world_size: int) -> None:
     cases = {
         "checkpoint(use_reentrant=False)": (functools.partial(function_checkpoint_gpt, False), _shard_blocks_and_root),
         "checkpoint(use_reentrant=True)": (functools.partial(function_checkpoint_gpt, True), _shard_blocks_and_root),
+        # [Note: reentrant checkpoints inside a unit]: several regions in one
+        # unit (before: the second recomputed on 1-D shards and raised).
+        "checkpoint(use_reentrant=True), the root the only unit": (
+            functools.partial(function_checkpoint_gpt, True),
+            fully_shard,
+        ),
+        "checkpoint(use_reentrant=True), NO_SHARD root": (
+            functools.partial(function_checkpoint_gpt, True),
+            functools.partial(fully_shard, strategy=ShardingStrategy.NO_SHARD),
+        ),
+        "checkpoint(use_reentrant=True), regions holding units": (
+            functools.partial(function_checkpoint_gpt, True),
+            _shard_fc_in_and_root,
+        ),
         "checkpoint_wrapper": (_wrapper_checkpoint_gpt, _shard_blocks_and_root),
         "_composable.checkpoint": (TinyGPT, _shard_with_composable_checkpoint),
     }
