@@ -1,8 +1,9 @@
 """Owns: checking a tagged collective's tag on the message path (gloo on
 CPU), which has no header to carry it: a tiny all-gather of every rank's
-tag, issued just before the collective and waited on first, so ranks that
-issue different units' collectives raise, naming both, before they wait on
-bytes that do not match.
+tag, waited on before the collective starts, so ranks that issue
+different units' collectives raise, naming both, before any bytes that do
+not match move (gloo aborts the process on a mispaired collective whose
+sizes differ).
 
 Knows nothing of: units (``tags`` names them), the shared-memory transport
 (its header carries the tag: [Note: tagged collectives] in tags.py), which
@@ -49,14 +50,16 @@ def checked(launch: Callable[[], Any], tensor: torch.Tensor, group: ProcessGroup
         return launch()
     mine = torch.tensor([tag], dtype=torch.int64)
     gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64)
-    tags_work = process_group.all_gather_into(gathered, mine, group=group, async_op=async_op)
-    if not async_op:
-        mismatch = _mismatch(gathered, tag, group)
-        process_group.free_storage(mine, gathered)
-        if mismatch is not None:
-            raise mismatch
-        return launch()
-    return TagCheckedWork(launch(), tags_work, gathered, tag, group, mine=mine)
+    # Waited on before the collective starts, also for an asynchronous one:
+    # gloo aborts the process (std::terminate in its thread, no exception)
+    # when a mispaired collective's sizes differ.
+    process_group.all_gather_into(gathered, mine, group=group, async_op=False)
+    mismatch = _mismatch(gathered, tag, group)
+    process_group.free_storage(mine, gathered)
+    if mismatch is not None:
+        raise mismatch
+    work = launch()
+    return TagCheckedWork(work, tag) if async_op and work is not None else work
 
 
 def _peers_can_differ(group: ProcessGroup | None) -> bool:
@@ -72,57 +75,25 @@ def _peers_can_differ(group: ProcessGroup | None) -> bool:
 
 
 class TagCheckedWork:
-    """A collective's work whose wait first waits for and checks the ranks'
-    tags (the tiny exchange issued before it)."""
+    """A collective's work, its tags already checked, whose wait names the
+    unit the collective is for when it fails (a peer dead or stuck past
+    the timeout)."""
 
-    def __init__(
-        self,
-        work: Any,
-        tags_work: Any,
-        gathered: torch.Tensor,
-        tag: int,
-        group: ProcessGroup | None,
-        *,
-        mine: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, work: Any, tag: int) -> None:
         self._work = work
-        self._tags_work: Any = tags_work
-        self._gathered = gathered
-        # This rank's tag as sent (freed with ``gathered`` once read:
-        # ``process_group.free_storage``).
-        self._mine = mine
         self._tag = tag
-        self._group = group
 
     def wait(self, *timeout: Any) -> bool:
-        """As ``Work.wait``: the tags first (raising if they differ), then
-        the collective; a failure of either (a peer dead or stuck past the
-        timeout) is raised naming the unit the collective is for."""
+        """As ``Work.wait``."""
         try:
-            return self._wait(*timeout)
+            return self._work.wait(*timeout)
         except RuntimeError as error:
             if str(error).startswith(_PREFIX):
                 raise
             raise RuntimeError(f"{_PREFIX} communication failure in a collective for {name_of(self._tag)}: {error}") from error
 
-    def _wait(self, *timeout: Any) -> bool:
-        if self._tags_work is not None:
-            self._tags_work.wait(*timeout)
-            self._tags_work = None
-            mismatch = _mismatch(self._gathered, self._tag, self._group)
-            process_group.free_storage(self._mine, self._gathered)
-            if mismatch is not None:
-                # The backend still writes into the output, which the caller
-                # frees once this raises: let the mispaired collective end first.
-                try:
-                    if self._work is not None:
-                        self._work.wait(*timeout)
-                finally:
-                    raise mismatch
-        return True if self._work is None else self._work.wait(*timeout)
-
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        return self._work.is_completed()
 
 
 def _mismatch(gathered: torch.Tensor, tag: int, group: ProcessGroup | None) -> RuntimeError | None:

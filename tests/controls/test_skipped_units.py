@@ -276,6 +276,39 @@ def test_experts_some_ranks_skip_raise_on_every_rank_naming_them_without_the_mod
             assert seconds < GROUP_TIMEOUT_S / 2, f"rank {rank}, {case}: raised after {seconds:.1f} s: {message}"
 
 
+class _TwoSizes(nn.Module):
+    """Rank 0 runs ``a`` (36 elements), the others ``b`` (42)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6, bias=False)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a if dist.get_rank() == 0 else self.b)(x)
+
+
+def _unmarked_units_of_other_sizes_raise(rank: int, world_size: int) -> str:
+    # Through gloo's messages the tags used to be checked at the wait, after
+    # the mispaired collectives had started: gloo aborted the process whose
+    # sizes did not match (std::terminate, no exception on that rank).
+    with _group_of_its_own("gloo") as group:
+        model = _TwoSizes()
+        for module in (model.a, model.b, model):
+            fully_shard(module, process_group=group)
+        try:
+            model(torch.randn(2, 6)).sum().backward()
+        except RuntimeError as error:
+            return str(error)
+    return "no error"
+
+
+def test_unmarked_units_of_other_sizes_raise_through_gloo_messages_too() -> None:
+    messages = run_distributed(_unmarked_units_of_other_sizes_raise, 2, timeout=3 * GROUP_TIMEOUT_S)
+    assert "for unit 'b' where this rank (rank 0) issued one for unit 'a'" in messages[0], messages
+    assert "for unit 'a' where this rank (rank 1) issued one for unit 'b'" in messages[1], messages
+
+
 def _misuses_are_refused(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"set_may_be_skipped\(MoEModel\): no module in this tree was given to fully_shard"):
