@@ -31,7 +31,8 @@ worst the root, which runs on every rank by definition):
   (and reshards, unless ``set_reshard_after_backward(False)``: then every
   rank keeps every anchored unit, all gathered by the anchor's pre-backward);
 - the end of backward agrees over each group on which marked flat
-  parameters hold a gradient (one all-reduce of flags per step), and every
+  parameters hold a gradient (one all-reduce of flags per step, after one
+  that checks every rank trains the same elements of each), and every
   rank reduces every one that any rank holds, with zeros where this rank
   skipped the unit: the union of work, as one process on the global batch.
 
@@ -219,6 +220,7 @@ def reduce_skippable(context: RootContext) -> None:
     any rank holds, zeros where this rank skipped its unit."""
     if not _MARKED or not _in_use(context):
         return
+    _refuse_trainability_that_differs(context)
     by_groups: dict[tuple, list[tuple[UnitState, FlatParamHandle]]] = {}
     for unit in _anchors(context)[0]:
         if unit.skip_grad_sync:
@@ -239,3 +241,29 @@ def reduce_skippable(context: RootContext) -> None:
             if not handle.has_unsharded_grad():
                 handle.unsharded_flat_param.grad = torch.zeros_like(handle.unsharded_flat_param)
             unit.reduce_grad(handle)
+
+
+def _refuse_trainability_that_differs(context: RootContext) -> None:
+    """The flags below are per flat parameter that ever required grad,
+    taken to be the same on every rank: where a marked unit's trainable
+    elements differ across ranks (frozen on some only) the ranks' flag
+    lists would differ in length and the all-reduce hang until the group's
+    timeout. Agree first (one all-reduce of two numbers per unit: the most
+    and, negated, the fewest) and raise naming the unit on every rank."""
+    by_groups: dict[tuple, list[tuple[UnitState, int]]] = {}
+    for unit in _anchors(context)[0]:
+        if unit.skip_grad_sync:
+            continue
+        trainable = sum(h.layout.padded_unsharded_numel for h in unit.handles if h.ever_required_grad)
+        by_groups.setdefault((unit.groups.shard_group, unit.groups.replicate_group), []).append((unit, trainable))
+    for groups, members in by_groups.items():
+        flags = [value for _, trainable in members for value in (trainable, -trainable)]
+        agreed = max_over_groups(flags, groups, context.root.compute_device)
+        for index, (unit, _) in enumerate(members):
+            most, fewest = agreed[2 * index], -agreed[2 * index + 1]
+            if most != fewest:
+                raise ValueError(
+                    f"composable_shard: unit '{unit.fqn}' (marked with set_may_be_skipped) has {fewest} trainable "
+                    f"elements on one rank and {most} on another: every rank must freeze the same parameters "
+                    "(requires_grad_ the same on every rank) before training."
+                )

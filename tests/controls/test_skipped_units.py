@@ -309,6 +309,30 @@ def test_unmarked_units_of_other_sizes_raise_through_gloo_messages_too() -> None
     assert "for unit 'a' where this rank (rank 1) issued one for unit 'b'" in messages[1], messages
 
 
+def _marked_units_frozen_on_one_rank_raise(rank: int, world_size: int) -> tuple[str, float]:
+    # Before: the end of backward's flag all-reduce got lists of different
+    # lengths and hung until the group's timeout, then a bare gloo timeout.
+    with _group_of_its_own("shared memory") as group:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if rank == 1:
+            model[0].requires_grad_(False)
+        for module in (model[0], model[1], model):
+            fully_shard(module, process_group=group)
+        set_may_be_skipped(model[0])
+        set_may_be_skipped(model[1])
+        started = time.monotonic()
+        with pytest.raises(ValueError) as raised:
+            model(torch.randn(2, 4)).sum().backward()
+        return str(raised.value), time.monotonic() - started
+
+
+def test_marked_units_frozen_on_some_ranks_only_raise_on_every_rank_naming_them() -> None:
+    for message, seconds in run_distributed(_marked_units_frozen_on_one_rank_raise, 2, timeout=3 * GROUP_TIMEOUT_S):
+        assert "unit '0' (marked with set_may_be_skipped) has 0 trainable elements on one rank and 20" in message
+        assert seconds < GROUP_TIMEOUT_S / 2, seconds
+
+
 def _misuses_are_refused(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"set_may_be_skipped\(MoEModel\): no module in this tree was given to fully_shard"):
