@@ -592,7 +592,7 @@ def total_norm_of_parts(
             if group is None:
                 continue
             if is_inf:
-                all_reduce_max(local, group)
+                process_group.all_reduce_max_with_nan(local, group)
             else:
                 all_reduce(local, group, async_op=False)
         total = torch.maximum(total, local) if is_inf else total + local

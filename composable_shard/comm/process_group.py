@@ -159,13 +159,15 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bo
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Element-wise maximum of ``tensor`` in place over the group
-    (synchronous); a NaN on any rank gives NaN, as ``torch.maximum`` does
-    (gloo's MAX keeps or drops a peer's NaN by the order it compares in:
-    an inf-norm over shards missed a NaN gradient)."""
-    if not tensor.is_floating_point():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return
+    """Element-wise maximum of ``tensor`` in place over the group (synchronous)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def all_reduce_max_with_nan(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """``all_reduce_max`` of a floating-point ``tensor`` where a NaN on any
+    rank gives NaN, as ``torch.maximum`` does (gloo's MAX keeps or drops a
+    peer's NaN by the order it compares in: an inf-norm over shards missed
+    a NaN gradient). Twice the bytes: for values that may be NaN only."""
     flat = tensor.view(-1)
     packed = torch.cat([flat.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf), flat.isnan().to(flat.dtype)])
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
