@@ -225,7 +225,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     # DTensor one: its local part, summed over its mesh when sharded).
     leftover = [param for param in module.parameters() if id(param) not in owned]
     tree = units[0].root_context.units if leftover and units[0].root_context is not None else []
-    above = {id(param): groups for unit in tree if unit not in units for param, groups in unit_norm_groups(unit)}
+    below = {id(unit) for unit in units} if tree else set()
+    above = {id(param): groups for unit in tree if id(unit) not in below for param, groups in unit_norm_groups(unit)}
     for param in leftover:
         owner_groups = above.get(id(param))
         if owner_groups is not None:

@@ -62,6 +62,8 @@ def reduce_nested_deferred(context: RootContext, finish: Callable[[UnitState, Fl
     """End of the outer backward: ``finish`` (the post-backward's
     reduction) every held handle, in the units' and handles' order."""
     for unit in context.units:
+        if not unit.nested_deferred:
+            continue
         held, unit.nested_deferred = unit.nested_deferred, []
         for handle in unit.handles:
             if handle in held:

@@ -356,7 +356,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.reduced_handles.clear()
         self.pending_backward_uses = 0
-        self.nested_deferred = []
+        self.nested_deferred.clear()
 
 
 class RootContext:
