@@ -5,7 +5,7 @@ Knows nothing of: modules, policies, how a plan is assembled (``plan``
 hands it a function from per-unit layouts to a finished plan).
 
 Public names: ``UnitLayout``, ``Traffic``, ``unit_traffic``, ``choose_layouts``,
-``SMALLER_BUCKETS``, ``choose_bucket_size``.
+``SMALLER_BUCKETS``, ``LARGER_BUCKETS``, ``choose_bucket_size``.
 
 [Note: a layout chosen for a memory budget]
 Every layout is priced twice: the bytes it moves per step per rank (the
@@ -35,7 +35,20 @@ all-gather's bucket when it is at most a quarter of it), then none; the
 first size with which they fit wins, so the layouts are searched as
 above at the largest buckets the budget holds. A size below the defaults
 with which no unit, under any layout it may get, joins a bucket plans
-exactly as none does and is skipped. The plan (``bucket_bytes``), its
+exactly as none does and is skipped. The other way, where the layouts
+chosen with the defaults leave room, the budget buys fewer collectives:
+the same layouts with buckets of ``LARGER_BUCKETS`` (16 MiB, then 4 MiB)
+are planned, and the first whose peak fits wins. The layouts are not
+searched again at those sizes (a unit sharded to make room for a bucket
+would move more bytes to save a collective), and a size is tried only
+where it coalesces the chosen units into fewer collectives than the
+defaults and every smaller size do (counted in the units' order,
+``_collectives``), so a plan never names a size larger than what
+changes something. On the 64 blocks of width 64 at
+2 ranks (docs/benchmarks.md), 4 MiB buckets ran 0.97-0.98 of 1 MiB's and
+16 MiB 0.97, both FULL_SHARD and NO_SHARD, for 3-7 MiB more peak; the
+comm defaults stay 1 MiB, since without a budget nobody said the memory
+is there. The plan (``bucket_bytes``), its
 table and its ``layout_policy()`` say which size (``bucket_bytes=0``:
 the tree gathers and reduces each unit alone); when no size fits, the
 error is that of the defaults. Deterministic, and rank-independent when
@@ -54,10 +67,20 @@ from ..api import ShardingStrategy
 from .memory import UnitPlan
 from .table import format_bytes
 
-__all__ = ["UnitLayout", "Traffic", "unit_traffic", "choose_layouts", "SMALLER_BUCKETS", "choose_bucket_size"]
+__all__ = [
+    "UnitLayout",
+    "Traffic",
+    "unit_traffic",
+    "choose_layouts",
+    "SMALLER_BUCKETS",
+    "LARGER_BUCKETS",
+    "choose_bucket_size",
+]
 
 # The bucket sizes a budget tries below the comm defaults, largest first.
 SMALLER_BUCKETS = (256 << 10, 64 << 10)
+# The bucket sizes a budget with room to spare tries above them, largest first.
+LARGER_BUCKETS = (16 << 20, 4 << 20)
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,7 @@ class UnitLayout:
 
 class _HasPeak(Protocol):
     rank_bytes: dict[str, int]
+    units: list[UnitPlan]
 
 
 _Plan = TypeVar("_Plan", bound=_HasPeak)
@@ -198,13 +222,19 @@ def choose_bucket_size(
     choose: Callable[[int | None], tuple[_Plan, list[UnitLayout]]],
     units: Sequence[UnitPlan],
     world_size: int,
+    *,
+    at_size: Callable[[list[UnitLayout], int], _Plan],
+    budget: int,
 ) -> tuple[_Plan, list[UnitLayout]]:
     """``choose(bucket_bytes)`` (``choose_layouts`` with buckets of that size:
     None for the comm defaults, 0 for none) at the largest size that fits
     ([Note: a layout chosen for a memory budget]): the defaults, then each
     of ``SMALLER_BUCKETS`` below them with which a unit of ``units`` (every
     unit under every layout it may get) joins a bucket, then none. Raises
-    the defaults' ``ValueError`` when none fits."""
+    the defaults' ``ValueError`` when none fits. Where the defaults fit,
+    the first of ``LARGER_BUCKETS`` whose plan of the same layouts
+    (``at_size(layouts, bucket_bytes)``) is within ``budget``, among those
+    that make the chosen units fewer collectives, instead."""
     if world_size == 1:  # no buckets on one rank
         return choose(None)
     largest = min(comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES)
@@ -214,7 +244,7 @@ def choose_bucket_size(
         if size < largest and any(u.bucket_key(size) is not None or u.gather_key(size) is not None for u in units)
     ]
     try:
-        return choose(None)
+        result, layouts = choose(None)
     except ValueError as with_defaults:
         for size in [*smaller, 0]:
             try:
@@ -222,6 +252,55 @@ def choose_bucket_size(
             except ValueError:
                 continue
         raise with_defaults from None
+    if largest <= 0:  # the comm defaults switched buckets off: no larger ones either
+        return result, layouts
+    # Each larger size that makes fewer collectives than every smaller one
+    # (the defaults included), largest first.
+    fewest = _collectives(result.units, None)
+    worth: list[int] = []
+    for size in sorted(LARGER_BUCKETS):
+        count = _collectives(result.units, size)
+        if size > max(comm.REDUCE_BUCKET_BYTES, comm.GATHER_BUCKET_BYTES) and count < fewest:
+            fewest = count
+            worth.insert(0, size)
+    for size in worth:
+        larger = at_size(layouts, size)
+        if larger.rank_bytes["total"] <= budget:
+            return larger, layouts
+    return result, layouts
+
+
+def _collectives(units: Sequence[UnitPlan], bucket_bytes: int | None) -> int:
+    """All-gathers and reductions of one pass over ``units`` in their order
+    with buckets of ``bucket_bytes`` (None: the comm defaults): a unit that
+    may join a bucket joins the open one while its key matches and the
+    bucket holds it ([Note: coalesced all-gathers] and [Note: coalesced
+    reductions]). A count to compare bucket sizes by, not the runtime's
+    exact phase orders."""
+    gather = comm.GATHER_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    reduce = comm.REDUCE_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    count = 0
+    for is_gathered, size in ((True, gather), (False, reduce)):
+        key_of = UnitPlan.gather_key if is_gathered else UnitPlan.bucket_key
+        open_key: tuple | None = None
+        held = 0
+        for unit in units:
+            flat_params = [fp for fp in unit.flat_params if (fp.needs_unshard_storage if is_gathered else fp.requires_grad)]
+            if not flat_params or (is_gathered and not any(fp.is_sharded for fp in flat_params)):
+                continue  # nothing of it gathered (replicated) or reduced (frozen)
+            key = key_of(unit, size)
+            nbytes = sum(
+                comm.gatherable_bytes(fp.padded_numel, fp.param_dtype, size)
+                if is_gathered
+                else comm.bucketable_bytes(fp.padded_numel, fp.reduce_dtype, size)
+                for fp in flat_params
+            )
+            if key is not None and key == open_key and held + nbytes <= size:
+                held += nbytes
+                continue
+            count += 1
+            open_key, held = key, nbytes
+    return count
 
 
 def _cheapest_reason(unit: UnitPlan, strategy: ShardingStrategy) -> str:

@@ -365,9 +365,17 @@ def plan(
 
         # Every unit under every layout the budget may give it: whether any
         # joins a bucket of a size.
+        def at_size(layouts: list[UnitLayout], bucket_bytes: int) -> ShardingPlan:
+            # The chosen layouts again, with buckets of another size.
+            strategy_of = {layout.name: layout.strategy for layout in layouts if layout.chosen}
+            planned = [unit_for(u.name, strategy_of[u.name]) if u.name in strategy_of else u for u in units]
+            return assemble(planned, bucket_bytes=bucket_bytes)
+
         layouts_tried = [u for u in units if u.name not in choice_of]
         layouts_tried += [unit_for(unit_name, layout) for unit_name in chosen for layout in allowed]
-        result, chosen_layouts = choose_bucket_size(choose, layouts_tried, world_size)
+        result, chosen_layouts = choose_bucket_size(
+            choose, layouts_tried, world_size, at_size=at_size, budget=memory_budget
+        )
         result.memory_budget, result.layouts, result.base_policy = memory_budget, chosen_layouts, policy
     result.optimizer = optimizer_label(optimizer)
     if more.get("warn", False):

@@ -211,12 +211,18 @@ def _buckets_line(bucket_bytes: int | None) -> str:
     (``bucket_bytes``: None for the comm defaults, 0 for none)."""
     if bucket_bytes == 0:
         return "small units' collectives not coalesced: the budget holds the most sharded layouts only without buckets"
+    gather, reduce = comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES
+    if bucket_bytes is not None and bucket_bytes > max(gather, reduce):
+        return (
+            f"small units' all-gathers and reductions in buckets of up to {_bucket_size(bucket_bytes)}: the budget "
+            f"holds these layouts with buckets larger than composable_shard.comm's ({_bucket_size(max(gather, reduce))}), "
+            "so fewer collectives"
+        )
     if bucket_bytes is not None:
         return (
             f"small units' all-gathers and reductions in buckets of up to {_bucket_size(bucket_bytes)}: the budget "
             "holds the most sharded layouts only with buckets this small"
         )
-    gather, reduce = comm.GATHER_BUCKET_BYTES, comm.REDUCE_BUCKET_BYTES
     if gather == reduce == 0:
         return "small units' collectives not coalesced: composable_shard.comm's bucket sizes are 0"
     if gather == reduce:

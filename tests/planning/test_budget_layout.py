@@ -17,12 +17,15 @@ import composable_shard as cs
 from composable_shard import CustomPolicy, LayoutPolicy, ShardingStrategy, fully_shard, is_fully_sharded
 from composable_shard.runtime.state import UnitState, unit_states_under
 from tests.support.budget_layout import (
+    BATCH,
     MODELS,
+    SEQ,
     VOCAB,
     budget_plan,
     budgets,
     lora_stack,
     measure_budgeted,
+    measure_chosen,
     uniform_peak,
     unit_strategies,
 )
@@ -177,15 +180,20 @@ def test_budgeted_layouts_hold_what_the_plan_predicts(world_size: int) -> None:
                 assert set(record["layouts"].values()) == {"NO_SHARD"}, where
             else:
                 assert {"FULL_SHARD", "SHARD_GRAD_OP"} & set(record["layouts"].values()), where
-            planned, allocated = record["planned"], record["allocated"]
-            for key in ("params", "grads", "optimizer", "buffers"):
-                assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != {allocated[key]}"
-            tensors = planned["total"] - planned["transport"] - planned["runtime"]
-            error = abs(tensors - allocated["peak"]) / allocated["peak"]
-            assert error <= PEAK_TOLERANCE, (
-                f"{where}: planned peak {tensors} vs measured {allocated['peak']} ({100 * error:.1f}% off, "
-                f"worst moment {record['peak_moment']})"
-            )
+            _assert_held_as_planned(record, where)
+
+
+def _assert_held_as_planned(record: dict, where: str) -> None:
+    """Model state exact, the step's tensors within PEAK_TOLERANCE of the plan."""
+    planned, allocated = record["planned"], record["allocated"]
+    for key in ("params", "grads", "optimizer", "buffers"):
+        assert planned[key] == allocated[key], f"{where}: planned {key} {planned[key]} != {allocated[key]}"
+    tensors = planned["total"] - planned["transport"] - planned["runtime"]
+    error = abs(tensors - allocated["peak"]) / allocated["peak"]
+    assert error <= PEAK_TOLERANCE, (
+        f"{where}: planned peak {tensors} vs measured {allocated['peak']} ({100 * error:.1f}% off, "
+        f"worst moment {record['peak_moment']})"
+    )
 
 
 def _refused_then_trained(kind: str, which: str) -> None:
@@ -453,3 +461,87 @@ def _intermediate_buckets_at_run_time(rank: int, world_size: int) -> None:
 
 def test_a_budget_between_bucket_sizes_coalesces_in_the_chosen_size_at_run_time() -> None:
     run_distributed(_intermediate_buckets_at_run_time, 2, timeout=300)
+
+
+# ------------------------------------------------- buckets grown with room to spare
+MIB = 1 << 20
+
+
+def _wide_small_blocks() -> nn.Module:
+    """24 blocks of about 50 KiB (1.2 MiB in all): 1 MiB buckets hold them
+    in several collectives per pass, 4 MiB ones in one, 16 MiB ones in no
+    fewer."""
+    torch.manual_seed(0)
+    return TinyGPT(n_blocks=24, dim=128, vocab=VOCAB)
+
+
+def _blocks_fully_sharded(model: nn.Module) -> CustomPolicy:
+    """Every block FULL_SHARD by the policy: the budget chooses the root's
+    layout and the buckets."""
+    return CustomPolicy(lambda module: {"strategy": FS} if isinstance(module, Block) else False)
+
+
+def _grown_plan(model: nn.Module, budget: int) -> cs.ShardingPlan:
+    return cs.plan(
+        model, world_size=2, policy=_blocks_fully_sharded(model), device="cpu", memory_budget=budget,
+        input_shape=(BATCH, SEQ),
+    )
+
+
+def test_a_budget_with_room_to_spare_takes_larger_buckets_that_save_collectives() -> None:
+    model = _wide_small_blocks()
+    roomy = _grown_plan(model, 1 << 40)
+    # 16 MiB coalesces no more than 4 MiB: the smaller of the two.
+    assert roomy.bucket_bytes == 4 * MIB and roomy.coalesced
+    assert "in buckets of up to 4 MiB: the budget holds these layouts with buckets larger than " \
+        "composable_shard.comm's (1 MiB), so fewer collectives" in str(roomy)
+    policy = roomy.layout_policy()
+    assert policy.bucket_bytes == 4 * MIB
+    applied = cs.plan(
+        model, world_size=2, policy=policy, strategy=policy.root_strategy, device="cpu", input_shape=(BATCH, SEQ)
+    )
+    assert applied.rank_bytes == roomy.rank_bytes and applied.units == roomy.units
+    # The same layouts with the default buckets peak lower: a budget one
+    # byte short of the larger buckets' peak keeps the defaults, and the layouts.
+    short = _grown_plan(model, roomy.rank_bytes["total"] - 1)
+    assert short.bucket_bytes is None, short.bucket_bytes
+    assert [layout.strategy for layout in short.layouts] == [layout.strategy for layout in roomy.layouts]
+    assert short.rank_bytes["total"] < roomy.rank_bytes["total"]
+    assert "in buckets of up to 1 MiB" in str(short)
+    # Units that one default bucket holds already gain nothing from larger ones.
+    assert budget_plan(_many_small_blocks(), "gpt", 1 << 40).bucket_bytes is None
+
+
+def _grown_buckets_at_run_time(rank: int, world_size: int) -> None:
+    """fully_shard with a roomy budget: every forward gathers the 24 blocks
+    in the collectives 4 MiB buckets make (one), not 1 MiB's; the model
+    trains like one process, and holds what the plan predicts."""
+    chosen = _grown_plan(_wide_small_blocks(), 1 << 40)
+    assert chosen.bucket_bytes == 4 * MIB
+    counts: list[int] = []
+    expected: list[tuple[int, int]] = []
+
+    def shard(model: nn.Module) -> None:
+        fully_shard(model, policy=_blocks_fully_sharded(model), memory_budget=1 << 40)
+        assert cs.describe(model).bucket_bytes == 4 * MIB
+        blocks = [state for name, state in unit_states_under(model) if name]
+        expected.append(_expected_gathers(blocks, 4 * MIB))
+        assert expected[0] == (1, 0) and _expected_gathers(blocks, MIB)[0] > 1, expected
+
+    def step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        spy = CollectiveSpy()
+        with spy.watching():
+            loss = lm_loss(model(inputs), targets)
+        counts.append(spy.counts()["all_gather_together"])
+        loss.backward()
+        return loss.detach()
+
+    run_parity(Parity(build=_wide_small_blocks, shard=shard, step_fn=step, steps=3))
+    assert counts == [expected[0][0]] * 3, counts
+    record = measure_chosen(_wide_small_blocks(), chosen, rank, world_size)
+    assert record["built"] == record["layouts"] and record["rank_zero_total"] == record["chosen_total"]
+    _assert_held_as_planned(record, f"4 MiB buckets rank {rank}")
+
+
+def test_larger_buckets_a_budget_chose_coalesce_and_train_like_one_process() -> None:
+    run_distributed(_grown_buckets_at_run_time, 2, timeout=300)

@@ -82,6 +82,15 @@ def measure_budgeted(kind: str, which: str, rank: int, world_size: int) -> dict[
     inputs = {"input_shape": (BATCH, SEQ)}
     budget = budgets(model, kind, **inputs)[which]
     chosen = budget_plan(model, kind, budget, **inputs)
+    return {"kind": kind, "which": which, **measure_chosen(model, chosen, rank, world_size)}
+
+
+def measure_chosen(model: nn.Module, chosen: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """Shard ``model`` with budgeted plan ``chosen``'s ``layout_policy()``
+    (planned with activations of (BATCH, SEQ) tokens, as rank 0), train a
+    step, and return the plan beside what the allocator holds on this rank."""
+    inputs = {"input_shape": (BATCH, SEQ)}
+    budget = chosen.memory_budget
     policy = chosen.layout_policy()
     on_this_rank = cs.plan(
         model, world_size=world_size, rank=rank, policy=policy, strategy=policy.root_strategy, device="cpu", **inputs
@@ -108,8 +117,6 @@ def measure_budgeted(kind: str, which: str, rank: int, world_size: int) -> dict[
     finally:
         gc.enable()
     return {
-        "kind": kind,
-        "which": which,
         "rank": rank,
         "budget": budget,
         "layouts": {layout.name: layout.strategy.name for layout in chosen.layouts},
