@@ -66,7 +66,8 @@ def _check_record(record: dict, *, device: str = "cpu") -> None:
 # Real gloo groups on two shared cores are slow: a subset here, every case
 # under the fake process group below.
 GLOO_CASES = (
-    "full_shard", "shard_grad_op", "manual_units", "many_small", "small_unit_groups", "frozen_lora", "lone_lora",
+    "full_shard", "shard_grad_op", "manual_units", "many_small", "large_buckets", "small_unit_groups", "frozen_lora",
+    "lone_lora",
     "bf16_compute",
     "full_shard_in_backward",
     "bf16_in_backward",

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import composable_shard as cs
-from composable_shard import BackwardPrefetch, MixedPrecision, ShardingStrategy, SmallUnitGroups
+from composable_shard import BackwardPrefetch, LayoutPolicy, MixedPrecision, ShardingStrategy, SmallUnitGroups
 
 from .models import Block, LoRABlock, TinyGPT, lm_loss
 
@@ -87,6 +87,14 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
     ),
     "manual_units": (_wide_gpt, {}, "adamw", True),
     "many_small": (_many_small_gpt, {"policy": {Block}}, "adamw", False),
+    # The same blocks in one bucket of 4 MiB, as a roomy memory_budget chooses
+    # ([Note: a layout chosen for a memory budget] in planning/budget.py).
+    "large_buckets": (
+        _many_small_gpt,
+        {"policy": LayoutPolicy({Block}, {f"blocks.{i}": ShardingStrategy.FULL_SHARD for i in range(8)}, bucket_bytes=4 << 20)},
+        "adamw",
+        False,
+    ),
     # The same blocks in two groups of four ([Note: groups of small units] in policy.py).
     "small_unit_groups": (_many_small_gpt, {"policy": SmallUnitGroups({Block}, max_bytes=1 << 19)}, "adamw", False),
     "frozen_lora": (_lora_gpt, {"policy": {LoRABlock}}, "adamw", False),
