@@ -42,7 +42,7 @@ from .policy import Policy
 from .runtime import call_as_forward, register_hooks
 from .runtime.lifecycle import track_unit
 from .units.tensor_parallel import check_dtensor_params, data_parallel_mesh
-from .runtime.state import UnitConfig, UnitState, get_state, register_state
+from .runtime.state import UnitConfig, UnitState, get_state, register_state, unit_states_under
 from .units.rules import (
     check_group_members,
     choose_units,
@@ -232,10 +232,18 @@ def fully_shard(
         state = _build_unit(tuple(unit_members), unit_sources, unit_groups, kwargs, compute_device)
         state.orig_buffer_dtypes = orig_buffer_dtypes
         state.ignored_params = frozenset(ignored_params)
-    # A budgeted layout's bucket size, smaller or 0 where the budget holds
-    # the layouts only so ([Note: a layout chosen for a memory budget] in
-    # planning/budget.py): read by the root.
+    # A budgeted layout's bucket size, larger where the budget has room,
+    # smaller or 0 where it holds the layouts only so ([Note: a layout
+    # chosen for a memory budget] in planning/budget.py): read by the root.
     state.bucket_bytes = getattr(policy, "bucket_bytes", None)
+    if len(members) == 1:
+        # Units below this module are named by their path from it until the
+        # root's lazy init names them from the root (errors before the
+        # first forward name 'blocks.0', not 'Block'); the module's own
+        # unit keeps its class name until then.
+        for unit_name, unit in unit_states_under(members[0]):
+            if unit_name and unit.root_context is None:
+                unit.fqn = unit_name
     return module
 
 

@@ -27,7 +27,7 @@ from composable_shard import (
 from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import run_distributed
-from tests.support.models import TinyGPT, batch, lm_loss
+from tests.support.models import Block, TinyGPT, batch, lm_loss
 from tests.support.parity import Parity, compare_full, hybrid_groups, shard_manually, step_and_compare
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
@@ -180,6 +180,12 @@ def _registration_refusals(rank: int, world_size: int) -> None:
     register_comm_hook(model, comm_hooks.DefaultState(), comm_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match=r"unit 'TinyGPT' already has a communication hook \(reduce_scatter_hook\)"):
         register_comm_hook(model, comm_hooks.DefaultState(), comm_hooks.bf16_compress_hook)
+    # Before the first forward a unit below the module is named by its path from it, not by its class.
+    blocks_hooked = TinyGPT()
+    fully_shard(blocks_hooked, policy={Block})
+    register_comm_hook(blocks_hooked.blocks[1], comm_hooks.DefaultState(), comm_hooks.reduce_scatter_hook)
+    with pytest.raises(ValueError, match=r"register_comm_hook\(TinyGPT\): unit 'blocks.1' already has a communication"):
+        register_comm_hook(blocks_hooked, comm_hooks.DefaultState(), comm_hooks.bf16_compress_hook)
     shard_group, replicate_group = hybrid_groups(world_size)
     hybrid = fully_shard(TinyGPT(), strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard_group, replicate_group))
     with pytest.raises(ValueError, match=r"register_comm_hook\(TinyGPT\): unit 'TinyGPT' uses HYBRID_SHARD"):
