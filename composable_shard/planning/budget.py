@@ -44,11 +44,12 @@ would move more bytes to save a collective), and a size is tried only
 where it coalesces the chosen units into fewer collectives than the
 defaults and every smaller size do (counted in the units' order,
 ``_collectives``), so a plan never names a size larger than what
-changes something. On the 64 blocks of width 64 at
-2 ranks (docs/benchmarks.md), 4 MiB buckets ran 0.97-0.98 of 1 MiB's and
-16 MiB 0.97, both FULL_SHARD and NO_SHARD, for 3-7 MiB more peak; the
-comm defaults stay 1 MiB, since without a budget nobody said the memory
-is there. The plan (``bucket_bytes``), its
+changes something. On the 64 blocks of width 64 at 2 ranks
+(docs/benchmarks.md), 4 MiB buckets ran 0.97-0.99 of 1 MiB's step and
+16 MiB 0.96-0.98, FULL_SHARD and NO_SHARD alike; the plan's peak rose by
+3 and 11 MiB with every unit FULL_SHARD and not at all with every unit
+NO_SHARD (all-reduced in place). The comm defaults stay 1 MiB: without a
+budget nobody said the memory is there. The plan (``bucket_bytes``), its
 table and its ``layout_policy()`` say which size (``bucket_bytes=0``:
 the tree gathers and reduces each unit alone); when no size fits, the
 error is that of the defaults. Deterministic, and rank-independent when
