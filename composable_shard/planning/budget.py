@@ -66,6 +66,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 from .. import comm
 from ..api import ShardingStrategy
 from .memory import UnitPlan
+from .step_replay import buckets_in_backward
 from .table import format_bytes
 
 __all__ = [
@@ -272,35 +273,31 @@ def choose_bucket_size(
 
 
 def _collectives(units: Sequence[UnitPlan], bucket_bytes: int | None) -> int:
-    """All-gathers and reductions of one pass over ``units`` in their order
-    with buckets of ``bucket_bytes`` (None: the comm defaults): a unit that
-    may join a bucket joins the open one while its key matches and the
-    bucket holds it ([Note: coalesced all-gathers] and [Note: coalesced
-    reductions]). A count to compare bucket sizes by, not the runtime's
-    exact phase orders."""
+    """All-gathers and reductions of one pass over ``units`` with buckets of
+    ``bucket_bytes`` (None: the comm defaults): the reductions by the
+    replay's own rule (``buckets_in_backward``, plus each trainable unit
+    reduced alone); the all-gathers in the units' order, a unit joining the
+    open bucket while its key matches and the bucket holds it ([Note:
+    coalesced all-gathers]). A count to compare bucket sizes by."""
     gather = comm.GATHER_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     reduce = comm.REDUCE_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    count = 0
-    for is_gathered, size in ((True, gather), (False, reduce)):
-        key_of = UnitPlan.gather_key if is_gathered else UnitPlan.bucket_key
-        open_key: tuple | None = None
-        held = 0
-        for unit in units:
-            flat_params = [fp for fp in unit.flat_params if (fp.needs_unshard_storage if is_gathered else fp.requires_grad)]
-            if not flat_params or (is_gathered and not any(fp.is_sharded for fp in flat_params)):
-                continue  # nothing of it gathered (replicated) or reduced (frozen)
-            key = key_of(unit, size)
-            nbytes = sum(
-                comm.gatherable_bytes(fp.padded_numel, fp.param_dtype, size)
-                if is_gathered
-                else comm.bucketable_bytes(fp.padded_numel, fp.reduce_dtype, size)
-                for fp in flat_params
-            )
-            if key is not None and key == open_key and held + nbytes <= size:
-                held += nbytes
-                continue
-            count += 1
-            open_key, held = key, nbytes
+    buckets = buckets_in_backward(units, reduce)
+    in_buckets = sum(len(bucket) for bucket in buckets)
+    trainable = sum(1 for unit in units if any(fp.requires_grad for fp in unit.flat_params))
+    count = len(buckets) + trainable - in_buckets
+    open_key: tuple | None = None
+    held = 0
+    for unit in units:
+        gathered = [fp for fp in unit.flat_params if fp.needs_unshard_storage and fp.is_sharded]
+        if not gathered:
+            continue  # replicated, or nothing to gather
+        key = unit.gather_key(gather)
+        nbytes = sum(comm.gatherable_bytes(fp.padded_numel, fp.param_dtype, gather) for fp in gathered)
+        if key is not None and key == open_key and held + nbytes <= gather:
+            held += nbytes
+            continue
+        count += 1
+        open_key, held = key, nbytes
     return count
 
 

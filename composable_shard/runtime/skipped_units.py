@@ -220,11 +220,11 @@ def reduce_skippable(context: RootContext) -> None:
     any rank holds, zeros where this rank skipped its unit."""
     if not _MARKED or not _in_use(context):
         return
-    _refuse_trainability_that_differs(context)
+    # Under no_sync a unit's gradient stays local (runtime/pending_grads.py reduces it later).
+    marked = [unit for unit in _anchors(context)[0] if not unit.skip_grad_sync]
+    _refuse_trainability_that_differs(marked, context.root.compute_device)
     by_groups: dict[tuple, list[tuple[UnitState, FlatParamHandle]]] = {}
-    for unit in _anchors(context)[0]:
-        if unit.skip_grad_sync:
-            continue  # no_sync: kept local (runtime/pending_grads.py reduces it later)
+    for unit in marked:
         for handle in unit.handles:
             if handle.ever_required_grad:  # the same on every rank
                 key = (handle.groups.shard_group, handle.groups.replicate_group)
@@ -243,22 +243,21 @@ def reduce_skippable(context: RootContext) -> None:
             unit.reduce_grad(handle)
 
 
-def _refuse_trainability_that_differs(context: RootContext) -> None:
-    """The flags below are per flat parameter that ever required grad,
-    taken to be the same on every rank: where a marked unit's trainable
-    elements differ across ranks (frozen on some only) the ranks' flag
-    lists would differ in length and the all-reduce hang until the group's
-    timeout. Agree first (one all-reduce of two numbers per unit: the most
-    and, negated, the fewest) and raise naming the unit on every rank."""
+def _refuse_trainability_that_differs(marked: list[UnitState], device: torch.device) -> None:
+    """The flags ``reduce_skippable`` agrees on are per flat parameter that
+    ever required grad, taken to be the same on every rank: where a
+    ``marked`` unit's trainable elements differ across ranks (frozen on
+    some only) the ranks' flag lists would differ in length and the
+    all-reduce hang until the group's timeout. Agree first (one all-reduce
+    of two numbers per unit: the most and, negated, the fewest) and raise
+    naming the unit on every rank."""
     by_groups: dict[tuple, list[tuple[UnitState, int]]] = {}
-    for unit in _anchors(context)[0]:
-        if unit.skip_grad_sync:
-            continue
+    for unit in marked:
         trainable = sum(h.layout.padded_unsharded_numel for h in unit.handles if h.ever_required_grad)
         by_groups.setdefault((unit.groups.shard_group, unit.groups.replicate_group), []).append((unit, trainable))
     for groups, members in by_groups.items():
         flags = [value for _, trainable in members for value in (trainable, -trainable)]
-        agreed = max_over_groups(flags, groups, context.root.compute_device)
+        agreed = max_over_groups(flags, groups, device)
         for index, (unit, _) in enumerate(members):
             most, fewest = agreed[2 * index], -agreed[2 * index + 1]
             if most != fewest:
