@@ -195,7 +195,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     ``norm_type``-norm over all ranks (the value a single process with the
     full model computes with ``torch.nn.utils.clip_grad_norm_``), scaling
     every rank's local gradients in place by the same coefficient, and
-    return that norm (fp32, on the compute device, equal on every rank).
+    return that norm (fp32, fp64 where some gradient is fp64; on the
+    compute device, equal on every rank).
 
     Each unit's local gradients are reduced over its shard group only:
     replicas (``NO_SHARD``, the replicate group of hybrid sharding) hold the
@@ -290,44 +291,53 @@ def global_grad_norm(
     """The ``norm_type``-norm of the whole gradients whose local parts (plain
     tensors; empty ones add nothing) are given per ``NormGroups``: each
     group's contribution is reduced over its groups, in the dict's order
-    (every rank must pass the same keys in the same order). fp32, on
-    ``device``, equal on every rank. Collective over those groups."""
+    (every rank must pass the same keys in the same order). fp32 (fp64
+    where some gradient is fp64, as torch's stack of per-tensor norms
+    promotes), on ``device``, equal on every rank. Collective over those
+    groups."""
     norm_type = float(norm_type)
     if not norm_type > 0:  # also NaN; -inf (min |g|) and 0 (a count) are no sums of shards' parts
         raise ValueError(
             f"clip_grad_norm_/get_total_norm over sharded gradients: norm_type={norm_type} is not supported; use "
             "a p-norm with p > 0 or inf. Nothing was clipped."
         )
+    # fp64 where some gradient is (empty ones too: every rank holds the same
+    # parameters, so every rank picks the same dtype for the collectives).
+    dtype = torch.float64 if any(g.dtype == torch.float64 for grads in local_grads.values() for g in grads) else torch.float32
     parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]] = [
-        (groups, _norm_contribution(grads, norm_type, device)) for groups, grads in local_grads.items()
+        (groups, _norm_contribution(grads, norm_type, device, dtype)) for groups, grads in local_grads.items()
     ]
-    return comm.total_norm_of_parts(parts, norm_type, device)
+    return comm.total_norm_of_parts(parts, norm_type, device, dtype)
 
 
-def _norm_contribution(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks).
+def _norm_contribution(
+    grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """max |g| for the inf-norm, else sum |g|^p (to be summed over ranks),
+    in ``dtype`` (fp32, or fp64 where some gradient is fp64).
 
     One foreach kernel per device, accumulating in fp32 (no fp32 copies of
-    low-precision gradients; fp64 ones in fp64), then one scalar per device moved to
+    low-precision gradients; fp64 ones in fp64, as torch computes each
+    tensor's norm in its own dtype), then one scalar per device moved to
     ``device``: offloaded gradients (host) cost one upload, not one per
     gradient, and it does not block the host (a pinned scalar, copied with
     ``non_blocking=True`` on the current stream, ahead of every kernel that
     reads it; the pinned allocator keeps the block until the copy ran)."""
     # Per device, and whether fp32 can hold the dtype (fp64 gradients: their
-    # own precision, then one fp32 norm each).
+    # own precision).
     by_device: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for grad in grads:
         if grad.numel() > 0:
             by_device.setdefault((grad.device, grad.dtype.itemsize <= 4), []).append(grad)
     if not by_device:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=dtype, device=device)
     is_inf = math.isinf(norm_type)
     contributions = []
     for (grad_device, fits_fp32), device_grads in by_device.items():
         if fits_fp32:
-            norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32))
+            norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32)).to(dtype)
         else:
-            norms = torch.stack(torch._foreach_norm(device_grads, norm_type)).float()
+            norms = torch.stack(torch._foreach_norm(device_grads, norm_type)).to(dtype)
         local = norms.max() if is_inf else (norms**norm_type).sum()
         if grad_device != device:
             if grad_device.type == "cpu" and device.type == "cuda":

@@ -271,3 +271,35 @@ def _clip_errors(rank: int, world_size: int) -> None:
 
 def test_clip_grad_norm_inside_forward_or_backward_raises() -> None:
     run_distributed(_clip_errors, 2)
+
+
+def _clip_fp64(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+    reference = copy.deepcopy(model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    per_rank = 8 // world_size
+    for norm_type in (2.0, math.inf, 3.0):
+        for module in (model, reference):
+            module.zero_grad(set_to_none=True)
+        reference(x).square().mean().backward()
+        model(x[rank * per_rank : (rank + 1) * per_rank]).square().mean().backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type)
+        if norm_type == 3.0:  # torch's own entry point over the shards
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
+        else:
+            total = clip_grad_norm_(model, 1e-3, norm_type)
+        # fp64 throughout, as in one process: an fp32 norm (before) is off by
+        # about 1e-8 relative, and so is every clipped gradient.
+        assert total.dtype == torch.float64, (norm_type, total.dtype)
+        torch.testing.assert_close(total, expected, rtol=1e-13, atol=0, msg=lambda m: f"norm_type={norm_type}: {m}")
+        with unshard_params(model, with_grads=True, writeback=False):
+            for (name, param), theirs in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(param.grad, theirs.grad, rtol=1e-12, atol=1e-18, msg=name)
+
+
+def test_fp64_gradients_give_an_fp64_norm_and_clip_as_one_process() -> None:
+    run_distributed(_clip_fp64, 2)
