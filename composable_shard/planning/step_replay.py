@@ -57,8 +57,9 @@ key (``UnitPlan.gather_key``) and the bucket fits; a unit whose several
 flat parameters share a key is a bucket of its own even alone. A bucket compute waits
 for at once (a unit's own all-gather) is a moment of its own: every
 member's buffer, the shards side by side and the gathered rows; a
-prefetched one keeps the rows (and, through gloo, the side-by-side shards
-and gloo's copy) until the next unit's pre-forward or pre-backward.
+prefetched one keeps the rows, the side-by-side shards (freed at the wait
+on CPU, read by NCCL until then) and, through gloo, gloo's copy until the
+next unit's pre-forward or pre-backward.
 Through shared memory, where no shard needs a cast, the bucket has neither
 (``all_gather_pieces`` reads and writes in place): only the buffers.
 Forward frees only units that ran. Checked against the allocator by
@@ -323,8 +324,10 @@ def step_moments(
                     label = f"all-gather of the bucket of {names_of(members)}"
                     moment(label, alive[0], alive[1], alive[2] + rows + side_by_side + copy, acts=acts)
                     return 0
-                # Through shared memory the side-by-side shards were copied out.
-                return rows + copy + (0 if not fps[0].all_gather_copies_output else side_by_side)
+                # Until its wait: the gathered rows, gloo's copy, and the
+                # side-by-side shards (``comm.all_gather_together`` frees both
+                # buffers at the wait on CPU; NCCL reads the shards until then).
+                return rows + copy + side_by_side
         # gloo's copy only where an all-gather really runs (not for a unit
         # still gathered: the root, the unit kept, a prefetched one).
         copy = 0 if index in gathered else units[index].bytes_of("all_gather_copy_bytes")

@@ -44,6 +44,10 @@ def _many_small_gpt() -> nn.Module:
     return TinyGPT(n_blocks=8, dim=320, vocab=VOCAB)
 
 
+def _sixteen_block_gpt() -> nn.Module:
+    return TinyGPT(n_blocks=16, dim=DIM, vocab=VOCAB)
+
+
 def _lora_gpt() -> nn.Module:
     """LoRAGPT's layout (frozen base weights beside trainable low-rank
     factors), at the wide width."""
@@ -92,6 +96,17 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], str, bool]] = {
     "large_buckets": (
         _many_small_gpt,
         {"policy": LayoutPolicy({Block}, {f"blocks.{i}": ShardingStrategy.FULL_SHARD for i in range(8)}, bucket_bytes=4 << 20)},
+        "adamw",
+        False,
+    ),
+    # Sixteen blocks of 197 KB in buckets of 4 MiB: backward's first bucket
+    # is a prefetch, issued as the last block's backward ends, and it is
+    # the step's peak. Off the shared-memory path (the fake group, CUDA)
+    # the side-by-side shards live until its wait; before, the plan left
+    # them out and fell 95 KB short at 8 ranks.
+    "prefetched_bucket": (
+        _sixteen_block_gpt,
+        {"policy": LayoutPolicy({Block}, {f"blocks.{i}": ShardingStrategy.FULL_SHARD for i in range(16)}, bucket_bytes=4 << 20)},
         "adamw",
         False,
     ),
