@@ -9,7 +9,9 @@ Public names: ``ActivationProfile``, ``measure_activations``.
 [Note: activation windows]
 Hooks on the unit modules name the window each allocation falls in, with the
 labels the plan's step replay uses: ``forward of 'u'`` from ``u``'s forward
-pre-hook (back to its parent unit's label after ``u``'s forward), and
+pre-hook, ``forward of 'p' after 'u'`` for its parent unit's code after
+``u``'s forward (the parent's next child, or its own end: a window of its
+own, as the parent's gathered parameters differ there), and
 ``backward of 'u'`` from the moment a gradient reaches ``u``'s outputs (back
 to the parent's label once the gradient reaches ``u``'s inputs); backward
 opens with ``start of backward`` (the loss and the root's last layers), so
@@ -21,6 +23,15 @@ backward needs of it, the graph saved. Parameters,
 buffers, inputs and parameter gradients are excluded (the plan counts those
 as sharded or unsharded parameters and gradients); a storage created in
 backward with a trainable parameter's shape is a parameter gradient piece.
+
+[Note: gradient pieces beside activations]
+At run time a unit's gradient pieces (one per parameter view) live until
+its flat gradient is made from them, at the end of its backward, while its
+activations are freed as the backward goes: the two can peak together in
+the middle (a bias gradient's sum after a weight's piece exists). So each
+backward window also records the pieces made in it so far at the instant
+where pieces and activations add up to most (``pieces_at_peak``), which
+the replay's start of that unit's backward counts.
 Pinned by tests/plan/test_plan.py (test_plan_measures_activations_under_fake_tensors).
 """
 
@@ -54,6 +65,11 @@ class ActivationProfile:
     # The largest single activation storage of the step (glibc's mmap
     # threshold follows the largest freed allocation: planning/runtime_memory.py).
     largest: int = 0
+    # Per backward window: the gradient pieces (storages of a trainable
+    # parameter's shape) made in it so far, at the instant where they and
+    # the activations together peak (see [Note: gradient pieces beside
+    # activations]), and the activations then.
+    pieces_at_peak: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class _Timeline(TorchDispatchMode):
@@ -67,8 +83,9 @@ class _Timeline(TorchDispatchMode):
         self.window = ""
         self.in_backward = False
         self.live: dict[StorageWeakRef, int] = {}
-        # (window, storage, +bytes on creation / -bytes on death)
-        self.events: list[tuple[str, StorageWeakRef, int]] = []
+        # (window, storage, +bytes on creation / -bytes on death; None for a
+        # gradient piece: its bytes, made and never freed here)
+        self.events: list[tuple[str, StorageWeakRef | None, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -80,6 +97,7 @@ class _Timeline(TorchDispatchMode):
                 continue
             if self.in_backward and tuple(value.shape) in self.grad_shapes:
                 self.excluded.add(ref)
+                self.events.append((self.window, None, value.untyped_storage().nbytes()))
                 continue
             self.live[ref] = value.untyped_storage().nbytes()
             self.events.append((self.window, ref, self.live[ref]))
@@ -95,16 +113,25 @@ class _Timeline(TorchDispatchMode):
         current = peak = largest = 0
         by_window: dict[str, int] = {}
         at_open: dict[str, int] = {}
+        pieces: dict[str, int] = {}  # per window, the gradient pieces made in it so far
+        pieces_at_peak: dict[str, tuple[int, int]] = {}
         for window, ref, delta in self.events:
-            if ref in ignored:
+            if ref is None:
+                pieces[window] = pieces.get(window, 0) + delta
+            elif ref in ignored:
                 continue
-            at_open.setdefault(window, current)
-            current += delta
-            peak = max(peak, current)
-            largest = max(largest, delta)
-            by_window[window] = max(by_window.get(window, 0), current)
+            else:
+                at_open.setdefault(window, current)
+                current += delta
+                peak = max(peak, current)
+                largest = max(largest, delta)
+                by_window[window] = max(by_window.get(window, 0), current)
+            made = pieces.get(window, 0)
+            if made and made + current > sum(pieces_at_peak.get(window, (0, 0))):
+                pieces_at_peak[window] = (made, current)
         return ActivationProfile(
-            peak, by_window, at_open, at_end=current, after_backward=after_backward, largest=largest
+            peak, by_window, at_open, at_end=current, after_backward=after_backward, largest=largest,
+            pieces_at_peak=pieces_at_peak,
         )
 
 
@@ -196,7 +223,7 @@ def _window_hooks(module: nn.Module, unit_names: dict[int, str], timeline: _Time
 
     def post_forward(name: str) -> Callable[..., None]:
         def hook(_: nn.Module, inputs: Any, output: Any) -> None:
-            timeline.window = label("forward", parent_of(name))
+            timeline.window = f"{label('forward', parent_of(name))} after '{name}'"
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(set_window(label("backward", name)))

@@ -529,6 +529,7 @@ def _assemble(
         all_grads=all_grads,
         activations=activations.by_window if activations is not None else {},
         activations_at_open=activations.at_open if activations is not None else {},
+        activation_pieces=activations.pieces_at_peak if activations is not None else {},
         activations_at_end=activations.at_end if activations is not None else None,
         activations_after_backward=activations.after_backward if activations is not None else 0,
         # [Note: what a lane waits for] (runtime/scheduler.py): CUDA lanes hold a

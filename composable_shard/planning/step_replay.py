@@ -192,6 +192,7 @@ def step_moments(
     all_grads: int,
     activations: Mapping[str, int],
     activations_at_open: Mapping[str, int] | None = None,
+    activation_pieces: Mapping[str, tuple[int, int]] | None = None,
     activations_at_end: int | None = None,
     activations_after_backward: int = 0,
     holds_freed_buffer: bool = False,
@@ -206,7 +207,9 @@ def step_moments(
     ``activations``: measured activation bytes by moment label (``"forward
     of 'name'"``, ``"backward of 'name'"``), absent when not measured;
     ``activations_at_open``: the bytes live when each of those windows
-    opened; ``activations_at_end``: as backward ended, where its final
+    opened; ``activation_pieces``: per backward window, the gradient pieces
+    made so far and the activations at the instant they add up to most
+    ([Note: gradient pieces beside activations] in activations.py); ``activations_at_end``: as backward ended, where its final
     callbacks run (None: the last window's peak); ``activations_after_backward``:
     once it returned (the loss). ``holds_freed_buffer``: the lanes hold the buffer a post-forward
     freed until the next all-gather allocated its own (CUDA).
@@ -377,20 +380,39 @@ def step_moments(
             StepPeak(label, grad, gathered.total, unsharded_grads, kept + comm, in_backward_steps[index], acts)
         )
 
-    def reshard_finished(running: int | None) -> list[int]:
-        """Post-forward of every unit that finished: free unless the root or
-        kept until backward (SHARD_GRAD_OP); units after ``running`` were
-        gathered ahead of their forward. Returns the freed indices."""
+    started: list[int] = []  # units whose forward runs (an ancestor's encloses theirs)
+
+    def end_forwards(running: int | None, pending: int) -> list[int]:
+        """The forwards that ended before units[running] starts (None: every
+        one left), innermost first: each frees its parameters unless the
+        root or kept until backward (SHARD_GRAD_OP, the last unit), then its
+        parent's code after it runs, a window of its own ([Note: activation
+        windows] in activations.py), beside ``pending`` (a prefetch still in
+        flight). Units gathered ahead of their forward (a bucket's
+        followers, a prefetch) have not started. Returns the freed indices."""
         freed = []
-        for index in [i for i in gathered if frees_after_forward[i] and (running is None or i <= running)]:
-            if running is not None and (index == running or index in ancestors[running]):
-                continue  # still running
-            del gathered[index]
-            freed.append(index)
+        for index in sorted((i for i in started if running is None or i not in ancestors[running]), reverse=True):
+            started.remove(index)
+            if frees_after_forward[index] and index in gathered:
+                del gathered[index]
+                freed.append(index)
+            if ancestors[index]:
+                parent = units[max(ancestors[index])].name or "<root>"
+                label = f"forward of '{parent}' after '{units[index].name}'"
+                # Where a free waits for the next all-gather's allocation
+                # (CUDA, nothing in flight), the buffer is still there.
+                held = index if holds_freed_buffer and not pending and freed and freed[-1] == index else None
+                if held is not None:
+                    gathered[held] = units[held].bytes_of("unsharded_bytes")
+                moment(label, 0, 0, pending)
+                if held is not None:
+                    del gathered[held]
         return freed
 
+    pending = 0  # a forward prefetch's temporaries, alive until the next unit's wait
     for index, unit in enumerate(units):  # forward
-        freed = reshard_finished(index)
+        freed = end_forwards(index, pending)
+        started.append(index)
         name = unit.name or "<root>"
         source = gather(index, +1, waited=True, acts=opening.get(f"forward of '{name}'", 0))
         prefetched = index > 0 and units[index - 1].forward_prefetch
@@ -401,10 +423,9 @@ def step_moments(
             gathered[held] = units[held].bytes_of("unsharded_bytes")
             moment(f"all-gather of '{name}'", 0, 0, source, acts=opening.get(f"forward of '{name}'", 0))
             del gathered[held]
-        if unit.forward_prefetch and index + 1 < len(units):
-            source += gather(index + 1, +1, waited=False)
-        moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source)
-    reshard_finished(None)
+        pending = gather(index + 1, +1, waited=False) if unit.forward_prefetch and index + 1 < len(units) else 0
+        moment(f"forward of '{unit.name or '<root>'}'", 0, 0, source + pending)
+    end_forwards(None, pending)
     moment("start of backward", 0, 0, 0)
 
     for index in range(len(units) - 1, -1, -1):  # backward
@@ -440,6 +461,10 @@ def step_moments(
         closing = opening.get(f"backward of '{units[index - 1].name or '<root>'}'") if index > 0 else activations_at_end
         window = f"backward of '{name}'"
         moment(f"start of backward of '{name}'", reduced, held + held_in_bucket(), in_flight + source, window)
+        made, acts_then = (activation_pieces or {}).get(window, (0, 0))
+        if made:
+            label = f"gradient pieces of '{name}'"
+            moment(label, reduced, held + held_in_bucket() + made, in_flight + source, acts=acts_then)
         moment(f"backward of '{name}'", reduced, held + held_in_bucket() + pieces, in_flight + source, acts=closing)
         # Its post-backward runs there too: what is live as the next opens.
         closed = closing if closing is not None else activations.get(window, 0)

@@ -137,8 +137,12 @@ def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[floa
     half a moment after the one it closes, else just after the previous
     sample."""
     index: dict[str, int] = {}
+    # The moment a unit's post-forward opens: its parent's code after it.
+    after: dict[str, int] = {}
     for i, moment in enumerate(moments):
         index.setdefault(moment, i)
+        if moment.startswith("forward of '") and " after '" in moment:
+            after.setdefault(moment.rpartition(" after ")[2], i)
     positions: list[float] = []
     last = -0.5
     for label in labels:
@@ -159,6 +163,8 @@ def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[floa
             "end of step": [(moments[-1], 0.5)] if moments else [],
         }.get(hook, [])
         where = next((index[m] + shift for m, shift in candidates if m in index), None)
+        if hook == "post_forward" and f"'{unit}'" in after:
+            where = after[f"'{unit}'"]
         last = where if where is not None and where >= last else last + 0.1
         positions.append(last)
     return positions

@@ -7,6 +7,7 @@ group, in a process of its own)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -23,7 +24,7 @@ import composable_shard as cs
 from composable_shard import ShardingStrategy
 from composable_shard.planning.runtime_memory import CODE_BYTES, REST_BYTES
 from composable_shard.planning.memory import FlatParamPlan, UnitPlan
-from composable_shard.planning.step_replay import StepPeak, step_peak
+from composable_shard.planning.step_replay import StepPeak, step_moments, step_peak
 
 from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
 from tests.support.models import Block, LoRABlock, LoRAGPT, TinyGPT
@@ -307,6 +308,10 @@ def test_plan_measures_activations_under_fake_tensors() -> None:
     small = cs.plan(model, world_size=2, policy={Block}, input_shape=(2, 6))
     large = cs.plan(model, world_size=2, policy={Block}, input_shape=(8, 6))
     assert 0 < small.rank_bytes["activations_peak"] < large.rank_bytes["activations_peak"]
+    # The root's code after each block is a window of its own, and each
+    # block's backward records its gradient pieces beside its activations.
+    labels = [moment.moment for moment in small.moments]
+    assert "forward of '<root>' after 'blocks.1'" in labels and "gradient pieces of 'blocks.1'" in labels
     assert cs.plan(model, world_size=2, policy={Block}).rank_bytes["activations_peak"] == 0
     assert all(p.grad is None for p in model.parameters())  # fake tensors only
 
@@ -411,6 +416,43 @@ def test_step_replay_counts_the_buffer_held_until_the_next_all_gather_on_cuda() 
     # nothing is held, the replay's current and prefetched blocks are the peak.
     prefetched = peak(holds=True, prefetch=True)
     assert prefetched == peak(holds=False, prefetch=True) and prefetched.moment.startswith("forward of")
+
+
+def test_step_replay_pairs_a_parents_code_after_a_child_with_what_is_gathered_then() -> None:
+    # [Note: activation windows]: the root's head and loss run after its
+    # last block, with that block (kept for backward) and the root gathered;
+    # the first bucket (the root with blocks 0-2) was freed long before.
+    # Before, the root's whole forward was one window, its peak (the loss)
+    # paired with that first bucket: a peak above any real moment.
+    units = [_frozen_unit("", 64)] + [_frozen_unit(f"blocks.{i}", 1024) for i in range(4)]
+    windows = {"forward of '<root>'": 10, "forward of '<root>' after 'blocks.3'": 100_000}
+    windows.update({f"forward of '<root>' after 'blocks.{i}'": 20 * (i + 1) for i in range(3)})
+    peak = step_peak(units, optimizer_step=0, all_grads=0, activations=windows, gather_bucket_bytes=4 * 4096)
+    assert (peak.moment, peak.unsharded_params, peak.activations) == (
+        "forward of '<root>' after 'blocks.3'", (64 + 1024) * 4, 100_000
+    )
+    moments = step_moments(units, optimizer_step=0, all_grads=0, activations=windows, gather_bucket_bytes=4 * 4096)
+    first = next(m for m in moments if m.moment == "forward of '<root>'")
+    assert (first.unsharded_params, first.activations) == ((64 + 3 * 1024) * 4, 10)  # the root's bucket
+    # After blocks.0, blocks.1 and 2 are still gathered (the bucket), blocks.0 is not.
+    after_0 = next(m for m in moments if m.moment == "forward of '<root>' after 'blocks.0'")
+    assert (after_0.unsharded_params, after_0.activations) == ((64 + 2 * 1024) * 4, 20)
+
+
+def test_step_replay_counts_a_units_gradient_pieces_beside_its_activations() -> None:
+    # [Note: gradient pieces beside activations]: the pieces made so far in a
+    # unit's backward, at the instant they and the activations add up to most.
+    unit = _frozen_unit("blocks.0", 1024)
+    trainable = dataclasses.replace(unit.flat_params[0], requires_grad=True)
+    units = [_frozen_unit("", 64), dataclasses.replace(unit, flat_params=(trainable,))]
+    windows = {"backward of 'blocks.0'": 50_000}
+    without = step_peak(units, optimizer_step=0, all_grads=0, activations=windows)
+    pieces = step_peak(
+        units, optimizer_step=0, all_grads=0, activations=windows, activation_pieces={"backward of 'blocks.0'": (30_000, 45_000)}
+    )
+    assert pieces.moment == "gradient pieces of 'blocks.0'"
+    assert (pieces.activations, pieces.unsharded_grads) == (45_000, 30_000)
+    assert pieces.transient > without.transient
 
 
 def test_step_replay_finds_each_units_ancestors_as_is_ancestor_of_does() -> None:

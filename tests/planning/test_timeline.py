@@ -67,9 +67,14 @@ def test_timeline_adds_up_to_the_plan_and_peaks_at_its_worst_moment(case: str) -
     assert len(set(totals)) > 3
     # Unit names along the time axis: every unit's forward, then its backward.
     units = [u.name or "<root>" for u in planned.units]
-    forward = [timeline.unit_of(m) for m in timeline.moments if m.startswith("forward of")]
+    forward = [timeline.unit_of(m) for m in timeline.moments if m.startswith("forward of") and " after '" not in m]
     backward = [timeline.unit_of(m) for m in timeline.moments if m.startswith("start of backward of")]
     assert forward == units and backward == units[1:][::-1] + ["<root>"]
+    # The root's own code after each block (and after the last: the head
+    # and the loss) is a moment of the root's, with that block resharded.
+    after = [m for m in timeline.moments if m.startswith("forward of") and " after '" in m]
+    assert after == [f"forward of '<root>' after '{name}'" for name in units[1:]]
+    assert all(timeline.unit_of(m) == "<root>" for m in after)
 
 
 def test_optimizer_in_backward_keeps_no_gradient_after_the_step() -> None:
