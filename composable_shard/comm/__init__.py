@@ -579,16 +579,12 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
 
 
 def total_norm_of_parts(
-    parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]],
-    norm_type: float,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    parts: list[tuple[tuple[ProcessGroup | None, ...], torch.Tensor]], norm_type: float, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The total ``norm_type``-norm, in ``dtype``, from local parts (each
-    ``max |g|`` for the inf-norm, else ``sum |g|^p``, in ``dtype``), each
-    reduced over its groups (the ranks holding other pieces of the same
-    tensors; ``None``: none), in order: every rank must pass its parts'
-    groups in the same order."""
+    """The total ``norm_type``-norm in ``dtype`` from local parts in it (each
+    ``max |g|`` for the inf-norm, else ``sum |g|^p``), each reduced over its
+    groups (the ranks holding other pieces of the same tensors; ``None``:
+    none), in order: every rank must pass its parts' groups in the same order."""
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=dtype, device=device)
     for groups, local in parts:
