@@ -116,10 +116,12 @@ class _Timeline(TorchDispatchMode):
         pieces: dict[str, int] = {}  # per window, the gradient pieces made in it so far
         pieces_at_peak: dict[str, tuple[int, int]] = {}
         for window, ref, delta in self.events:
-            if ref is None:
+            if ref is None or ref in ignored:
+                # A piece, or a parameter's gradient made in another shape
+                # (a bias's sum before its view): gradient bytes, not activations.
+                if delta <= 0:
+                    continue
                 pieces[window] = pieces.get(window, 0) + delta
-            elif ref in ignored:
-                continue
             else:
                 at_open.setdefault(window, current)
                 current += delta

@@ -455,6 +455,30 @@ def test_step_replay_counts_a_units_gradient_pieces_beside_its_activations() -> 
     assert pieces.transient > without.transient
 
 
+def test_activation_profile_counts_a_bias_gradient_made_in_another_shape_as_a_piece() -> None:
+    # A Linear's bias gradient is a (1, out) sum viewed as (out,): a storage
+    # of no parameter's shape when made, a parameter's gradient in the end.
+    # Before, it counted neither as an activation nor as a piece (the bench's
+    # 64 small blocks then planned 256 B under the allocator).
+    from composable_shard.planning.activations import measure_activations
+
+    class TwoLayers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin = nn.Linear(8, 256), nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(self.emb(x)))
+
+    model = TwoLayers()
+    profile = measure_activations(
+        model, (torch.randn(4, 128, 8),), {id(model): "", id(model.lin): "lin"}, compute_dtype=None,
+        loss_fn=lambda out: out.square().mean(),
+    )
+    made, _ = profile.pieces_at_peak["backward of 'lin'"]
+    assert made == (64 * 256 + 64) * 4  # the weight's piece and the bias's
+
+
 def test_step_replay_finds_each_units_ancestors_as_is_ancestor_of_does() -> None:
     """The replay looks ancestors up by name (a budget's search replays
     thousands of plans); the same sets as asking every pair, with names
