@@ -334,10 +334,12 @@ def _norm_contribution(
     is_inf = math.isinf(norm_type)
     contributions = []
     for (grad_device, fits_fp32), device_grads in by_device.items():
-        if fits_fp32:
-            norms = torch.stack(torch._foreach_norm(device_grads, norm_type, dtype=torch.float32)).to(dtype)
-        else:
-            norms = torch.stack(torch._foreach_norm(device_grads, norm_type)).to(dtype)
+        per_tensor = (
+            torch._foreach_norm(device_grads, norm_type, dtype=torch.float32)
+            if fits_fp32
+            else torch._foreach_norm(device_grads, norm_type)
+        )
+        norms = torch.stack(per_tensor).to(dtype)
         local = norms.max() if is_inf else (norms**norm_type).sum()
         if grad_device != device:
             if grad_device.type == "cpu" and device.type == "cuda":

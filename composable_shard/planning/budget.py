@@ -47,7 +47,7 @@ defaults and every smaller size do (counted in the units' order,
 changes something. On the 64 blocks of width 64 at 2 ranks
 (docs/benchmarks.md), 4 MiB buckets ran 0.97-0.99 of 1 MiB's step and
 16 MiB 0.96-0.98, FULL_SHARD and NO_SHARD alike; the plan's peak rose by
-3 and 11 MiB with every unit FULL_SHARD and not at all with every unit
+0.8 and 9.0 MiB with every unit FULL_SHARD and not at all with every unit
 NO_SHARD (all-reduced in place). The comm defaults stay 1 MiB: without a
 budget nobody said the memory is there. The plan (``bucket_bytes``), its
 table and its ``layout_policy()`` say which size (``bucket_bytes=0``:

@@ -393,20 +393,19 @@ def step_moments(
         freed = []
         for index in sorted((i for i in started if running is None or i not in ancestors[running]), reverse=True):
             started.remove(index)
-            if frees_after_forward[index] and index in gathered:
+            frees = frees_after_forward[index] and index in gathered
+            # Where a free waits for the next all-gather's allocation (CUDA,
+            # nothing in flight), the buffer is still there in the parent's code.
+            held = frees and holds_freed_buffer and not pending
+            if frees and not held:
                 del gathered[index]
-                freed.append(index)
             if ancestors[index]:
                 parent = units[max(ancestors[index])].name or "<root>"
-                label = f"forward of '{parent}' after '{units[index].name}'"
-                # Where a free waits for the next all-gather's allocation
-                # (CUDA, nothing in flight), the buffer is still there.
-                held = index if holds_freed_buffer and not pending and freed and freed[-1] == index else None
-                if held is not None:
-                    gathered[held] = units[held].bytes_of("unsharded_bytes")
-                moment(label, 0, 0, pending)
-                if held is not None:
-                    del gathered[held]
+                moment(f"forward of '{parent}' after '{units[index].name}'", 0, 0, pending)
+            if held:
+                del gathered[index]
+            if frees:
+                freed.append(index)
         return freed
 
     pending = 0  # a forward prefetch's temporaries, alive until the next unit's wait

@@ -137,21 +137,29 @@ def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[floa
     half a moment after the one it closes, else just after the previous
     sample."""
     index: dict[str, int] = {}
-    # The moment a unit's post-forward opens: its parent's code after it.
-    after: dict[str, int] = {}
+    # The moment a unit's post-forward opens, by the unit: its parent's code after it.
+    after: dict[str, str] = {}
     for i, moment in enumerate(moments):
         index.setdefault(moment, i)
         if moment.startswith("forward of '") and " after '" in moment:
-            after.setdefault(moment.rpartition(" after ")[2], i)
+            after.setdefault(moment.rpartition(" after '")[2][:-1], moment)
     positions: list[float] = []
     last = -0.5
     for label in labels:
         hook, _, unit = label.partition(" (")
         unit = unit[:-1] if unit.endswith(")") else unit
+        # The root's post-forward ends the forward; another unit's opens its
+        # parent's code after it (else half a moment after its own forward).
+        if unit == "<root>":
+            post_forward = [("start of backward", -0.2)]
+        elif unit in after:
+            post_forward = [(after[unit], 0.0)]
+        else:
+            post_forward = [(f"forward of '{unit}'", 0.5)]
         candidates: list[tuple[str, float]] = {
-            # The root's post-forward ends the forward; its pre-backward runs
-            # first in backward (its own gradients come last).
-            "post_forward": [("start of backward", -0.2)] if unit == "<root>" else [(f"forward of '{unit}'", 0.5)],
+            # The root's pre-backward runs first in backward (its own
+            # gradients come last).
+            "post_forward": post_forward,
             "pre_forward": [(f"forward of '{unit}'", 0.0)],
             "pre_backward": [("start of backward", 0.2)] if unit == "<root>" else [(f"start of backward of '{unit}'", 0.0)],
             "post_backward": [
@@ -163,8 +171,6 @@ def moment_positions(moments: Sequence[str], labels: Sequence[str]) -> list[floa
             "end of step": [(moments[-1], 0.5)] if moments else [],
         }.get(hook, [])
         where = next((index[m] + shift for m, shift in candidates if m in index), None)
-        if hook == "post_forward" and f"'{unit}'" in after:
-            where = after[f"'{unit}'"]
         last = where if where is not None and where >= last else last + 0.1
         positions.append(last)
     return positions
