@@ -45,6 +45,8 @@ Subcommands (``bench.py NAME ...``), each its own measurement:
     tag_check.py       tag-check: the tag exchange's cost on gloo
     overhead.py        overhead: the runtime's µs per unit per step against
                        FSDP2 and FSDP1, one process, fake group of 8 ranks
+    phases.py          phases: where a step's time goes per mode (forward,
+                       backward, optimizer step, the main thread's CPU)
 
 Modes, each with its own model copy (same seed, so the same initial weights)
 and its own AdamW (same ``param_groups``); every mode sees the same batches:

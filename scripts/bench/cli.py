@@ -40,6 +40,7 @@ SUBCOMMANDS = {
     "skipped-units": ("skipped_units", "peak unsharded bytes with and without set_may_be_skipped"),
     "tag-check": ("tag_check", "the cost of the tag exchange beside a collective on gloo"),
     "overhead": ("overhead", "the runtime's cost per unit per step without communication (fake group of 8)"),
+    "phases": ("phases", "where a step's time goes per mode: forward, backward, optimizer, the main thread's CPU"),
 }
 
 

@@ -31,7 +31,7 @@ import time
 import torch.distributed as dist
 from data import ByteCorpus
 
-from .markdown import markdown_table
+from .markdown import titled_table
 from .processes import init_worker, spawn
 from .training import ModeRun, build_run, next_batch, timed_schedule, train_step
 
@@ -143,12 +143,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
              f"{args.n_embd}, batch {args.batch_size // args.world_size} x {args.block_size} per rank, "
              f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps (each round's median), "
              f"{args.clock} clock")
-    if args.markdown:
-        return f"{title}\n\n{markdown_table(header, rows, set(range(1, len(header))))}"
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return titled_table(title, header, rows, markdown=args.markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,8 +137,14 @@ def paired_ratio(ours: ModeResult, theirs: ModeResult, round_steps: int) -> floa
     ``timed_schedule``), so a machine that slows down or speeds up between
     turns moves both alike; the ratio of medians mixes turns of different
     speeds."""
+    return paired_ratio_of_rounds(ours.round_ms, theirs.round_ms, round_steps)
+
+
+def paired_ratio_of_rounds(ours: list[list[float]], theirs: list[list[float]], round_steps: int) -> float:
+    """``paired_ratio`` of two modes' steps given per round, each round's in
+    the schedule's order."""
     ratios = []
-    for mine, other in zip(ours.round_ms, theirs.round_ms):
+    for mine, other in zip(ours, theirs):
         for start in range(0, min(len(mine), len(other)), round_steps):
             ratios.append(statistics.mean(mine[start : start + round_steps]) / statistics.mean(other[start : start + round_steps]))
     return statistics.median(ratios)
