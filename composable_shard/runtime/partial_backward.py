@@ -30,7 +30,9 @@ then ``stage_backward_weight`` over the module's parameters: the
 zero-bubble schedules) computes the weights' gradients with
 ``autograd.grad`` towards the original parameters, which the units' forward
 never used (it uses views of the flat parameter): they stay None and the
-step does nothing, silently. That is not supported; it is told from a
+step does nothing, silently. That is not supported (a stage given a
+``dw_builder`` whose weight pass does nothing runs whole backwards
+instead, and trains: docs/parallelism.md); it is told from a
 gradient penalty (whose outer backward accumulates) by an optimizer step
 over the tree while only backwards that accumulated nothing of ours ran
 since the last step: it warns, naming the tree, once per tree. Pinned by
@@ -147,6 +149,7 @@ def warn_step_after_partial_backwards(context: RootContext, updates_tree: Callab
                 "its flat parameters (torch.autograd.grad or backward(inputs=...) without them, or "
                 "torch.distributed.pipelining's split backward, stage_backward_input / stage_backward_weight, "
                 "which composable_shard does not support: its weight gradients stay None). The parameters' .grad "
-                "are unchanged. Use loss.backward() (or a schedule without split backward: GPipe, 1F1B).",
+                "are unchanged. Use loss.backward(); under a zero-bubble schedule give each PipelineStage "
+                "dw_builder=lambda: (lambda: None) so that it runs whole backwards (or use GPipe or 1F1B).",
                 stacklevel=3,
             )

@@ -14,11 +14,14 @@ micro-batches), then ``scale_grads`` divides by the micro-batch count. The
 docs/parallelism.md's recipe, a stage that sets the per-unit controls the schedule sets
 on FSDP2's modules (gradient sync, reshard after backward, last backward:
 off for every backward but the last), reduces once per unit per step and
-gathers less (both counted)."""
+gathers less (both counted). A zero-bubble schedule (ZBV) whose stages run
+whole backwards (a ``dw_builder`` with an empty weight pass) trains in
+parity; its split backward warns at the step."""
 
 from __future__ import annotations
 
 import copy
+from typing import Callable
 import warnings
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tests.support.comm_spies import CommSpy, with_collectives_alone
 from tests.support.harness_pool import run_distributed
-from tests.support.parity import Parity, step_and_compare
+from tests.support.parity import Parity, compare_full, step_and_compare
 from tests.support.models import DIM, SEQ, VOCAB, Block, batch
 
 STAGES = 2
@@ -298,3 +301,63 @@ def _split_backward_warns(rank: int, world_size: int) -> None:
 
 def test_split_backward_of_zero_bubble_schedules_warns_at_the_step() -> None:
     run_distributed(_split_backward_warns, 2)
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    """A ``dw_builder`` whose weight pass does nothing: the stage then runs
+    each micro-batch's whole backward at its B action (docs/parallelism.md)."""
+    return lambda: None
+
+
+def _zero_bubble_with_whole_backwards_trains_in_parity(rank: int, world_size: int) -> None:
+    """[Note: a step after backwards that accumulated nothing] in
+    runtime/partial_backward.py: a zero-bubble schedule's split backward
+    leaves our weights' gradients None, but with a ``dw_builder`` the stage
+    runs torch's whole backward at each B action (our hooks reduce there)
+    and the W actions do nothing: ScheduleZBVZeroBubble over 4 stages (two
+    per pipeline rank, in a V) x 2 data-parallel ranks trains in parity
+    with the single-process model."""
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    pipe_rank, dp_index, dp_group, pipe_group = _layout()
+    local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)
+    micro = GLOBAL_BATCH // DP // MICROBATCHES
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(4)])
+    owned = (pipe_rank, 3 - pipe_rank)  # the V: pipeline rank 0 holds the first and the last stage
+    modules = {index: copy.deepcopy(reference[index]) for index in owned}
+    stages = []
+    for index, module in modules.items():
+        fully_shard(module[0], process_group=dp_group)
+        fully_shard(module, process_group=dp_group)
+        example_in = torch.zeros(micro, DIM, requires_grad=index > 0)
+        example_out = torch.zeros(micro, DIM, requires_grad=True)
+        stages.append(_Stage(module, index, 4, torch.device("cpu"), input_args=example_in, output_args=example_out,
+                             group=pipe_group, dw_builder=_no_weight_pass))
+    schedule = ScheduleZBVZeroBubble(stages, MICROBATCHES, loss_fn=F.mse_loss)
+    parameters = [param for module in modules.values() for param in module.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    parity = Parity(build=lambda: reference, shard=lambda m: None)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(2):
+        inputs, targets = torch.randn(GLOBAL_BATCH, DIM, generator=generator), torch.randn(GLOBAL_BATCH, DIM, generator=generator)
+        F.mse_loss(reference(inputs), targets).backward()
+        losses: list[torch.Tensor] = []
+        if pipe_rank == 0:  # the first and the last stage: inputs and targets
+            schedule.step(inputs[local].contiguous(), target=targets[local], losses=losses)
+        else:
+            schedule.step()
+        for index, module in modules.items():
+            assert all(param.grad is not None for param in module.parameters()), (step, index)
+            compare_full(module, reference[index], parity, f"step {step} stage {index}", grads=True)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        for index, module in modules.items():
+            compare_full(module, reference[index], parity, f"step {step} stage {index} after SGD", grads=False)
+
+
+def test_zero_bubble_schedule_with_whole_backwards_matches_the_single_process_model() -> None:
+    run_distributed(_zero_bubble_with_whole_backwards_trains_in_parity, STAGES * DP)
