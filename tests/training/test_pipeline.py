@@ -14,7 +14,7 @@ micro-batches), then ``scale_grads`` divides by the micro-batch count. The
 docs/parallelism.md's recipe, a stage that sets the per-unit controls the schedule sets
 on FSDP2's modules (gradient sync, reshard after backward, last backward:
 off for every backward but the last), reduces once per unit per step and
-gathers less (both counted). A zero-bubble schedule (ZBV) whose stages run
+gathers less (both counted). A zero-bubble schedule whose stages run
 whole backwards (a ``dw_builder`` with an empty weight pass) trains in
 parity; its split backward warns at the step."""
 
@@ -121,10 +121,13 @@ class _Stage(PipelineStage):
     neighbour stages, sending an int64 scalar into a float32 buffer; gloo
     refuses the size mismatch ("8 vs 4") and aborts the process (fixed in
     torch 2.10, which sends float32). Sending float32 here is a no-op on
-    2.10+ (docs/parallelism.md, pipeline recipe)."""
+    2.10+ (docs/parallelism.md, pipeline recipe). Before torch 2.13 that
+    exchange also sends to and receives from this rank itself where two
+    neighbour stages share it (a V schedule), which gloo refuses ("Pair is
+    not connected"): those are left out (a start-up exchange only)."""
 
     def _get_init_p2p_neighbors_ops(self):  # type: ignore[no-untyped-def]
-        ops = super()._get_init_p2p_neighbors_ops()
+        ops = [op for op in super()._get_init_p2p_neighbors_ops() if op.peer != dist.get_rank()]
         for op in ops:
             op.tensor = op.tensor.to(torch.float32)
         return ops
@@ -314,17 +317,21 @@ def _zero_bubble_with_whole_backwards_trains_in_parity(rank: int, world_size: in
     runtime/partial_backward.py: a zero-bubble schedule's split backward
     leaves our weights' gradients None, but with a ``dw_builder`` the stage
     runs torch's whole backward at each B action (our hooks reduce there)
-    and the W actions do nothing: ScheduleZBVZeroBubble over 4 stages (two
-    per pipeline rank, in a V) x 2 data-parallel ranks trains in parity
-    with the single-process model."""
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    and the W actions do nothing: ScheduleInterleavedZeroBubble over 4
+    stages (two per pipeline rank, looped: rank p holds p and p + 2) x 2
+    data-parallel ranks trains in parity with the single-process model.
+    (ScheduleZBVZeroBubble trained the same on torch 2.13, and on 2.11 with
+    ``_Stage``; torch 2.9 sends the activations between the two stages of
+    the V's turn, on one rank, through gloo, which refuses a pair to
+    itself.)"""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
     pipe_rank, dp_index, dp_group, pipe_group = _layout()
     local = slice(dp_index * GLOBAL_BATCH // DP, (dp_index + 1) * GLOBAL_BATCH // DP)
     micro = GLOBAL_BATCH // DP // MICROBATCHES
     torch.manual_seed(0)
     reference = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(4)])
-    owned = (pipe_rank, 3 - pipe_rank)  # the V: pipeline rank 0 holds the first and the last stage
+    owned = (pipe_rank, pipe_rank + STAGES)  # looped: rank 0 holds the first stage, rank 1 the last
     modules = {index: copy.deepcopy(reference[index]) for index in owned}
     stages = []
     for index, module in modules.items():
@@ -334,7 +341,7 @@ def _zero_bubble_with_whole_backwards_trains_in_parity(rank: int, world_size: in
         example_out = torch.zeros(micro, DIM, requires_grad=True)
         stages.append(_Stage(module, index, 4, torch.device("cpu"), input_args=example_in, output_args=example_out,
                              group=pipe_group, dw_builder=_no_weight_pass))
-    schedule = ScheduleZBVZeroBubble(stages, MICROBATCHES, loss_fn=F.mse_loss)
+    schedule = ScheduleInterleavedZeroBubble(stages, MICROBATCHES, loss_fn=F.mse_loss)
     parameters = [param for module in modules.values() for param in module.parameters()]
     optimizer = torch.optim.SGD(parameters, lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -344,10 +351,10 @@ def _zero_bubble_with_whole_backwards_trains_in_parity(rank: int, world_size: in
         inputs, targets = torch.randn(GLOBAL_BATCH, DIM, generator=generator), torch.randn(GLOBAL_BATCH, DIM, generator=generator)
         F.mse_loss(reference(inputs), targets).backward()
         losses: list[torch.Tensor] = []
-        if pipe_rank == 0:  # the first and the last stage: inputs and targets
-            schedule.step(inputs[local].contiguous(), target=targets[local], losses=losses)
-        else:
-            schedule.step()
+        if pipe_rank == 0:  # the first stage: inputs
+            schedule.step(inputs[local].contiguous())
+        else:  # the last: targets
+            schedule.step(target=targets[local], losses=losses)
         for index, module in modules.items():
             assert all(param.grad is not None for param in module.parameters()), (step, index)
             compare_full(module, reference[index], parity, f"step {step} stage {index}", grads=True)
