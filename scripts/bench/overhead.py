@@ -32,7 +32,7 @@ import torch.distributed as dist
 from data import ByteCorpus
 
 from .markdown import titled_table
-from .processes import init_worker, spawn
+from .processes import init_worker, spawn_collecting
 from .training import ModeRun, build_run, next_batch, timed_schedule, train_step
 
 MODES = ("composable_shard", "fsdp2", "fsdp1", "local")
@@ -148,13 +148,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        out = manager.dict()
-        spawn(_worker, args, out)
-        results = dict(out)
-    print(report(args, results))
+    print(report(args, spawn_collecting(_worker, args)))
     return 0
 
 

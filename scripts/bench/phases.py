@@ -33,7 +33,7 @@ from data import ByteCorpus
 
 from .markdown import titled_table
 from .peers import autocast_for, runs_on
-from .processes import init_worker, spawn
+from .processes import init_worker, spawn_collecting
 from .report import paired_ratio_of_rounds
 from .training import ModeRun, barrier, build_run, next_batch, synchronize, timed_schedule
 
@@ -134,17 +134,5 @@ def _steps_of(rounds: list[list[list[float]]]) -> list[list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        out = manager.dict()
-        spawn(_worker, args, out)
-        results = dict(out)
-    print(report(args, results))
+    print(report(args, spawn_collecting(_worker, args)))
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    sys.exit(main())

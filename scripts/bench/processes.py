@@ -59,6 +59,15 @@ def spawn(worker: Callable[..., None], args: argparse.Namespace, *extra: object)
     mp.spawn(worker, args=(args, free_port(), *extra), nprocs=args.nprocs, join=True)
 
 
+def spawn_collecting(worker: Callable[..., None], args: argparse.Namespace) -> dict:
+    """``spawn``s ``worker(rank, args, port, out)`` and returns what the
+    workers put in ``out`` (a shared dict)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn(worker, args, out)
+        return dict(out)
+
+
 def fixed_malloc_thresholds(enabled: bool) -> contextlib.AbstractContextManager:
     """Processes spawned inside start with glibc's mmap and trim thresholds
     fixed (read from the environment at process start), so no mode changes
