@@ -462,8 +462,7 @@ def step_moments(
         moment(f"start of backward of '{name}'", reduced, held + held_in_bucket(), in_flight + source, window)
         made, acts_then = (activation_pieces or {}).get(window, (0, 0))
         if made:
-            label = f"gradient pieces of '{name}'"
-            moment(label, reduced, held + held_in_bucket() + made, in_flight + source, acts=acts_then)
+            moment(f"gradient pieces of '{name}'", reduced, held + held_in_bucket() + made, in_flight + source, acts=acts_then)
         moment(f"backward of '{name}'", reduced, held + held_in_bucket() + pieces, in_flight + source, acts=closing)
         # Its post-backward runs there too: what is live as the next opens.
         closed = closing if closing is not None else activations.get(window, 0)

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from data import ByteCorpus
 
 from .markdown import titled_table
-from .peers import autocast_for, runs_on
+from .peers import runs_on
 from .processes import init_worker, spawn_collecting
 from .report import paired_ratio_of_rounds
-from .training import ModeRun, barrier, build_run, next_batch, synchronize, timed_schedule
+from .training import ModeRun, barrier, build_run, next_batch, timed_schedule, train_step
 
 # Per step: slowest rank's step, rank 0's forward, backward, optimizer step, main thread's CPU (seconds).
 COLUMNS = ("step", "forward", "backward", "optimizer step", "main thread's CPU")
@@ -63,23 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def phased_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, device: torch.device) -> list[float]:
-    """One training step as the timing pass runs it (``training.train_step``),
-    timed per phase: [step, forward, backward, optimizer step, main thread's
-    CPU] in seconds, this rank's."""
+    """The timing pass's training step (``training.train_step``), timed per
+    phase: [step, forward, backward, optimizer step, main thread's CPU] in
+    seconds, this rank's."""
+    marks: list[float] = []
     cpu_start, start = time.thread_time(), time.perf_counter()
-    with autocast_for(run.mode, args, device):
-        _, loss = run.model(x, y)
-    synchronize(device)
-    forward_end = time.perf_counter()
-    loss.backward()
-    synchronize(device)
-    backward_end = time.perf_counter()
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
+    train_step(run, x, y, args, device, marks)
     end = time.perf_counter()
     cpu = time.thread_time() - cpu_start
-    run.steps_done += 1
+    forward_end, backward_end = marks
     return [end - start, forward_end - start, backward_end - forward_end, end - backward_end, cpu]
 
 

@@ -53,12 +53,27 @@ def next_batch(
     return x.to(device), y.to(device)
 
 
-def train_step(run: ModeRun, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, device: torch.device) -> None:
+def train_step(
+    run: ModeRun,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    marks: list[float] | None = None,
+) -> None:
+    """One training step; with ``marks``, the clock (``time.perf_counter``)
+    is appended there as the forward ends (the device synchronised first)
+    and as the backward ends."""
     with autocast_for(run.mode, args, device):
         _, loss = run.model(x, y)
+    if marks is not None:
+        synchronize(device)
+        marks.append(time.perf_counter())
     loss.backward()
     synchronize(device)
     start = time.perf_counter()
+    if marks is not None:
+        marks.append(start)
     run.optimizer.step()
     synchronize(device)
     run.optimizer_times_s.append(time.perf_counter() - start)

@@ -21,9 +21,9 @@ parity; its split backward warns at the step."""
 from __future__ import annotations
 
 import copy
-from typing import Callable
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -121,13 +121,10 @@ class _Stage(PipelineStage):
     neighbour stages, sending an int64 scalar into a float32 buffer; gloo
     refuses the size mismatch ("8 vs 4") and aborts the process (fixed in
     torch 2.10, which sends float32). Sending float32 here is a no-op on
-    2.10+ (docs/parallelism.md, pipeline recipe). Before torch 2.13 that
-    exchange also sends to and receives from this rank itself where two
-    neighbour stages share it (a V schedule), which gloo refuses ("Pair is
-    not connected"): those are left out (a start-up exchange only)."""
+    2.10+ (docs/parallelism.md, pipeline recipe)."""
 
     def _get_init_p2p_neighbors_ops(self):  # type: ignore[no-untyped-def]
-        ops = [op for op in super()._get_init_p2p_neighbors_ops() if op.peer != dist.get_rank()]
+        ops = super()._get_init_p2p_neighbors_ops()
         for op in ops:
             op.tensor = op.tensor.to(torch.float32)
         return ops
@@ -320,10 +317,10 @@ def _zero_bubble_with_whole_backwards_trains_in_parity(rank: int, world_size: in
     and the W actions do nothing: ScheduleInterleavedZeroBubble over 4
     stages (two per pipeline rank, looped: rank p holds p and p + 2) x 2
     data-parallel ranks trains in parity with the single-process model.
-    (ScheduleZBVZeroBubble trained the same on torch 2.13, and on 2.11 with
-    ``_Stage``; torch 2.9 sends the activations between the two stages of
-    the V's turn, on one rank, through gloo, which refuses a pair to
-    itself.)"""
+    (ScheduleZBVZeroBubble trained the same by hand on torch 2.13, and on
+    2.11 with the start-up exchange between a rank's own two stages left
+    out; torch 2.9 sends the activations between them through gloo, which
+    refuses a pair to itself.)"""
     from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
     pipe_rank, dp_index, dp_group, pipe_group = _layout()
