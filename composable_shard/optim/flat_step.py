@@ -278,11 +278,15 @@ def _put_runs_in_groups(optimizer: torch.optim.Optimizer, members: list[int], ru
         added = {k: v for k, v in groups[members[0]].items() if k != "params"}
         if len(set(decays.values())) > 1:
             added["weight_decay"] = 0.0
+            # One call per factor (each parameter's own ``mul_``, the same bits).
+            decayed: dict[float, list[torch.Tensor]] = {}
+            for run in runs:
+                for param, g in zip(run.params, run.groups):
+                    if decays[g] != 0:
+                        decayed.setdefault(1 - groups[g]["lr"] * decays[g], []).append(param)
             with torch.no_grad():
-                for run in runs:
-                    for param, g in zip(run.params, run.groups):
-                        if decays[g] != 0:
-                            param.mul_(1 - groups[g]["lr"] * decays[g])
+                for factor, params in decayed.items():
+                    torch._foreach_mul_(params, factor)
         added["params"] = [run.flat for run in runs]
         groups.append(added)
         swap.added.append(added)
@@ -391,21 +395,39 @@ def _ready(run: _Run) -> bool:
     return True
 
 
+def _still_given(optimizer: torch.optim.Optimizer, run: _Run) -> bool:
+    """Whether every parameter of ``run`` holds the state dict and values
+    ``after_step`` gave it (its 0-dim values are compared apart)."""
+    if not run.made:
+        return False
+    state = optimizer.state
+    for param, mine, values in zip(run.params, run.made, run.made_values):
+        theirs = state.get(param)
+        if mine is not theirs or len(theirs) != len(values) or not all(map(operator.is_, theirs.values(), values)):
+            return False
+    return True
+
+
+def _scalars_unchanged(run: _Run) -> bool:
+    """Whether every copy of a 0-dim state value (a step count) still
+    equals the value it was copied from (``item``: a comparison of a few
+    hundred 0-dim tensors, once per step, costs less than stacking them)."""
+    for value, copies in run.scalars:
+        first = value.item()
+        for copy in copies:
+            if copy.item() != first:
+                return False
+    return True
+
+
 def _take_state(optimizer: torch.optim.Optimizer, run: _Run) -> bool:
     """Give ``run`` its state: the run's own while every parameter still
     holds what ``after_step`` gave it, else one made from the parameters'
     (None where none has any); False where the parameters' states have no
     common form (the run is then stepped per parameter)."""
-    states = [optimizer.state.get(param) for param in run.params]
-    if (
-        run.made
-        and all(
-            mine is theirs and len(theirs) == len(values) and all(map(operator.is_, theirs.values(), values))
-            for mine, theirs, values in zip(run.made, states, run.made_values)
-        )
-        and all(torch.equal(torch.stack(copies), value.expand(len(copies))) for value, copies in run.scalars)
-    ):
+    if _still_given(optimizer, run) and _scalars_unchanged(run):
         return True
+    states = [optimizer.state.get(param) for param in run.params]
     run.made, run.made_values, run.state, run.state_values, run.scalars = [], [], None, (), []
     if all(not state for state in states):
         return True
@@ -477,6 +499,9 @@ def _restore(optimizer: torch.optim.Optimizer, swap: _Swap, *, stepped: bool) ->
                 break
     for group, params in swap.replaced:
         group["params"] = params
+    # The step counts of runs stepped in place, copied in one call.
+    copies: list[torch.Tensor] = []
+    originals: list[torch.Tensor] = []
     for run in swap.runs:
         state = optimizer.state.pop(run.flat, None) if run.flat is not None else None
         run.flat = None
@@ -491,10 +516,13 @@ def _restore(optimizer: torch.optim.Optimizer, swap: _Swap, *, stepped: bool) ->
         ):
             # Stepped in place: the parameters' views show it, and their
             # scalars follow the first's.
-            for value, copies in run.scalars:
-                torch._foreach_copy_(copies, [value] * len(copies))
+            for value, of_value in run.scalars:
+                copies += of_value
+                originals += [value] * len(of_value)
             continue
         _spread(optimizer, run, state)
+    if copies:
+        torch._foreach_copy_(copies, originals)
 
 
 def _spread(optimizer: torch.optim.Optimizer, run: _Run, state: dict[str, Any]) -> None:
