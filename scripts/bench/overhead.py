@@ -150,9 +150,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(report(args, spawn_collecting(_worker, args)))
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    sys.exit(main())
