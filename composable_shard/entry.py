@@ -41,6 +41,7 @@ from .units.materialize import cast_unit_buffers, check_materializable, material
 from .policy import Policy
 from .runtime import call_as_forward, register_hooks
 from .runtime.lifecycle import track_unit
+from .runtime.published_shards import claim_published_slices
 from .units.tensor_parallel import check_dtensor_params, data_parallel_mesh
 from .runtime.state import UnitConfig, UnitState, get_state, register_state, unit_states_under
 from .units.rules import (
@@ -532,6 +533,7 @@ def _build_unit(
         limit_all_gathers=kwargs["limit_all_gathers"],
     )
     state = UnitState(members[0], handles, groups, config, compute_device, members=members)
+    claim_published_slices(state)  # [Note: all-gathers from published shards] in runtime/published_shards.py
     register_hooks(state)
     track_unit(state)
     for attach in _UNIT_EXTENSIONS:

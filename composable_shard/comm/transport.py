@@ -7,7 +7,8 @@ Knows nothing of: how either transport moves bytes (``shared_memory``,
 ``process_group``), modules, flat parameters, streams.
 
 Public names: ``ENV_SWITCH``, ``host_transport``, ``shared_memory_of``,
-``expect_collective_bytes``, ``uses_shared_memory``, ``backend_copies_gathered_output``, ``reduce_scatter_method``,
+``expect_collective_bytes``, ``published_slice``, ``published_slice_bytes``,
+``published_shards_of``, ``uses_shared_memory``, ``backend_copies_gathered_output``, ``reduce_scatter_method``,
 ``inputs_in_use``, ``process_shared_bytes``, ``process_mapped_bytes``,
 ``shared_bytes_per_rank``.
 
@@ -49,6 +50,7 @@ from . import process_group, shared_memory
 from .shared_memory import (
     PLATFORM_SUPPORTED,
     HostSharedMemory,
+    PublishedShards,
     SharedMemoryUnavailable,
     SharedMemoryWork,
     bytes_per_rank,
@@ -63,6 +65,9 @@ __all__ = [
     "process_mapped_bytes",
     "shared_bytes_per_rank",
     "expect_collective_bytes",
+    "published_slice",
+    "published_slice_bytes",
+    "published_shards_of",
     "uses_shared_memory",
     "backend_copies_gathered_output",
     "reduce_scatter_method",
@@ -77,6 +82,11 @@ _decisions: "weakref.WeakKeyDictionary[ProcessGroup, HostSharedMemory | None]" =
 # Group -> the largest bytes one rank writes for one of its collectives, as
 # announced before its first collective (what its slots reserve).
 _announced: "weakref.WeakKeyDictionary[ProcessGroup, int]" = weakref.WeakKeyDictionary()
+# Group -> the bytes of its published shards' area claimed so far, before
+# its setup ([Note: published shards] in comm/shared_memory/published.py).
+_published: "weakref.WeakKeyDictionary[ProcessGroup, int]" = weakref.WeakKeyDictionary()
+# Slices start on a cache line.
+_SLICE_ALIGN = 64
 
 
 def switched_on() -> bool:
@@ -121,6 +131,7 @@ def _decide(group: ProcessGroup, nbytes: int) -> HostSharedMemory | None:
                 max(nbytes, _announced.get(group, 0)),
                 wanted=switched_on(),
                 slot_bytes=shared_memory.SLOT_BYTES,  # read now: the knob may be set until a group sets up
+                published_bytes=_published.get(group, 0),
             )
         except SharedMemoryUnavailable as unavailable:
             if unavailable.warn:
@@ -145,6 +156,40 @@ def expect_collective_bytes(group: ProcessGroup | None, nbytes: int) -> None:
     group = _or_world(group)
     if nbytes > _announced.get(group, 0):
         _announced[group] = nbytes
+
+
+def published_slice(group: ProcessGroup | None, nbytes: int) -> int | None:
+    """Where in ``group``'s published area (None: the default group) a flat
+    parameter's shard of ``nbytes`` goes, or None where its all-gathers go
+    through rounds: while the area stays within
+    ``shared_memory.PUBLISHED_BYTES``, for a group of several ranks that has
+    not set up yet (its area is sized then). Not collective: every rank
+    builds the same flat parameters in the same order, so each gets the
+    same slice on every rank. The caller claims only what may publish
+    ([Note: all-gathers from published shards] in runtime/published_shards.py)."""
+    if not dist.is_initialized() or not switched_on():
+        return None
+    group = _or_world(group)
+    if group in _decisions or dist.get_world_size(group) < 2 or "gloo" not in str(dist.get_backend(group)):
+        return None
+    at = _published.get(group, 0)
+    if at + nbytes > shared_memory.PUBLISHED_BYTES:
+        return None
+    _published[group] = at + published_slice_bytes(nbytes)
+    return at
+
+
+def published_slice_bytes(nbytes: int) -> int:
+    """Bytes a shard of ``nbytes`` takes in a published area (slices start
+    on a cache line)."""
+    return -(-nbytes // _SLICE_ALIGN) * _SLICE_ALIGN
+
+
+def published_shards_of(group: ProcessGroup | None) -> PublishedShards | None:
+    """``group``'s published shards (None: the default group), or None
+    where it has no area; sets the group up if it has not (collective)."""
+    transport = shared_memory_of(group)
+    return None if transport is None else transport.published
 
 
 def uses_shared_memory(group: ProcessGroup | None, device_type: str) -> bool:
@@ -192,12 +237,13 @@ def process_mapped_bytes() -> int:
     return sum(transport.mapped_bytes for transport in _live())
 
 
-def shared_bytes_per_rank(largest_bytes: int) -> int:
+def shared_bytes_per_rank(largest_bytes: int, published_bytes: int = 0) -> int:
     """Shared memory one rank of a group holds once its collectives wrote up
     to ``largest_bytes`` per rank (its slots and header; bounded whatever
-    the size: larger collectives stream through the slots). For memory
-    plans, which know the sizes but no group."""
-    return bytes_per_rank(largest_bytes, shared_memory.SLOT_BYTES)
+    the size: larger collectives stream through the slots), with an area of
+    ``published_bytes`` of published shards. For memory plans, which know
+    the sizes but no group."""
+    return bytes_per_rank(largest_bytes, shared_memory.SLOT_BYTES, published_bytes)
 
 
 def _live() -> list[HostSharedMemory]:

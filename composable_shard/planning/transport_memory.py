@@ -1,5 +1,6 @@
 """Owns: the shared memory a rank's collectives keep in ``/dev/shm`` for
-the whole run, counted by the plan as ``rank_bytes["transport"]``.
+the whole run (slots and published shards), counted by the plan as
+``rank_bytes["transport"]``.
 
 Knows nothing of: the step's replay (step_replay.py), units.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .. import comm
-from ..comm import transport
+from ..comm import shared_memory, transport
 from ..api import ShardingStrategy
 from .memory import UnitPlan
 
@@ -26,9 +27,10 @@ def transport_bytes(units: Sequence[UnitPlan]) -> int:
     parameter reserves is ``comm.collective_bytes_per_group``, as
     ``FlatParamHandle`` announces it; a NO_SHARD unit's replica group is the
     data-parallel group the others shard over, a hybrid unit's its own.
-    Counted once, for this rank: RSS also shows the pages of the peers'
-    slots this rank read (``scripts/bench.py`` counts each page for its
-    owner only)."""
+    The data-parallel group's file also holds the area of the shards this
+    rank publishes (``published_bytes``). Counted once, for this rank: RSS
+    also shows the pages of the peers' slots and areas this rank read
+    (``scripts/bench.py`` counts each page for its owner only)."""
     largest = {"data_parallel": 0, "replicate": 0}
     for unit in units:
         hybrid = unit.strategy in _HYBRID
@@ -48,4 +50,26 @@ def transport_bytes(units: Sequence[UnitPlan]) -> int:
             for kind, nbytes in most.items():
                 group = "replicate" if kind == "replicate" and hybrid else "data_parallel"
                 largest[group] = max(largest[group], nbytes)
-    return sum(transport.shared_bytes_per_rank(nbytes) for nbytes in largest.values() if nbytes)
+    published = {"data_parallel": published_bytes(units), "replicate": 0}
+    return sum(transport.shared_bytes_per_rank(nbytes, published[group]) for group, nbytes in largest.items() if nbytes)
+
+
+def published_bytes(units: Sequence[UnitPlan]) -> int:
+    """Bytes of the area of shards one rank publishes for a step's
+    all-gathers, as the units' flat parameters claim it when built
+    ([Note: all-gathers from published shards] in
+    runtime/published_shards.py): the small ones, sharded, in their own
+    dtype and not offloaded, each aligned, in unit order while the area stays
+    within ``shared_memory.PUBLISHED_BYTES`` (the runtime claims in build
+    order: the same total unless the area fills up)."""
+    area = 0
+    for unit in units:
+        for fp in unit.flat_params:
+            world = fp.padded_numel // fp.shard_numel if fp.shard_numel else 1
+            small = comm.gatherable_bytes(fp.padded_numel, fp.dtype, comm.GATHER_BUCKET_BYTES)
+            if not (fp.is_sharded and world > 1 and small and not fp.offload and fp.param_dtype == fp.dtype):
+                continue
+            nbytes = fp.shard_numel * fp.dtype.itemsize
+            if area + nbytes <= shared_memory.PUBLISHED_BYTES:
+                area += transport.published_slice_bytes(nbytes)
+    return area

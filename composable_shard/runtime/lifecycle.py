@@ -59,6 +59,7 @@ from ..handle import pending_views
 from .state import BETWEEN_STEPS, RootContext, TrainingState, UnitState
 from .labels import hook_label
 from .partial_backward import warn_step_after_partial_backwards
+from .published_shards import close_step_shards, publish_step_shards
 from .optimizer_checks import (
     is_elementwise,
     refuse_coupling_optimizer,
@@ -231,6 +232,7 @@ def start_root_forward(context: RootContext) -> None:
     # The optimizer, the user and this write-back wrote shards on compute:
     # the step's first all-gather comes after ([Note: what a lane waits for]).
     context.scheduler.mark_shards_written()
+    publish_step_shards(context)  # [Note: all-gathers from published shards]
 
 
 def end_forward_without_backward(context: RootContext) -> None:
@@ -241,6 +243,7 @@ def end_forward_without_backward(context: RootContext) -> None:
         if unit.reshard_after_forward is not False:
             unit.reshard()
     synchronize_host_copies(context)
+    close_step_shards(context)
 
 
 def _end_held_state(context: RootContext) -> None:
@@ -252,6 +255,7 @@ def _end_held_state(context: RootContext) -> None:
             if unit.training_state is TrainingState.HELD_FOR_BACKWARD:
                 unit.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
         synchronize_host_copies(context)
+        close_step_shards(context)
 
 
 def synchronize_host_copies(context: RootContext) -> None:
@@ -288,6 +292,7 @@ def return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
                 unit.reshard_handle(handle)
         unit.reset_step_counters()
     context.post_backward_callback_queued = False
+    close_step_shards(context)
     if not leave_reductions:
         synchronize_host_copies(context)
 

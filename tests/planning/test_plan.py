@@ -143,9 +143,10 @@ def _transport_is_planned(rank: int, world_size: int) -> None:
             shared_memory.SLOT_BYTES = saved
         assert shared is not None
         assert planned.rank_bytes["transport"] == described.rank_bytes["transport"] == shared.shared_bytes, slot_bytes
-        assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 40, slot_bytes)
+        assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 40, slot_bytes, shared_memory.PUBLISHED_BYTES)
         if slot_bytes < saved:  # streamed: the whole slots, a quarter of one block's reduce-scatter
-            assert shared.shared_bytes == mmap.PAGESIZE + shared_memory.SLOTS * slot_bytes
+            published = shared.files.published_bytes  # the root's small shards (the blocks' are too large)
+            assert shared.shared_bytes == mmap.PAGESIZE + shared_memory.SLOTS * slot_bytes + published
         assert "shared-memory transport" in str(planned)
         dist.destroy_process_group(group)
 

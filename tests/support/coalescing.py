@@ -8,7 +8,8 @@ Knows nothing of: what the tests assert.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -87,8 +88,23 @@ class _SkippableGPT(TinyGPT):
         return self.head(self.norm(x))
 
 
+# The group ``_shard`` passes where a case names none (``train_case``'s fresh_group).
+_GROUP: list[dist.ProcessGroup | None] = [None]
+
+
+@contextlib.contextmanager
+def _default_group(group: dist.ProcessGroup) -> Iterator[None]:
+    _GROUP[0] = group
+    try:
+        yield
+    finally:
+        _GROUP[0] = None
+
+
 def _shard(strategy: ShardingStrategy, *, ac: bool = False, skippable: bool = False, **kwargs: Any) -> Callable:
     def shard(model: nn.Module) -> None:
+        if _GROUP[0] is not None and "process_group" not in kwargs:
+            kwargs["process_group"] = _GROUP[0]
         for block in model.blocks:  # type: ignore[union-attr]
             if ac:
                 checkpoint(block)
@@ -147,15 +163,22 @@ CASES: dict[str, tuple[int, Callable[[int], Callable], Callable, Callable[[], nn
 
 
 def train_case(
-    case: str, rank: int, world_size: int, *, reduce_bucket: int, gather_bucket: int
+    case: str, rank: int, world_size: int, *, reduce_bucket: int, gather_bucket: int, fresh_group: bool = False
 ) -> tuple[dict[str, torch.Tensor], CollectiveSpy]:
     """Three AdamW steps of ``case`` with these buckets (bytes; 0: each
     flat parameter alone); the full parameters after, and the collectives
-    the steps called."""
+    the steps called. ``fresh_group``: a case on the default group shards
+    over a new group of every rank instead (one whose transport is set up
+    for this model, as the default group is in a fresh process)."""
     _, shard, step_fn, build = CASES[case]
     with reduce_bucket_bytes(reduce_bucket), gather_bucket_bytes(gather_bucket):
         model = build()
-        shard(world_size)(model)
+        if fresh_group and "hybrid" not in case:
+            group = dist.new_group(list(range(world_size)))
+            with _default_group(group):
+                shard(world_size)(model)
+        else:
+            shard(world_size)(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         spy = CollectiveSpy()
         with spy.watching():

@@ -1,12 +1,12 @@
 """Owns: all-gather, reduce-scatter, all-reduce and all-to-all between the processes
 of one host through shared memory (``HostSharedMemory``): the group's setup
-(its files and slots), each collective's rounds (which bytes each writes
-and reads) and their checks.
+(its files, slots, published shards), each collective's rounds (which bytes
+each writes and reads) and their checks.
 
-Knows nothing of: how files are made and mapped (``files``), how rounds
-wait for peers (``slots``), which collectives come here and when a group
-sets up (``comm.transport``), the gloo/NCCL collectives, parameters,
-modules, streams (``comm``'s callers keep their buffers alive).
+Knows nothing of: how files are made and mapped (``files``), how rounds wait
+for peers (``slots``), publishing (``published``), which collectives come
+here and when a group sets up (``comm.transport``), the gloo/NCCL
+collectives, parameters, modules, streams (``comm``'s callers keep their buffers alive).
 
 Public names: ``HostSharedMemory``.
 
@@ -30,8 +30,7 @@ the same bits, as replicas must. Several shards gathered in one collective
 bytes back to back, written from each shard and read into each output's
 row where they lie; a bucket's gradients are reduce-scattered into one
 output each (``reduce_scatter_pieces``) or all-reduced in place
-(``all_reduce_pieces``) the same way. The measurements behind the transport and the
-slot size are in docs/design/comm.md. Pinned by
+(``all_reduce_pieces``) the same way. Measurements: docs/design/comm.md. Pinned by
 tests/comm/test_shared_memory.py (test_all_gather_through_shared_memory_equals_gloo,
 test_reduce_scatter_through_shared_memory_sums_own_chunk_then_peers,
 test_collectives_larger_than_a_slot_stream_through_it_and_equal_gloo).
@@ -74,6 +73,7 @@ from torch.distributed import ProcessGroup
 
 from .files import GroupFiles
 from .pieces import Pieces, bytes_of, has_storage, offsets, overlap, transfer
+from .published import PublishedShards
 from .slots import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SharedMemoryWork, SlotRing, signature_of
 
 __all__ = ["HostSharedMemory"]
@@ -91,34 +91,34 @@ class HostSharedMemory:
     """Shared-memory collectives for one process group whose ranks share a host."""
 
     def __init__(self, group: ProcessGroup, files: GroupFiles) -> None:
-        # The files (kept alive here: they close when this goes away).
-        self.files = files
+        self.files = files  # kept alive here: they close when this goes away
         self.slots = SlotRing(group, files)
         self.rank = dist.get_rank(group)
         self.world_size = files.world_size
+        # The shards this rank publishes for a step (None: no area).
+        self.published = PublishedShards(files, self.slots) if files.published_bytes else None
 
     @classmethod
     def connect(
-        cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool, slot_bytes: int
+        cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool, slot_bytes: int, published_bytes: int = 0
     ) -> "HostSharedMemory":
-        """Set up the transport of ``group`` (collective: every rank of the
-        group calls it, once): see ``GroupFiles.open``."""
-        return cls(group, GroupFiles.open(group, largest_bytes, wanted=wanted, slot_bytes=slot_bytes))
+        """Set up ``group``'s transport (collective, once): ``GroupFiles.open``."""
+        files = GroupFiles.open(group, largest_bytes, wanted=wanted, slot_bytes=slot_bytes, published_bytes=published_bytes)
+        return cls(group, files)
 
     @property
     def shared_bytes(self) -> int:
-        """Bytes of shared memory this rank's file holds (``GroupFiles``)."""
-        return self.files.shared_bytes
+        return self.files.shared_bytes  # this rank's file (``GroupFiles``)
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes of shared memory this process's RSS counts (``GroupFiles``)."""
-        return self.files.mapped_bytes
+        return self.files.mapped_bytes  # what this process's RSS counts (``GroupFiles``)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
-        """Every rank's ``shard`` into ``output`` in rank order; ``output``
-        holds the result once the returned work was waited on."""
+        """Every rank's ``shard`` into ``output`` in rank order (once waited on)."""
         self._check_sizes("all-gather: output", output, shard)
+        if self.published is not None and self.published.holds([shard]):
+            return self.published.all_gather([output], [shard])
         self.slots.enter("an all-gather")
         try:
             work = self._gather(output, shard, ALL_GATHER, "an all-gather")
@@ -132,11 +132,13 @@ class HostSharedMemory:
         """``all_gather`` of several shards in one collective: this rank's
         ``shards`` laid back to back are its stream, and each output
         (``world_size`` rows of its shard's size) gets every rank's shard of
-        it in its row, in rank order. Read and written where they lie: no
-        side-by-side copy of the shards and no gathered rows to copy out
-        (the bytes a peer sees are those of one all-gather of the shards
-        laid side by side). ``shards`` are not used after this call returns."""
+        it in its row, in rank order, read and written where they lie (the
+        bytes a peer sees are those of one all-gather of the shards side by
+        side); published shards are read from the peers' areas instead
+        ([Note: published shards]). ``shards`` are not used after this returns."""
         self._check_paired("all-gather", outputs, shards, "shard", outputs_are_wholes=True)
+        if self.published is not None and self.published.holds(shards):
+            return self.published.all_gather(outputs, shards)
         sent = Pieces(shards)  # refuses strided shards before anything is issued
         rows = [bytes_of(output).view(self.world_size, -1) for output in outputs]
         starts = offsets([row.shape[1] for row in rows])
@@ -170,8 +172,7 @@ class HostSharedMemory:
         return _waited_unless(async_op, work)
 
     def _gather(self, output: torch.Tensor, shard: torch.Tensor, kind: int, what: str) -> SharedMemoryWork:
-        """Issue an all-gather's rounds (the caller holds the ring), of
-        ``kind``: an all-gather's, or an all-to-all's table."""
+        """Issue an all-gather's (or an all-to-all table's: ``kind``) rounds, holding the ring."""
         chunk = shard.numel()
         shard_bytes = bytes_of(shard)
         nbytes = shard_bytes.numel()
@@ -465,8 +466,7 @@ class HostSharedMemory:
             self.slots.failure.__cause__ = error
 
     @property
-    def _gather_piece(self) -> int:
-        """Bytes of its shard an all-gather moves per round."""
+    def _gather_piece(self) -> int:  # bytes of its shard an all-gather moves per round
         return _aligned(self.files.slot_bytes, 1)
 
     def _reduce_piece(self, element_size: int) -> int:

@@ -8,8 +8,9 @@ Knows nothing of: what the slots' bytes mean (``slots``: rounds, waits;
 memory (``comm.transport``), parameters, modules, streams.
 
 Public names: ``GroupFiles``, ``SharedMemoryUnavailable``,
-``PLATFORM_SUPPORTED``, ``SLOTS``, ``HEADER``, ``slot_reservation``,
-``bytes_per_rank``, ``TEST_SETUP_PAUSE_ENV``.
+``PLATFORM_SUPPORTED``, ``SLOTS``, ``HEADER``, ``ARRIVED_ENTRY``,
+``PUBLISHED_ENTRY``, ``slot_reservation``, ``bytes_per_rank``,
+``TEST_SETUP_PAUSE_ENV``.
 
 [Note: shared-memory setup]
 Setup (``GroupFiles.open``, collective, once per group): the ranks exchange
@@ -32,7 +33,11 @@ directory before it measures the free space.
 Each slot reserves (``posix_fallocate``) the largest collective announced
 before setup, up to the slot size (``slot_reservation``), and grows up to it
 before a write that needs more, so a full ``/dev/shm`` is an error naming
-the fix, not a SIGBUS. ``shared_bytes`` is what this rank's file holds;
+the fix, not a SIGBUS. After the slots lies the area of the shards this
+rank publishes ([Note: published shards] in published.py), as many bytes
+as the group's small flat parameters announced before setup, reserved at
+creation; where ``/dev/shm`` has room for the slots but not for it too, or
+the ranks announced different sizes, every rank goes without it (0 bytes). ``shared_bytes`` is what this rank's file holds;
 ``mapped_bytes`` what this process's RSS counts (peers' slots included).
 Pinned by tests/comm/test_shared_memory.py
 (test_shared_memory_files_close_and_unmap_when_their_group_is_destroyed,
@@ -67,6 +72,8 @@ __all__ = [
     "PLATFORM_SUPPORTED",
     "SLOTS",
     "HEADER",
+    "ARRIVED_ENTRY",
+    "PUBLISHED_ENTRY",
     "slot_reservation",
     "bytes_per_rank",
     "TEST_SETUP_PAUSE_ENV",
@@ -79,8 +86,13 @@ TEST_SETUP_PAUSE_ENV = "COMPOSABLE_SHARD_TEST_SETUP_PAUSE_S"
 SLOTS = 4
 # The file's first page: per slot, the last round this rank finished reading
 # from its peers; then per slot a pair: the signature (kind and size) of the
-# last round this rank wrote, and its number. Zeroed at creation.
-HEADER = struct.Struct(f"<{3 * SLOTS}q")
+# last round this rank wrote, and its number; then the published shards'
+# entries ([Note: published shards] in published.py): the last publish this
+# rank arrived at, and the pair (signature, number) of the last one whose
+# shards it wrote. Zeroed at creation.
+HEADER = struct.Struct(f"<{3 * SLOTS + 3}q")
+ARRIVED_ENTRY = 3 * SLOTS
+PUBLISHED_ENTRY = 3 * SLOTS + 2
 # Slot regions are reserved and mapped in multiples of this, so that units
 # of slightly different sizes share one mapping.
 _MAP_GRANULE = 1 << 16
@@ -124,12 +136,17 @@ class RankFacts:
     # This rank's switch (``COMPOSABLE_SHARD_SHARED_MEMORY``): off on any
     # rank means off for the group.
     wanted: bool
+    # Bytes of shards this rank announced it publishes (every rank must
+    # announce the same, or none publishes).
+    published_bytes: int
 
 
 class GroupFiles:
     """One group's files: this rank's, its peers', and a pidfd of each peer."""
 
-    def __init__(self, rank: int, facts: list[RankFacts], fds: list[int], pidfds: dict[int, int], reserved: int) -> None:
+    def __init__(
+        self, rank: int, facts: list[RankFacts], fds: list[int], pidfds: dict[int, int], reserved: int, published: int
+    ) -> None:
         self.rank = rank
         self.world_size = len(facts)
         # Every rank's setup facts (pids and global ranks name peers in errors).
@@ -146,6 +163,8 @@ class GroupFiles:
         self.directory = facts[0].place[1]
         # Bytes reserved in this rank's file per slot (``posix_fallocate``).
         self._reserved = [reserved] * SLOTS
+        # Bytes of the published shards' area, reserved at creation (0: none).
+        self.published_bytes = published
         # (rank, slot) -> the mapping of that slot of that rank's file and a
         # uint8 tensor over it; replaced by a longer one when a round needs more.
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
@@ -159,10 +178,13 @@ class GroupFiles:
         weakref.finalize(self, _close_all, list(fds) + list(pidfds.values()), self._mappings, self._header_pages)
 
     @classmethod
-    def open(cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool, slot_bytes: int) -> "GroupFiles":
+    def open(
+        cls, group: ProcessGroup, largest_bytes: int, *, wanted: bool, slot_bytes: int, published_bytes: int = 0
+    ) -> "GroupFiles":
         """Set up the files of ``group`` (collective: every rank of the group
         calls it, once), their slots reserved for collectives writing up to
-        ``largest_bytes`` per rank; ``wanted``: this rank's switch;
+        ``largest_bytes`` per rank, with an area of ``published_bytes`` for
+        published shards where there is room; ``wanted``: this rank's switch;
         ``slot_bytes``: this rank's slot size (rank 0's holds). Raises
         ``SharedMemoryUnavailable`` on every rank alike where the group
         cannot use shared memory, and the backend's error where a peer fails
@@ -171,9 +193,10 @@ class GroupFiles:
         directory = shm_directory()
         sweep_stale_files(directory)  # before measuring the free space: leftovers hold some
         facts: list[Any] = [None] * world_size
-        dist.all_gather_object(facts, _own_facts(wanted, slot_bytes, directory), group=group)
+        dist.all_gather_object(facts, _own_facts(wanted, slot_bytes, directory, published_bytes), group=group)
         _check_facts(facts, largest_bytes, directory)
         reserved = slot_reservation(largest_bytes, facts[0].slot_bytes)
+        published = _published_grant(facts, largest_bytes)
         # Every path is known to every rank before any file exists, so
         # whichever rank survives a failure can remove them all.
         paths = [
@@ -186,7 +209,7 @@ class GroupFiles:
         try:
             error = None
             try:
-                fds[rank] = _create_file(paths[rank], _stride(facts[0].slot_bytes), reserved)
+                fds[rank] = _create_file(paths[rank], _stride(facts[0].slot_bytes), reserved, published)
             except OSError as failure:
                 error = failure.strerror
             _pause_for_tests()
@@ -206,7 +229,7 @@ class GroupFiles:
             _unlink_quietly(paths)
             if not done:
                 _close_all([fd for fd in fds if fd >= 0] + list(pidfds.values()))
-        return cls(rank, facts, fds, pidfds, reserved)
+        return cls(rank, facts, fds, pidfds, reserved, published)
 
     def region(self, rank: int, slot: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of ``slot`` in ``rank``'s file, mapped into
@@ -233,6 +256,19 @@ class GroupFiles:
             self._touched[key] = nbytes
         return mapped[1][:nbytes]
 
+    def published_area(self, rank: int) -> torch.Tensor:
+        """``rank``'s area of published shards (``published_bytes``, after its
+        slots), mapped into this process once, as a uint8 tensor."""
+        key = (rank, SLOTS)
+        mapped = self._mappings.get(key)
+        if mapped is None:
+            region = mmap.mmap(self.fds[rank], self.published_bytes, offset=self.stride * (SLOTS + 1))
+            with torch.inference_mode(False):  # as ``region``'s
+                view = torch.frombuffer(region, dtype=torch.uint8)
+            mapped = self._mappings[key] = (region, view)
+            self._touched[key] = self.published_bytes  # every byte is written or read each step
+        return mapped[1]
+
     def _reserve(self, slot: int, nbytes: int) -> None:
         if self._reserved[slot] >= nbytes:
             return
@@ -248,10 +284,10 @@ class GroupFiles:
 
     @property
     def shared_bytes(self) -> int:
-        """Bytes of shared memory this rank's file holds (its header's page
-        and its slots' reservations): at most ``bytes_per_rank`` of any
-        size, since no slot grows past the slot size."""
-        return _PAGE + sum(self._reserved)
+        """Bytes of shared memory this rank's file holds (its header's page,
+        its slots' reservations and its published shards' area): at most
+        ``bytes_per_rank`` of any size, since no slot grows past the slot size."""
+        return _PAGE + sum(self._reserved) + self.published_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -294,15 +330,16 @@ def slot_reservation(largest_bytes: int, slot_bytes: int) -> int:
     return min(round_up(largest_bytes, _MAP_GRANULE), _stride(slot_bytes))
 
 
-def bytes_per_rank(largest_bytes: int, slot_bytes: int) -> int:
+def bytes_per_rank(largest_bytes: int, slot_bytes: int, published_bytes: int = 0) -> int:
     """Shared memory one rank's file holds once set up for collectives
     writing up to ``largest_bytes`` per rank: its header's page and its
-    slots' reservations; at most ``PAGE + SLOTS * slot_bytes`` (rounded to
-    the mapping granule) whatever the size."""
-    return _PAGE + SLOTS * slot_reservation(largest_bytes, slot_bytes)
+    slots' reservations (at most ``PAGE + SLOTS * slot_bytes``, rounded to
+    the mapping granule, whatever the size), and ``published_bytes`` of
+    published shards (rounded to the granule)."""
+    return _PAGE + SLOTS * slot_reservation(largest_bytes, slot_bytes) + round_up(published_bytes, _MAP_GRANULE)
 
 
-def _own_facts(wanted: bool, slot_bytes: int, directory: str) -> RankFacts:
+def _own_facts(wanted: bool, slot_bytes: int, directory: str, published_bytes: int) -> RankFacts:
     try:
         boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
         where = os.path.realpath(directory)
@@ -314,7 +351,7 @@ def _own_facts(wanted: bool, slot_bytes: int, directory: str) -> RankFacts:
         stats = os.statvfs(directory)
         free = stats.f_bavail * stats.f_frsize
     token = uuid.uuid4().hex
-    return RankFacts(place, os.getpid(), owner_marker(), dist.get_rank(), free, token, slot_bytes, wanted)
+    return RankFacts(place, os.getpid(), owner_marker(), dist.get_rank(), free, token, slot_bytes, wanted, published_bytes)
 
 
 def _pause_for_tests() -> None:
@@ -350,19 +387,35 @@ def _check_facts(facts: list[RankFacts], largest_bytes: int, directory: str) -> 
         )
 
 
-def _create_file(path: str, stride: int, reserved: int) -> int:
-    """This rank's file, its header zeroed and every slot's ``reserved``
-    bytes reserved (``posix_fallocate``: a full ``/dev/shm`` is an error
-    here, not a SIGBUS at a later write through a mapping)."""
+def _published_grant(facts: list[RankFacts], largest_bytes: int) -> int:
+    """Bytes of every rank's published shards' area, decided alike on every
+    rank from the facts: what the ranks announced (rounded to the granule)
+    where all announced the same and every rank has room for it beside the
+    slots (``_check_facts`` saw room for those), else 0."""
+    announced = facts[0].published_bytes
+    if announced <= 0 or any(rank_facts.published_bytes != announced for rank_facts in facts):
+        return 0
+    area = round_up(announced, _MAP_GRANULE)
+    needed = bytes_per_rank(largest_bytes, facts[0].slot_bytes, area) * len(facts)
+    return area if all((rank_facts.free_bytes or 0) >= needed for rank_facts in facts) else 0
+
+
+def _create_file(path: str, stride: int, reserved: int, published: int) -> int:
+    """This rank's file, its header zeroed, every slot's ``reserved`` bytes
+    and the ``published`` bytes of its published shards' area reserved
+    (``posix_fallocate``: a full ``/dev/shm`` is an error here, not a
+    SIGBUS at a later write through a mapping)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.pwrite(fd, HEADER.pack(*([0] * 3 * SLOTS)), 0)
+        os.pwrite(fd, bytes(HEADER.size), 0)
         # Sized before any peer maps it (sparse: costs nothing), so no
         # mapping ever reaches past the end of the file.
-        os.ftruncate(fd, stride * (SLOTS + 1))
+        os.ftruncate(fd, stride * (SLOTS + 1) + published)
         if reserved:
             for slot in range(SLOTS):
                 os.posix_fallocate(fd, stride * (slot + 1), reserved)
+        if published:
+            os.posix_fallocate(fd, stride * (SLOTS + 1), published)
     except OSError:
         os.close(fd)
         raise

@@ -10,7 +10,7 @@ are made and mapped (``files``), which groups use shared memory
 
 Public names: ``SlotRing``, ``SharedMemoryWork``, ``prepare_for_compile``,
 ``signature_of``, ``ALL_GATHER``, ``REDUCE_SCATTER``, ``ALL_REDUCE``,
-``ALL_TO_ALL``.
+``ALL_TO_ALL``, ``PUBLISH``.
 
 [Note: slots and waits]
 Every rank's file has ``SLOTS`` slots. A collective moves its bytes in
@@ -105,15 +105,22 @@ __all__ = [
     "REDUCE_SCATTER",
     "ALL_REDUCE",
     "ALL_TO_ALL",
+    "PUBLISH",
 ]
 
 # One header entry (a round's number), and the published pair (signature,
 # number) of a written round; see ``files.HEADER``.
 _ENTRY = struct.Struct("<q")
 _PUBLISHED = struct.Struct("<2q")
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = 1, 2, 3, 4
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, PUBLISH = 1, 2, 3, 4, 5
 # What each kind is called in errors.
-_KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter", ALL_REDUCE: "all-reduce", ALL_TO_ALL: "all-to-all"}
+_KINDS = {
+    ALL_GATHER: "all-gather",
+    REDUCE_SCATTER: "reduce-scatter",
+    ALL_REDUCE: "all-reduce",
+    ALL_TO_ALL: "all-to-all",
+    PUBLISH: "publish of shards",
+}
 # How often a wait looks whether its peers' processes are still alive: one
 # poll of their pidfds, so the hot path makes no system call for it.
 _LIVENESS_PERIOD_S = 0.05
@@ -218,11 +225,23 @@ class SlotRing:
 
     def await_peers(self, slot: int, seq: int, *, written: bool, timeout_s: float | None, signature: int = 0) -> None:
         """Until every peer has written (``written``: the same kind and size
-        of operation as ``signature``) or read round ``seq`` of ``slot``:
-        reads their headers, sleeping on a late peer's entry until it is
-        written (or polling with back-off without futexes), and every
-        ``_LIVENESS_PERIOD_S`` of waiting, whether they are alive."""
-        entry = SLOTS + 2 * slot + 1 if written else slot
+        of operation as ``signature``) or read round ``seq`` of ``slot``."""
+        if written:
+            self.await_entry(SLOTS + 2 * slot + 1, seq, signature, timeout_s, f"round {seq}")
+        else:
+            self.await_entry(slot, seq, None, timeout_s, f"round {seq + SLOTS}, waiting for its slot to be read")
+
+    def await_entry(
+        self, entry: int, seq: int, signature: int | None, timeout_s: float | None, where: str, verb: str = ""
+    ) -> None:
+        """Until every peer's header ``entry`` reaches ``seq`` (with
+        ``signature``, the entry before it must hold it: the same kind and
+        size of operation): reads their headers, sleeping on a late peer's
+        entry until it is written (or polling with back-off without
+        futexes), and every ``_LIVENESS_PERIOD_S`` of waiting, whether they
+        are alive. ``where`` names the operation in errors ("round 7"),
+        ``verb`` what a late peer did not do (default: write it, or read it
+        without a signature)."""
         started, deadline, next_check, pause = 0.0, 0.0, 0.0, _FIRST_PAUSE_S
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         seen = 0  # the first waited-for peer's entry, as last read
@@ -234,9 +253,9 @@ class SlotRing:
                     if not waiting:
                         seen = header[entry]
                     waiting.append(peer)
-                elif written and header[entry - 1] != signature:
+                elif signature is not None and header[entry - 1] != signature:
                     raise RuntimeError(
-                        f"composable_shard shared-memory collective (round {seq}): rank {peer} of the group issued "
+                        f"composable_shard shared-memory collective ({where}): rank {peer} of the group issued "
                         f"{_describe(header[entry - 1])} where this rank (rank {self.rank}) issued "
                         f"{_describe(signature)}. Every rank must run the same collectives in the same order "
                         "(the same modules in forward and backward, the same no_sync and state-dict calls); mark "
@@ -250,10 +269,11 @@ class SlotRing:
                 limit = self._group_timeout_s() if timeout_s is None else timeout_s
                 started, deadline, next_check = now, now + limit, now + _LIVENESS_PERIOD_S
             elif now >= next_check:
-                self._check_alive(seq, signature, written)
+                self._check_alive(_operation(where, signature))
                 next_check = now + _LIVENESS_PERIOD_S
                 if now > deadline:
-                    self._time_out(peers, seq, signature, written, timeout_s)
+                    verb = verb or ("write" if signature is not None else "read")
+                    self._time_out(peers, _operation(where, signature), verb, timeout_s)
             if self._futexes:
                 # Until that peer writes the entry (or the next liveness check).
                 address = self.files.header_addresses[peers[0]] + entry * _ENTRY.size
@@ -263,7 +283,13 @@ class SlotRing:
             time.sleep(pause)
             pause = min(pause * 1.5, max(_SHORT_WAIT_PAUSE_S, (now - started) * _PAUSE_FRACTION), _MAX_PAUSE_S)
 
-    def _check_alive(self, seq: int, signature: int, written: bool) -> None:
+    def publish_entry(self, entry: int, values: bytes) -> None:
+        """Write ``values`` (packed entries) into this rank's header from
+        ``entry`` on and wake the peers sleeping on the last of them."""
+        os.pwrite(self.files.fds[self.rank], values, entry * _ENTRY.size)
+        self._wake_peers(entry + len(values) // _ENTRY.size - 1)
+
+    def _check_alive(self, operation: str) -> None:
         """Raise (and fail every later call) if a peer's process exited."""
         exited = {pidfd for pidfd, _ in self._liveness.poll(0)}
         if not exited:
@@ -272,7 +298,7 @@ class SlotRing:
         dead = sorted(peer for peer, pidfd in self.files.pidfds.items() if pidfd in exited)
         who = ", ".join(f"rank {peer} (global rank {facts[peer].global_rank}, pid {facts[peer].pid})" for peer in dead)
         self.failure = RuntimeError(
-            f"composable_shard: communication failure in a shared-memory {_operation(seq, signature, written)}: "
+            f"composable_shard: communication failure in a shared-memory {operation}: "
             f"{who} of the group exited while this rank (rank {self.rank}) waited for it. The group cannot go on; "
             "see that rank's own output for why it exited."
         )
@@ -282,12 +308,12 @@ class SlotRing:
         group = self._group()
         return _DEFAULT_TIMEOUT_S if group is None else _group_timeout_s(group)
 
-    def _time_out(self, peers: list[int], seq: int, signature: int, written: bool, timeout_s: float | None) -> None:
+    def _time_out(self, peers: list[int], operation: str, verb: str, timeout_s: float | None) -> None:
         limit = self._group_timeout_s() if timeout_s is None else timeout_s
         source = "the group's timeout" if timeout_s is None else "the timeout given to wait()"
         raise RuntimeError(
-            f"composable_shard: communication timeout in a shared-memory {_operation(seq, signature, written)}: "
-            f"ranks {peers} of the group did not {'write' if written else 'read'} it within {limit:g} s ({source}). "
+            f"composable_shard: communication timeout in a shared-memory {operation}: "
+            f"ranks {peers} of the group did not {verb} it within {limit:g} s ({source}). "
             "They are alive but stuck, or issue collectives in another order."
         )
 
@@ -420,10 +446,10 @@ def _of_unit(signature: int) -> str:
     return f" for {name_of(tag)}" if tag else ""
 
 
-def _operation(seq: int, signature: int, written: bool) -> str:
+def _operation(where: str, signature: int | None) -> str:
     """The collective a wait is for, in words, with its round's number (a
     wait for a slot's readers names the round that will reuse it)."""
-    if not written:
-        return f"collective (round {seq + SLOTS}, waiting for its slot to be read)"
+    if signature is None:
+        return f"collective ({where})"
     kind = _KINDS.get(signature % (1 << _KIND_BITS), "collective")
-    return f"{kind} (round {seq}, {_size(signature)} bytes per rank{_of_unit(signature)})"
+    return f"{kind} ({where}, {_size(signature)} bytes per rank{_of_unit(signature)})"

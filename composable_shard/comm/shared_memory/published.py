@@ -1,0 +1,159 @@
+"""Owns: the shards a rank publishes for one step, where its peers read them
+(``PublishedShards``): their area in this rank's file, publishing (every
+rank arrives, then writes), and all-gathers read from the peers' areas.
+
+Knows nothing of: which flat parameters publish, when a step starts or
+ends (``runtime``), how files are made and mapped (``files``), how waits
+sleep and time out (``slots``).
+
+Public names: ``PublishedShards``.
+
+[Note: published shards]
+Measured on the many-small GPT (64 blocks of width 64, 2 ranks): the
+ranks waited 30-50 ms a step for each other's all-gathers, a peer a few
+ms behind at one round in two steps out of three, on either rank alike:
+each all-gather of a unit needs the peer to have reached the same point,
+so every stall of either rank (the machine's other work, a page fault)
+stops both, where DDP's forward never waits. Yet a shard does not change
+between the start of a step's forward and the end of its backward (an
+optimizer step there is refused: [Note: optimizer step between forward
+and backward] in runtime/optimizer_checks.py). So at the root's forward
+every rank copies its small flat parameters' shards into an area of its
+own file, once, and the step's all-gathers of them read every peer's
+shard from its area, where it lies: no round, no slot, no waiting for the
+peer to reach the unit, and one copy of each shard a step where a round
+wrote it twice (forward and backward).
+
+Publish ``n`` (every rank publishes the same groups in the same order, so
+the numbers agree): this rank writes "arrived at ``n``" in its header, waits
+until every peer arrived at ``n`` (a peer that arrived reads nothing of
+publish ``n - 1`` any more: its step ended, since a forward cannot start
+before the previous backward finished), copies its shards into its area,
+then writes "published ``n``" with a signature (the kind and the area's
+size: ranks whose models differ get an error naming both, not each
+other's bytes). An all-gather of publish ``n`` waits until every peer
+published ``n`` (at once, but in the step's first all-gathers) and copies
+each peer's piece of its area into that peer's row; this rank's own row
+comes from its live shard. No peer overwrites its area before this rank
+arrives at the next publish, so what is read is that peer's shard of this
+step. The one barrier a step, at its start, stands where DDP's ranks meet
+at the end of backward. Waits time out and notice dead peers as a round's
+do (``SlotRing.await_entry``). Which shards publish, when a step's window
+opens and closes, and the check that a published shard did not change in
+place meanwhile belong to the runtime ([Note: all-gathers from published
+shards] in runtime/published_shards.py). Pinned by
+tests/comm/test_published_shards.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .files import ARRIVED_ENTRY, PUBLISHED_ENTRY, GroupFiles
+from .pieces import bytes_of
+from .slots import _ENTRY, _KIND_BITS, _PUBLISHED, PUBLISH, SharedMemoryWork, SlotRing
+
+__all__ = ["PublishedShards"]
+
+
+class PublishedShards:
+    """The published shards of one group on this rank: its area (every
+    rank's, ``files.published_bytes`` each), the publishes' numbering, and
+    the shards of steps still under way (published, not yet closed)."""
+
+    def __init__(self, files: GroupFiles, slots: SlotRing) -> None:
+        self.files = files
+        self.slots = slots
+        self.rank = files.rank
+        self.world_size = files.world_size
+        # The last publish this rank made (0: none yet).
+        self.number = 0
+        # A published shard's data pointer -> (its byte in the area, its
+        # bytes, what raises if it changed since, the publish's number).
+        self._open: dict[int, tuple[int, int, Callable[[], None], int]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every rank's area."""
+        return self.files.published_bytes
+
+    def _signature(self) -> int:
+        return (self.nbytes << _KIND_BITS) + PUBLISH  # no unit's tag: a publish is the group's
+
+    def publish(self, shards: Sequence[tuple[int, torch.Tensor, Callable[[], None]]]) -> None:
+        """Publish ``shards``, each with the byte in the area where it goes
+        and a check that raises where it changed since (the caller's, which
+        names what changed), run before each of its all-gathers: collective
+        over the group, every rank publishing its own in the same call.
+        Their all-gathers read the peers' areas from now until ``close``."""
+        for at, shard, _ in shards:
+            if at < 0 or at + shard.numel() * shard.element_size() > self.nbytes or not shard.is_contiguous():
+                raise ValueError(
+                    f"published shards: a shard of {shard.numel() * shard.element_size()} bytes at byte {at} does "
+                    f"not fit the area of {self.nbytes} bytes (or is not contiguous)"
+                )
+        number = self.number + 1
+        self.slots.enter("a publish of shards")
+        try:
+            self.slots.publish_entry(ARRIVED_ENTRY, _ENTRY.pack(number))
+            where = f"publish {number} of shards, every rank arriving"
+            self.slots.await_entry(ARRIVED_ENTRY, number, None, None, where, verb="arrive at")
+            area = self.files.published_area(self.rank)
+            targets = [area[at : at + shard.numel() * shard.element_size()] for at, shard, _ in shards]
+            if targets:
+                torch._foreach_copy_(targets, [bytes_of(shard) for _, shard, _ in shards])
+            self.slots.publish_entry(PUBLISHED_ENTRY - 1, _PUBLISHED.pack(self._signature(), number))
+        except BaseException as error:
+            # Peers may wait for this publish, or have read a half-written area.
+            self.slots.failure = RuntimeError(
+                f"composable_shard: publish {number} of shards failed on rank {self.rank} ({error}); the group "
+                "cannot go on."
+            )
+            raise
+        finally:
+            self.slots.leave()
+        self.number = number
+        for at, shard, check in shards:
+            self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number)
+
+    def close(self, shards: Sequence[torch.Tensor]) -> None:
+        """Their step ended: their all-gathers go through rounds again."""
+        for shard in shards:
+            self._open.pop(shard.data_ptr(), None)
+
+    def holds(self, shards: Sequence[torch.Tensor]) -> bool:
+        """Whether every one of ``shards`` is published for a step under way."""
+        return bool(self._open) and all(
+            (entry := self._open.get(shard.data_ptr())) is not None and entry[1] == shard.numel() * shard.element_size()
+            for shard in shards
+        )
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> SharedMemoryWork | None:
+        """Fill each output (``world_size`` rows of its shard's size) with
+        every rank's shard of it, in rank order: this rank's from ``shards``
+        (all ``holds``), each peer's from its area as it published it.
+        Complete when it returns (None: nothing to wait for; it waits for
+        the peers' publish first)."""
+        entries = [self._open[shard.data_ptr()] for shard in shards]
+        for _, _, check, _ in entries:
+            check()  # before any wait: a rank that raises leaves the group as it was
+        number = max(entry[3] for entry in entries)
+        self.slots.enter("an all-gather of published shards")
+        try:
+            where = f"all-gather of publish {number} of shards"
+            self.slots.await_entry(PUBLISHED_ENTRY, number, self._signature(), None, where)
+            areas = [self.files.published_area(peer) for peer in range(self.world_size)]
+            targets, sources = [], []
+            for output, shard, (at, nbytes, _, _) in zip(outputs, shards, entries):
+                rows = bytes_of(output).view(self.world_size, -1)
+                if rows.shape[1] != nbytes:
+                    raise ValueError(f"published shards: an output of {rows.shape[1]} bytes a rank for {nbytes}")
+                for peer in range(self.world_size):
+                    targets.append(rows[peer])
+                    sources.append(bytes_of(shard) if peer == self.rank else areas[peer][at : at + nbytes])
+            torch._foreach_copy_(targets, sources)
+        finally:
+            self.slots.leave()
+        return None
