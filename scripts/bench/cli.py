@@ -141,8 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.probe_layers < 1 or args.memory_steps < 1:
             p.error("--config largest needs --probe-layers and --memory-steps of at least 1")
     default_modes = available[:3] if CONFIGS[args.config].run == "largest" else available
-    # On request: before/after coalescing, the flat step, the heap trims.
-    default_modes = [m for m in default_modes if m not in ("cs_unbucketed", "cs_per_param_step", "cs_no_trim")]
+    # On request: before/after coalescing, the flat step, the heap trims, published shards.
+    on_request = ("cs_unbucketed", "cs_per_param_step", "cs_no_trim", "cs_no_publish")
+    default_modes = [m for m in default_modes if m not in on_request]
     if args.optimizer_in_backward:
         default_modes = [m for m in default_modes if m not in ("ddp", "local")]
     if args.optimizer == "muon":

@@ -118,6 +118,22 @@ def build_composable_shard_no_trim(
     return model, optimizer
 
 
+def build_composable_shard_no_publish(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """composable_shard with every all-gather through the slots' rounds, none
+    from published shards ([Note: all-gathers from published shards]): the
+    knob is read as each flat parameter is built, here while it says 0."""
+    from composable_shard.comm import shared_memory
+
+    saved = shared_memory.PUBLISHED_BYTES
+    shared_memory.PUBLISHED_BYTES = 0
+    try:
+        return build_composable_shard(args, device)
+    finally:
+        shared_memory.PUBLISHED_BYTES = saved
+
+
 def build_fsdp1(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -220,6 +236,8 @@ PEERS: dict[str, Peer] = {
     "cs_small_groups": Peer(build_composable_shard_small_groups),
     # The same without the heap trims in backward (the trims' cost in time).
     "cs_no_trim": Peer(build_composable_shard_no_trim),
+    # The same with every all-gather through rounds (before published shards).
+    "cs_no_publish": Peer(build_composable_shard_no_publish),
     "fsdp1": Peer(build_fsdp1),
     "fsdp2": Peer(build_fsdp2),
     "ddp": Peer(build_ddp, simulated=False, autocast=True),

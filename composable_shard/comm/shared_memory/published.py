@@ -42,11 +42,12 @@ do (``SlotRing.await_entry``). Which shards publish, when a step's window
 opens and closes, and the check that a published shard did not change in
 place meanwhile belong to the runtime ([Note: all-gathers from published
 shards] in runtime/published_shards.py). Pinned by
-tests/comm/test_published_shards.py.
+tests/comm/test_shared_memory_published.py.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -71,8 +72,9 @@ class PublishedShards:
         # The last publish this rank made (0: none yet).
         self.number = 0
         # A published shard's data pointer -> (its byte in the area, its
-        # bytes, what raises if it changed since, the publish's number).
-        self._open: dict[int, tuple[int, int, Callable[[], None], int]] = {}
+        # bytes, what raises if it changed since, the publish's number, the
+        # shard: another tensor at the same address later is not it).
+        self._open: dict[int, tuple[int, int, Callable[[], None], int, weakref.ref[torch.Tensor]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +118,7 @@ class PublishedShards:
             self.slots.leave()
         self.number = number
         for at, shard, check in shards:
-            self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number)
+            self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number, weakref.ref(shard))
 
     def close(self, shards: Sequence[torch.Tensor]) -> None:
         """Their step ended: their all-gathers go through rounds again."""
@@ -126,8 +128,7 @@ class PublishedShards:
     def holds(self, shards: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``shards`` is published for a step under way."""
         return bool(self._open) and all(
-            (entry := self._open.get(shard.data_ptr())) is not None and entry[1] == shard.numel() * shard.element_size()
-            for shard in shards
+            (entry := self._open.get(shard.data_ptr())) is not None and entry[4]() is shard for shard in shards
         )
 
     def all_gather(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> SharedMemoryWork | None:
@@ -137,7 +138,7 @@ class PublishedShards:
         Complete when it returns (None: nothing to wait for; it waits for
         the peers' publish first)."""
         entries = [self._open[shard.data_ptr()] for shard in shards]
-        for _, _, check, _ in entries:
+        for _, _, check, _, _ in entries:
             check()  # before any wait: a rank that raises leaves the group as it was
         number = max(entry[3] for entry in entries)
         self.slots.enter("an all-gather of published shards")
@@ -146,7 +147,7 @@ class PublishedShards:
             self.slots.await_entry(PUBLISHED_ENTRY, number, self._signature(), None, where)
             areas = [self.files.published_area(peer) for peer in range(self.world_size)]
             targets, sources = [], []
-            for output, shard, (at, nbytes, _, _) in zip(outputs, shards, entries):
+            for output, shard, (at, nbytes, _, _, _) in zip(outputs, shards, entries):
                 rows = bytes_of(output).view(self.world_size, -1)
                 if rows.shape[1] != nbytes:
                     raise ValueError(f"published shards: an output of {rows.shape[1]} bytes a rank for {nbytes}")
