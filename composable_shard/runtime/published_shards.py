@@ -117,7 +117,8 @@ def _publish(context: RootContext) -> None:
                 continue
             published = transport.published_shards_of(handle.groups.shard_group)  # sets the group up (collective)
             if published is not None:
-                check = functools.partial(_refuse_changes, unit, handle, _versions(handle))
+                # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
+                check = functools.partial(_refuse_changes, weakref.ref(unit), weakref.ref(handle), _versions(handle))
                 by_group.setdefault(published, []).append((claimed[0], shard, check))
     for published, shards in by_group.items():
         published.publish(shards)
@@ -132,9 +133,14 @@ def _versions(handle: FlatParamHandle) -> tuple[int, ...]:
     return (handle.sharded_flat_param._version, *(param._version for param in handle.orig_params))
 
 
-def _refuse_changes(unit: UnitState, handle: FlatParamHandle, published: tuple[int, ...]) -> None:
+def _refuse_changes(
+    unit_ref: "weakref.ref[UnitState]", handle_ref: "weakref.ref[FlatParamHandle]", published: tuple[int, ...]
+) -> None:
     """Raise, naming the parameter, where the handle's shard or one of its
     parameters changed in place since it was published."""
+    unit, handle = unit_ref(), handle_ref()
+    if unit is None or handle is None:
+        return  # gone: its shard is not gathered any more
     now = _versions(handle)
     if now == published:
         return
