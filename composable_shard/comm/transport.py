@@ -124,7 +124,7 @@ def shared_memory_of(group: ProcessGroup | None, nbytes: int = 0) -> HostSharedM
 
 def _decide(group: ProcessGroup, nbytes: int) -> HostSharedMemory | None:
     transport = None
-    if PLATFORM_SUPPORTED and dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group)):
+    if PLATFORM_SUPPORTED and _several_gloo_ranks(group):
         try:
             transport = HostSharedMemory.connect(
                 group,
@@ -170,7 +170,7 @@ def published_slice(group: ProcessGroup | None, nbytes: int) -> int | None:
     if not dist.is_initialized() or not switched_on():
         return None
     group = _or_world(group)
-    if group in _decisions or dist.get_world_size(group) < 2 or "gloo" not in str(dist.get_backend(group)):
+    if group in _decisions or not _several_gloo_ranks(group):
         return None
     at = _published.get(group, 0)
     if at + nbytes > shared_memory.PUBLISHED_BYTES:
@@ -205,6 +205,12 @@ def uses_shared_memory(group: ProcessGroup | None, device_type: str) -> bool:
     group = _or_world(group)
     if group in _decisions:
         return _decisions[group] is not None
+    return _several_gloo_ranks(group)
+
+
+def _several_gloo_ranks(group: ProcessGroup) -> bool:
+    """Whether ``group`` is a gloo group of two or more ranks: one that may
+    use shared memory (its setup decides whether it does)."""
     return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group))
 
 

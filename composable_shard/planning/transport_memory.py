@@ -65,9 +65,8 @@ def published_bytes(units: Sequence[UnitPlan]) -> int:
     area = 0
     for unit in units:
         for fp in unit.flat_params:
-            world = fp.padded_numel // fp.shard_numel if fp.shard_numel else 1
             small = comm.gatherable_bytes(fp.padded_numel, fp.dtype, comm.GATHER_BUCKET_BYTES)
-            if not (fp.is_sharded and world > 1 and small and not fp.offload and fp.param_dtype == fp.dtype):
+            if not (fp.is_sharded and small and not fp.offload and fp.param_dtype == fp.dtype):
                 continue
             nbytes = fp.shard_numel * fp.dtype.itemsize
             if area + nbytes <= shared_memory.PUBLISHED_BYTES:

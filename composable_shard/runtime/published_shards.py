@@ -87,7 +87,6 @@ def _may_publish(handle: FlatParamHandle) -> bool:
     shard = handle.sharded_flat_param
     return (
         handle.groups.is_sharded
-        and handle.groups.shard_world_size > 1
         and handle.compute_device.type == "cpu"
         and shard.device.type == "cpu"
         and not handle.offload_params
@@ -99,10 +98,7 @@ def _may_publish(handle: FlatParamHandle) -> bool:
 def publish_step_shards(context: RootContext) -> None:
     """Publish the tree's claimed shards for the step its root's forward
     starts (collective over each of their groups)."""
-    if torch.compiler.is_compiling():
-        eagerly(_publish)(context)
-    else:
-        _publish(context)
+    _outside_any_graph(_publish, context)
 
 
 @outside_graph
@@ -155,12 +151,13 @@ def _refuse_changes(
 
 def close_step_shards(context: RootContext) -> None:
     """The tree's step ended: its shards' all-gathers go through rounds again."""
-    if context not in _OPEN:
-        return
-    if torch.compiler.is_compiling():
-        eagerly(_close)(context)
-    else:
-        _close(context)
+    if context in _OPEN:
+        _outside_any_graph(_close, context)
+
+
+def _outside_any_graph(fn: Callable[[RootContext], None], context: RootContext) -> None:
+    """``fn(context)``, eagerly where dynamo traces the caller (file I/O)."""
+    (eagerly(fn) if torch.compiler.is_compiling() else fn)(context)
 
 
 @outside_graph

@@ -117,8 +117,8 @@ class HostSharedMemory:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> SharedMemoryWork | None:
         """Every rank's ``shard`` into ``output`` in rank order (once waited on)."""
         self._check_sizes("all-gather: output", output, shard)
-        if self.published is not None and self.published.holds([shard]):
-            return self.published.all_gather([output], [shard])
+        if self.published is not None and (entries := self.published.entries([shard])) is not None:
+            return self.published.all_gather([output], [shard], entries)
         self.slots.enter("an all-gather")
         try:
             work = self._gather(output, shard, ALL_GATHER, "an all-gather")
@@ -137,8 +137,8 @@ class HostSharedMemory:
         side); published shards are read from the peers' areas instead
         ([Note: published shards]). ``shards`` are not used after this returns."""
         self._check_paired("all-gather", outputs, shards, "shard", outputs_are_wholes=True)
-        if self.published is not None and self.published.holds(shards):
-            return self.published.all_gather(outputs, shards)
+        if self.published is not None and (entries := self.published.entries(shards)) is not None:
+            return self.published.all_gather(outputs, shards, entries)
         sent = Pieces(shards)  # refuses strided shards before anything is issued
         rows = [bytes_of(output).view(self.world_size, -1) for output in outputs]
         starts = offsets([row.shape[1] for row in rows])

@@ -58,6 +58,10 @@ from .slots import _ENTRY, _KIND_BITS, _PUBLISHED, PUBLISH, SharedMemoryWork, Sl
 
 __all__ = ["PublishedShards"]
 
+# A published shard: its byte in the area, its bytes, what raises if it
+# changed since, the publish's number, the shard (weakly).
+_Entry = tuple[int, int, Callable[[], None], int, "weakref.ref[torch.Tensor]"]
+
 
 class PublishedShards:
     """The published shards of one group on this rank: its area (every
@@ -71,10 +75,9 @@ class PublishedShards:
         self.world_size = files.world_size
         # The last publish this rank made (0: none yet).
         self.number = 0
-        # A published shard's data pointer -> (its byte in the area, its
-        # bytes, what raises if it changed since, the publish's number, the
-        # shard: another tensor at the same address later is not it).
-        self._open: dict[int, tuple[int, int, Callable[[], None], int, weakref.ref[torch.Tensor]]] = {}
+        # A published shard's data pointer -> its entry (the shard held
+        # weakly: another tensor at the same address later is not it).
+        self._open: dict[int, _Entry] = {}
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +103,7 @@ class PublishedShards:
         self.slots.enter("a publish of shards")
         try:
             self.slots.publish_entry(ARRIVED_ENTRY, _ENTRY.pack(number))
-            where = f"publish {number} of shards, every rank arriving"
+            where = "publish {} of shards, every rank arriving"
             self.slots.await_entry(ARRIVED_ENTRY, number, None, None, where, verb="arrive at")
             area = self.files.published_area(self.rank)
             targets = [area[at : at + shard.numel() * shard.element_size()] for at, shard, _ in shards]
@@ -125,25 +128,37 @@ class PublishedShards:
         for shard in shards:
             self._open.pop(shard.data_ptr(), None)
 
+    def entries(self, shards: Sequence[torch.Tensor]) -> list[_Entry] | None:
+        """What was published of each of ``shards``, or None unless every
+        one is published for a step under way."""
+        if not self._open:
+            return None
+        entries = []
+        for shard in shards:
+            entry = self._open.get(shard.data_ptr())
+            if entry is None or entry[4]() is not shard:
+                return None
+            entries.append(entry)
+        return entries
+
     def holds(self, shards: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``shards`` is published for a step under way."""
-        return bool(self._open) and all(
-            (entry := self._open.get(shard.data_ptr())) is not None and entry[4]() is shard for shard in shards
-        )
+        return self.entries(shards) is not None
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> SharedMemoryWork | None:
+    def all_gather(
+        self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], entries: Sequence[_Entry]
+    ) -> SharedMemoryWork | None:
         """Fill each output (``world_size`` rows of its shard's size) with
-        every rank's shard of it, in rank order: this rank's from ``shards``
-        (all ``holds``), each peer's from its area as it published it.
-        Complete when it returns (None: nothing to wait for; it waits for
-        the peers' publish first)."""
-        entries = [self._open[shard.data_ptr()] for shard in shards]
+        every rank's shard of it, in rank order: this rank's from ``shards``,
+        each peer's from its area as it published it (``entries``, of
+        ``entries(shards)``). Complete when it returns (None: nothing to
+        wait for; it waits for the peers' publish first)."""
         for _, _, check, _, _ in entries:
             check()  # before any wait: a rank that raises leaves the group as it was
         number = max(entry[3] for entry in entries)
         self.slots.enter("an all-gather of published shards")
         try:
-            where = f"all-gather of publish {number} of shards"
+            where = "all-gather of publish {} of shards"
             self.slots.await_entry(PUBLISHED_ENTRY, number, self._signature(), None, where)
             areas = [self.files.published_area(peer) for peer in range(self.world_size)]
             targets, sources = [], []

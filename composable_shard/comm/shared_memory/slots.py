@@ -227,21 +227,29 @@ class SlotRing:
         """Until every peer has written (``written``: the same kind and size
         of operation as ``signature``) or read round ``seq`` of ``slot``."""
         if written:
-            self.await_entry(SLOTS + 2 * slot + 1, seq, signature, timeout_s, f"round {seq}")
+            self.await_entry(SLOTS + 2 * slot + 1, seq, signature, timeout_s, "round {}")
         else:
-            self.await_entry(slot, seq, None, timeout_s, f"round {seq + SLOTS}, waiting for its slot to be read")
+            self.await_entry(slot, seq, None, timeout_s, "round {}, waiting for its slot to be read", seq + SLOTS)
 
     def await_entry(
-        self, entry: int, seq: int, signature: int | None, timeout_s: float | None, where: str, verb: str = ""
+        self,
+        entry: int,
+        seq: int,
+        signature: int | None,
+        timeout_s: float | None,
+        where: str,
+        named: int | None = None,
+        verb: str = "",
     ) -> None:
         """Until every peer's header ``entry`` reaches ``seq`` (with
         ``signature``, the entry before it must hold it: the same kind and
         size of operation): reads their headers, sleeping on a late peer's
         entry until it is written (or polling with back-off without
         futexes), and every ``_LIVENESS_PERIOD_S`` of waiting, whether they
-        are alive. ``where`` names the operation in errors ("round 7"),
-        ``verb`` what a late peer did not do (default: write it, or read it
-        without a signature)."""
+        are alive. ``where`` names the operation in errors, a template
+        filled with ``named`` (default ``seq``) only when one is raised
+        ("round {}"); ``verb`` what a late peer did not do (default: write
+        it, or read it without a signature)."""
         started, deadline, next_check, pause = 0.0, 0.0, 0.0, _FIRST_PAUSE_S
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         seen = 0  # the first waited-for peer's entry, as last read
@@ -255,7 +263,8 @@ class SlotRing:
                     waiting.append(peer)
                 elif signature is not None and header[entry - 1] != signature:
                     raise RuntimeError(
-                        f"composable_shard shared-memory collective ({where}): rank {peer} of the group issued "
+                        f"composable_shard shared-memory collective ({where.format(seq if named is None else named)}): "
+                        f"rank {peer} of the group issued "
                         f"{_describe(header[entry - 1])} where this rank (rank {self.rank}) issued "
                         f"{_describe(signature)}. Every rank must run the same collectives in the same order "
                         "(the same modules in forward and backward, the same no_sync and state-dict calls); mark "
@@ -269,11 +278,12 @@ class SlotRing:
                 limit = self._group_timeout_s() if timeout_s is None else timeout_s
                 started, deadline, next_check = now, now + limit, now + _LIVENESS_PERIOD_S
             elif now >= next_check:
-                self._check_alive(_operation(where, signature))
+                operation = _operation(where.format(seq if named is None else named), signature)
+                self._check_alive(operation)
                 next_check = now + _LIVENESS_PERIOD_S
                 if now > deadline:
                     verb = verb or ("write" if signature is not None else "read")
-                    self._time_out(peers, _operation(where, signature), verb, timeout_s)
+                    self._time_out(peers, operation, verb, timeout_s)
             if self._futexes:
                 # Until that peer writes the entry (or the next liveness check).
                 address = self.files.header_addresses[peers[0]] + entry * _ENTRY.size
