@@ -17,7 +17,9 @@ are all-reduced, in one bucket; rank 1 dies instead of issuing step 2's
 first all-reduce); ``all_to_all`` (shared memory only: the optimizer steps
 whole parameters on their owners, ``NewtonSchulzSGD``; rank 1 dies instead
 of issuing step 2's first all-to-all, ``comm.all_to_all_pieces``, which
-sends the gradients to their owners); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+sends the gradients to their owners); ``publish`` (shared memory only:
+rank 1 dies instead of publishing step 2's shards, ``PublishedShards.publish``,
+at the root's forward); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
 in rounds; rank 1 dies in step 2 in the middle of the first collective of
 more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from composable_shard import ShardingStrategy, comm
 from composable_shard.comm import shared_memory
-from composable_shard.comm.shared_memory import SLOTS, HostSharedMemory
+from composable_shard.comm.shared_memory import SLOTS, HostSharedMemory, PublishedShards
 
 from .models import TinyGPT
 from .optimizers import NewtonSchulzSGD
@@ -58,7 +60,7 @@ def _fault(how: str) -> None:
 
 def _arm(fault: str) -> None:
     """Make rank 1 die (or stop) at the fault's point."""
-    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0}
+    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0, "publish": 0}
 
     def at(name: str, index: int, step: int, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -106,6 +108,8 @@ def _arm(fault: str) -> None:
         # Through shared memory the owner step exchanges in place ([Note: the
         # exchange in place] in composable_shard/optim/owner_step.py).
         comm.all_to_all_pieces = at("all_to_all", 1, 1, comm.all_to_all_pieces)
+    elif fault == "publish":
+        PublishedShards.publish = at("publish", 1, 1, PublishedShards.publish)  # type: ignore[method-assign]
     elif fault == "stream":
         real_stream = HostSharedMemory._stream
 
