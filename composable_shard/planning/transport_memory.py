@@ -28,8 +28,11 @@ def transport_bytes(units: Sequence[UnitPlan]) -> int:
     ``FlatParamHandle`` announces it; a NO_SHARD unit's replica group is the
     data-parallel group the others shard over, a hybrid unit's its own.
     The data-parallel group's file also holds the area of the shards this
-    rank publishes (``published_bytes``). Counted once, for this rank: RSS
-    also shows the pages of the peers' slots and areas this rank read
+    rank publishes (``published_bytes``); the shards live there from the
+    first step on ([Note: shards that live in the area] in
+    comm/shared_memory/published.py) and are counted as parameters, so this
+    line has the area's alignment gaps only. Counted once, for this rank:
+    RSS also shows the pages of the peers' slots and areas this rank read
     (``scripts/bench.py`` counts each page for its owner only)."""
     largest = {"data_parallel": 0, "replicate": 0}
     for unit in units:
@@ -50,25 +53,28 @@ def transport_bytes(units: Sequence[UnitPlan]) -> int:
             for kind, nbytes in most.items():
                 group = "replicate" if kind == "replicate" and hybrid else "data_parallel"
                 largest[group] = max(largest[group], nbytes)
-    published = {"data_parallel": published_bytes(units), "replicate": 0}
-    return sum(transport.shared_bytes_per_rank(nbytes, published[group]) for group, nbytes in largest.items() if nbytes)
+    area, shards = published_bytes(units)
+    published = {"data_parallel": area, "replicate": 0}
+    held = sum(transport.shared_bytes_per_rank(nbytes, published[group]) for group, nbytes in largest.items() if nbytes)
+    return held - shards if largest["data_parallel"] else held
 
 
-def published_bytes(units: Sequence[UnitPlan]) -> int:
+def published_bytes(units: Sequence[UnitPlan]) -> tuple[int, int]:
     """Bytes of the area of shards one rank publishes for a step's
     all-gathers, as the units' flat parameters claim it when built
     ([Note: all-gathers from published shards] in
-    runtime/published_shards.py): the small ones, sharded, in their own
-    dtype and not offloaded, each aligned, in unit order while the area stays
-    within ``shared_memory.PUBLISHED_BYTES`` (the runtime claims in build
-    order: the same total unless the area fills up)."""
-    area = 0
+    runtime/published_shards.py), and the shards' own bytes in it: the
+    sharded ones, in their own dtype and not offloaded, each aligned, in
+    unit order while the area stays within ``shared_memory.PUBLISHED_BYTES``
+    (the runtime claims in build order: the same total unless the area
+    fills up)."""
+    area = shards = 0
     for unit in units:
         for fp in unit.flat_params:
-            small = comm.gatherable_bytes(fp.padded_numel, fp.dtype, comm.GATHER_BUCKET_BYTES)
-            if not (fp.is_sharded and small and not fp.offload and fp.param_dtype == fp.dtype):
+            if not (fp.is_sharded and fp.shard_numel and not fp.offload and fp.param_dtype == fp.dtype):
                 continue
             nbytes = fp.shard_numel * fp.dtype.itemsize
             if area + nbytes <= shared_memory.PUBLISHED_BYTES:
                 area += transport.published_slice_bytes(nbytes)
-    return area
+                shards += nbytes
+    return area, shards

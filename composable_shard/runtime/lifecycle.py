@@ -255,7 +255,7 @@ def _end_held_state(context: RootContext) -> None:
             if unit.training_state is TrainingState.HELD_FOR_BACKWARD:
                 unit.transition(TrainingState.IDLE, TrainingState.HELD_FOR_BACKWARD)
         synchronize_host_copies(context)
-        close_step_shards(context)
+        close_step_shards(context, every_rank=False)
 
 
 def synchronize_host_copies(context: RootContext) -> None:
@@ -292,7 +292,7 @@ def return_tree_to_idle(context: RootContext, *, discard_grads: bool) -> None:
                 unit.reshard_handle(handle)
         unit.reset_step_counters()
     context.post_backward_callback_queued = False
-    close_step_shards(context)
+    close_step_shards(context, every_rank=not discard_grads)
     if not leave_reductions:
         synchronize_host_copies(context)
 

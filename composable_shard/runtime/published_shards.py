@@ -1,7 +1,7 @@
 """Owns: which flat parameters publish their shards for a step's all-gathers
-(each claims a slice of its group's area when its unit is built), publishing
-a tree's shards when its root's forward starts, and closing them when the
-step ends.
+(each claims a slice of its group's area when its unit is built), moving
+them into the area, publishing a tree's shards when its root's forward
+starts, and closing them when the step ends.
 
 Knows nothing of: how shards are published and read
 (``comm.shared_memory.published``), hooks, prefetch, buckets.
@@ -10,17 +10,23 @@ Public names: ``claim_published_slices``, ``publish_step_shards``,
 ``close_step_shards``.
 
 [Note: all-gathers from published shards]
-Which: a flat parameter publishes where its all-gathers would coalesce
-(``comm.gatherable_bytes``: padded unsharded bytes at most a quarter of
-``comm.GATHER_BUCKET_BYTES``, the small units, whose all-gathers cost more
-in waiting for the peer than in bytes: [Note: published shards] in
-comm/shared_memory/published.py), its compute runs on CPU in the shard's own
-dtype (no cast, no CPU offload: what is published is what is gathered), it
-is sharded over a group of several ranks on one host (shared memory) that
-had not set up when it was built, and its group's area stays within
-``shared_memory.PUBLISHED_BYTES``: slices are claimed in build order, alike
-on every rank. A dtype change since (``model.double()``) that no longer
-fits its slice, or adds a cast, leaves it out of every publish.
+Which: every sharded flat parameter whose compute runs on CPU in the
+shard's own dtype (no cast, no CPU offload: what is published is what is
+gathered), sharded over a group of several ranks on one host (shared
+memory) that had not set up when it was built, while its group's area
+stays within ``shared_memory.PUBLISHED_BYTES``: slices are claimed in
+build order, alike on every rank. First the small units, whose
+all-gathers cost more in waiting for the peer than in bytes; then every
+size: GPT 8 x 256's blocks waited 27-37 ms a step at their all-gathers
+([Note: published shards] in comm/shared_memory/published.py). A dtype
+change since (``model.double()``) that no longer fits its slice, or adds a
+cast, leaves it out of every publish.
+
+Where: at its first publish, between steps of its group, a shard whose
+parameters all show it (``handle.shard_place``) moves into its slice of
+the area for good and publishes with no copy ([Note: shards that live in
+the area]); one that cannot move yet (held gathered between steps, a
+``DTensor`` parameter) is copied there at each publish.
 
 When: the root's pre-forward publishes the tree's shards, group by group in
 the tree's order (``start_root_forward``, after the write-back of the
@@ -28,23 +34,27 @@ user's changes into the shards); every all-gather of them in that step
 (forward, backward, prefetch, activation-checkpoint re-runs, an explicit
 ``unshard()``) reads the peers' areas. The step closes them (their
 all-gathers go through rounds again) when its backward returns the tree to
-idle, a forward without autograd ends, the held state ends, or a reset:
+idle or a forward without autograd ends, every rank alike, waiting there
+for its peers where a shard lives in the area; or when the held state ends
+or a reset after an error, where a rank may be alone, moving such shards
+out of the area first (they move back at the next publish).
 ``unshard_params``, state dicts and anything between steps gather the
 shards as they are then.
 
 Changes: a shard changed in place inside the step (its version counter
 moved: an in-place op on a parameter or a view of it) fails its next
-all-gather naming its unit, since its peers read what it held at the
-forward. One changed through ``.data``, which autograd does not see either,
-is not seen: that step's later all-gathers use what the shard held at the
-forward, where rounds re-read it in backward.
+all-gather naming its unit, since its peers may have read what it held
+before. One changed through ``.data``, which autograd does not see either,
+is not seen: the step's later all-gathers read the shard as it is then on
+its owner, and as it was at the forward where it is a copy.
 
 Under ``torch.compile`` both run eagerly (``shared_memory.eagerly``): the
 publish is one graph break where dynamo traces the root's pre-forward; the
-all-gathers already ran outside the graph. Memory: the area, once the
-published shards' bytes per rank in ``/dev/shm`` (``plan`` counts it in its
-``transport`` line), and the peers' areas this rank reads (RSS counts their
-pages). Pinned by tests/runtime/test_published_shards.py.
+all-gathers already ran outside the graph. Memory: the area, in
+``/dev/shm``, holds the shards that live there in place of their own
+memory (``plan`` counts them as parameters and the area's alignment gaps
+in its ``transport`` line); the peers' areas this rank reads count in its
+RSS. Pinned by tests/runtime/test_published_shards.py.
 """
 
 from __future__ import annotations
@@ -55,18 +65,18 @@ from typing import Callable
 
 import torch
 
-from .. import comm
 from ..comm import transport
 from ..comm.shared_memory import PublishedShards, eagerly, outside_graph
 from ..handle import FlatParamHandle
+from ..handle.shard_place import move_shard
 from .state import RootContext, UnitState
 
 __all__ = ["claim_published_slices", "publish_step_shards", "close_step_shards"]
 
 # Handle -> its slice of its group's area: (first byte, bytes).
 _SLICES: "weakref.WeakKeyDictionary[FlatParamHandle, tuple[int, int]]" = weakref.WeakKeyDictionary()
-# Root context -> what its step under way published: per group, its shards.
-_OPEN: "weakref.WeakKeyDictionary[RootContext, list[tuple[PublishedShards, list[torch.Tensor]]]]" = (
+# Root context -> what its step under way published: per group, the publish's number and its shards.
+_OPEN: "weakref.WeakKeyDictionary[RootContext, list[tuple[PublishedShards, int, list[torch.Tensor]]]]" = (
     weakref.WeakKeyDictionary()
 )
 
@@ -91,7 +101,6 @@ def _may_publish(handle: FlatParamHandle) -> bool:
         and shard.device.type == "cpu"
         and not handle.offload_params
         and handle.param_dtype == shard.dtype
-        and comm.gatherable_bytes(handle.layout.padded_unsharded_numel, shard.dtype, comm.GATHER_BUCKET_BYTES) > 0
     )
 
 
@@ -103,7 +112,7 @@ def publish_step_shards(context: RootContext) -> None:
 
 @outside_graph
 def _publish(context: RootContext) -> None:
-    _close(context)
+    _close(context, wait=True)
     by_group: dict[PublishedShards, list[tuple[int, torch.Tensor, Callable[[], None]]]] = {}
     for unit in context.units:
         for handle in unit.handles:
@@ -112,14 +121,21 @@ def _publish(context: RootContext) -> None:
             if claimed is None or shard.numel() * shard.element_size() > claimed[1] or handle.param_dtype != shard.dtype:
                 continue
             published = transport.published_shards_of(handle.groups.shard_group)  # sets the group up (collective)
-            if published is not None:
-                # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
-                check = functools.partial(_refuse_changes, weakref.ref(unit), weakref.ref(handle), _versions(handle))
-                by_group.setdefault(published, []).append((claimed[0], shard, check))
+            if published is None or published.open_publishes >= published.MOST_OPEN:
+                continue  # alike on every rank: the same steps are open
+            if not published.open_publishes and not published.lives_in_area(claimed[0], shard):
+                # Between every step of the group: the shard moves into the area for good.
+                if _moved(handle, functools.partial(published.home, claimed[0], shard)):
+                    shard = handle.sharded_flat_param
+            # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
+            check = functools.partial(_refuse_changes, weakref.ref(unit), weakref.ref(handle), _versions(handle))
+            by_group.setdefault(published, []).append((claimed[0], shard, check))
+    opened = []
     for published, shards in by_group.items():
-        published.publish(shards)
-    if by_group:
-        _OPEN[context] = [(published, [shard for _, shard, _ in shards]) for published, shards in by_group.items()]
+        number = published.publish(shards)
+        opened.append((published, number, [shard for _, shard, _ in shards]))
+    if opened:
+        _OPEN[context] = opened
 
 
 def _versions(handle: FlatParamHandle) -> tuple[int, ...]:
@@ -149,10 +165,15 @@ def _refuse_changes(
     )
 
 
-def close_step_shards(context: RootContext) -> None:
-    """The tree's step ended: its shards' all-gathers go through rounds again."""
+def close_step_shards(context: RootContext, *, every_rank: bool = True) -> None:
+    """The tree's step ended: its shards' all-gathers go through rounds
+    again. ``every_rank``: every rank ends it here alike (a backward's or a
+    no-grad forward's end), so where shards live in the area this rank waits
+    until its peers read nothing more of them; otherwise (a reset after an
+    error, the held state's end) such shards move out of the area instead,
+    so that this rank's changes cannot reach a peer still in the step."""
     if context in _OPEN:
-        _outside_any_graph(_close, context)
+        _outside_any_graph(functools.partial(_close, wait=every_rank), context)
 
 
 def _outside_any_graph(fn: Callable[[RootContext], None], context: RootContext) -> None:
@@ -161,6 +182,29 @@ def _outside_any_graph(fn: Callable[[RootContext], None], context: RootContext) 
 
 
 @outside_graph
-def _close(context: RootContext) -> None:
-    for published, shards in _OPEN.pop(context, ()):
-        published.close(shards)
+def _close(context: RootContext, *, wait: bool) -> None:
+    opened = _OPEN.pop(context, ())
+    for published, number, shards in opened:
+        published.close(number, shards, wait=wait or not _moved_out_of_area(context, published))
+
+
+def _moved_out_of_area(context: RootContext, published: PublishedShards) -> bool:
+    """Move each of the tree's shards living in ``published``'s area into
+    memory of its own (it moves back at the next publish); False where one
+    could not move (its parameters show the unsharded buffer)."""
+    moved = True
+    for unit in context.units:
+        for handle in unit.handles:
+            claimed = _SLICES.get(handle)
+            shard = handle.sharded_flat_param
+            if claimed is not None and published.lives_in_area(claimed[0], shard):
+                moved = _moved(handle, shard.clone) and moved
+    return moved
+
+
+def _moved(handle: FlatParamHandle, new_shard: Callable[[], torch.Tensor]) -> bool:
+    """``move_shard(handle, new_shard())``, the shard and its parameters'
+    views made outside any ``torch.inference_mode`` (a forward may run
+    under it; the views are kept and written after it)."""
+    with torch.inference_mode(False):
+        return move_shard(handle, new_shard())

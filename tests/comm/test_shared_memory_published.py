@@ -9,6 +9,7 @@ usable; the area is granted alike on every rank, or to none."""
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -47,8 +48,8 @@ def _gathers_equal_gloo(rank: int, world_size: int) -> None:
     assert published is not None and published.nbytes >= sum(numel * 4 for numel in SIZES)
     for salt in (1, 2):  # publish after publish, new values each time
         shards = _shards(rank, salt)
-        published.publish([(at, shard, _no_check) for at, shard in zip(offsets, shards)])
-        assert published.number == salt
+        assert published.publish([(at, shard, _no_check) for at, shard in zip(offsets, shards)]) == salt
+        assert published.number == salt and published.open_publishes == salt
         # A round of another collective in between changes nothing.
         grad = torch.arange(8.0 * world_size) * (rank + 1)
         reduced = torch.empty(8)
@@ -63,8 +64,9 @@ def _gathers_equal_gloo(rank: int, world_size: int) -> None:
             dist.all_gather_into_tensor(expected, shard, group=group)
             assert torch.equal(output, expected)
     rounds = published.slots._next_seq
-    published.close(shards)
-    assert not published.holds(shards)
+    published.close(1, [], wait=True)  # its shards were published again by publish 2
+    published.close(2, shards, wait=True)
+    assert not published.holds(shards) and published.open_publishes == 0
     outputs = [torch.empty(numel * world_size) for numel in SIZES]
     comm.all_gather_together(outputs, shards, group, async_op=False)
     assert published.slots._next_seq > rounds  # through rounds again
@@ -78,6 +80,51 @@ def _gathers_equal_gloo(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_gathers_of_published_shards_equal_gloo(world_size: int) -> None:
     run_distributed(_gathers_equal_gloo, world_size)
+
+
+def _shards_living_in_the_area(rank: int, world_size: int, wait: bool) -> list[bool]:
+    """Shards kept in the area (``home``), published without a copy; rank 0
+    closes the step and writes new values into its shards at once, while
+    rank 1 still has to gather them. Returns, per shard, whether rank 1 read
+    the values of the step."""
+    group, offsets = _published_group(world_size)
+    published = transport.published_shards_of(group)
+    assert published is not None
+    shards = [published.home(at, shard) for at, shard in zip(offsets, _shards(rank, 5))]
+    assert all(published.lives_in_area(at, shard) for at, shard in zip(offsets, shards))
+    assert not published.lives_in_area(offsets[0], shards[0].clone())
+    number = published.publish([(at, shard, _no_check) for at, shard in zip(offsets, shards)])
+    stepped = [shard.clone() for shard in shards]
+    read = [True] * len(SIZES)
+    if rank == 0:
+        published.close(number, shards, wait=wait)  # waits for rank 1's close where ``wait``
+        with torch.no_grad():
+            for shard in shards:
+                shard.add_(1.0)  # an optimizer step
+        if not wait:
+            dist.barrier()  # the default group: rank 1 gathers after the step
+    else:
+        if wait:
+            time.sleep(0.5)  # gives rank 0 time to run ahead (it cannot: it waits for this rank)
+        else:
+            dist.barrier()
+        outputs = [torch.empty(numel * world_size) for numel in SIZES]
+        comm.all_gather_together(outputs, shards, group, async_op=False)
+        read = [torch.equal(output[:numel], _shards(0, 5)[i]) for i, (output, numel) in enumerate(zip(outputs, SIZES))]
+        published.close(number, shards, wait=wait)
+    dist.barrier(group)
+    assert [torch.equal(shard, s + (rank == 0)) for shard, s in zip(shards, stepped)] == [True] * len(SIZES)
+    dist.destroy_process_group(group)
+    return read
+
+
+def test_shards_living_in_the_area_are_read_as_published_until_every_rank_closed() -> None:
+    """With ``wait`` rank 0's close waits until rank 1 read the step's
+    values; without it (what the runtime does only after moving such
+    shards out of the area) rank 1 reads rank 0's next values: the test
+    tells the two apart."""
+    assert run_distributed(_shards_living_in_the_area, 2, True)[1] == [True] * len(SIZES)
+    assert run_distributed(_shards_living_in_the_area, 2, False)[1] == [False] * len(SIZES)
 
 
 def _refused_check_leaves_group_usable(rank: int, world_size: int) -> None:

@@ -25,6 +25,7 @@ from composable_shard import ShardingStrategy
 from composable_shard.planning.runtime_memory import CODE_BYTES, REST_BYTES
 from composable_shard.planning.memory import FlatParamPlan, UnitPlan
 from composable_shard.planning.step_replay import StepPeak, step_moments, step_peak
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.harness_pool import requires_cuda, run_distributed, world_sizes
 from tests.support.models import Block, LoRABlock, LoRAGPT, TinyGPT
@@ -141,11 +142,16 @@ def _transport_is_planned(rank: int, world_size: int) -> None:
             loss.backward()
         finally:
             shared_memory.SLOT_BYTES = saved
-        assert shared is not None
-        assert planned.rank_bytes["transport"] == described.rank_bytes["transport"] == shared.shared_bytes, slot_bytes
+        assert shared is not None and shared.published is not None
+        # Every shard lives in the area after the step, counted as parameters.
+        shards = [handle.sharded_flat_param for _, state in unit_states_under(model) for handle in state.handles]
+        area = shared.files.published_area(rank)
+        assert all(0 <= shard.data_ptr() - area.data_ptr() < area.numel() for shard in shards)
+        living = sum(shard.numel() * shard.element_size() for shard in shards)
+        assert planned.rank_bytes["transport"] == described.rank_bytes["transport"] == shared.shared_bytes - living
         assert shared.shared_bytes <= shared_memory.bytes_per_rank(1 << 40, slot_bytes, shared_memory.PUBLISHED_BYTES)
         if slot_bytes < saved:  # streamed: the whole slots, a quarter of one block's reduce-scatter
-            published = shared.files.published_bytes  # the root's small shards (the blocks' are too large)
+            published = shared.files.published_bytes  # every unit's shard, each aligned
             assert shared.shared_bytes == mmap.PAGESIZE + shared_memory.SLOTS * slot_bytes + published
         assert "shared-memory transport" in str(planned)
         dist.destroy_process_group(group)

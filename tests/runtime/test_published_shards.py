@@ -11,6 +11,7 @@ model trains after; anything between steps sees the shards as they are."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 from unittest import mock
 
@@ -18,9 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from composable_shard import comm, fully_shard, unshard_params
+from composable_shard import comm, fully_shard, no_sync, unshard_params
 from composable_shard.comm import shared_memory, transport
 from composable_shard.comm.shared_memory import PublishedShards
+from composable_shard.runtime.state import unit_states_under
 
 from tests.support.coalescing import CASES, small_gpt, train_case
 from tests.support.harness_pool import run_distributed
@@ -137,6 +139,100 @@ def _no_rounds_for_gathers(rank: int, world_size: int) -> None:
 
 def test_a_steps_all_gathers_of_small_units_take_no_round() -> None:
     run_distributed(_no_rounds_for_gathers, 2)
+
+
+# ---------------------------------------------------------------- the area
+def _shards_live_in_the_area(rank: int, world_size: int) -> None:
+    """After the first step every unit's shard (blocks of any size) lives in
+    its group's area, the parameters views of it, with no copy of it left
+    anywhere; the model still reads and trains after its group is gone."""
+    group = dist.new_group(list(range(world_size)))
+    model = small_gpt()
+    for block in model.blocks:
+        fully_shard(block, process_group=group)
+    fully_shard(model, process_group=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs, targets = batch(0)
+    for _ in range(2):
+        lm_loss(model(inputs[rank::world_size]), targets[rank::world_size]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    shared = transport.shared_memory_of(group)
+    assert shared is not None and shared.published is not None
+    area = shared.published.files.published_area(rank)
+    low, high = area.data_ptr(), area.data_ptr() + area.numel()
+    handles = [handle for _, state in unit_states_under(model) for handle in state.handles]
+    assert len(handles) == len(model.blocks) + 1
+    for handle in handles:
+        shard = handle.sharded_flat_param
+        assert low <= shard.data_ptr() and shard.data_ptr() + shard.numel() * shard.element_size() <= high
+        for param in handle.orig_params:
+            assert param.numel() == 0 or low <= param.data_ptr() < high
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    dist.destroy_process_group(group)  # the area stays mapped while the shards live in it
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    assert all(torch.equal(tensor, before[name] + 1.0) for name, tensor in model.state_dict().items())
+
+
+def test_shards_live_in_the_published_area_and_outlive_their_group() -> None:
+    run_distributed(_shards_live_in_the_area, 2)
+
+
+def _slow_peer_then_a_change(rank: int, world_size: int, fence: bool) -> bool:
+    """A gradient-accumulation micro-batch (no reduction, so nothing in
+    backward waits for the peer) with rank 1 slowed down before its
+    backward's all-gathers; rank 0 changes its parameters at once after its
+    backward returns, as an optimizer would. Whether the accumulated
+    gradients after one more micro-batch equal those of gathering through
+    rounds: they do where rank 0's end of backward waits for rank 1 to
+    finish reading its shards; without (``fence`` False: the closing
+    rank does not wait) rank 1 reads rank 0's next values."""
+    real_close = PublishedShards.close
+
+    def close(self: PublishedShards, number: int, shards: list, *, wait: bool) -> None:
+        real_close(self, number, shards, wait=wait and fence)
+
+    grads = {}
+    for nbytes in (shared_memory.PUBLISHED_BYTES, 0):
+        group = dist.new_group(list(range(world_size)))
+        with _published_bytes(nbytes):
+            model = small_gpt()
+            for block in model.blocks:
+                fully_shard(block, process_group=group)
+            fully_shard(model, process_group=group)
+        inputs, targets = batch(0)
+        local = inputs[rank::world_size], targets[rank::world_size]
+        lm_loss(model(local[0]), local[1]).backward()  # sets the group up
+        model.zero_grad()
+
+        def slow(*_: object) -> None:
+            if fence:
+                time.sleep(0.5)  # rank 0 cannot run ahead: it waits for this rank
+            else:
+                dist.barrier()  # the default group: until rank 0 changed its parameters
+
+        hook = model.blocks[-1].register_full_backward_pre_hook(slow) if rank == 1 and nbytes else None
+        with mock.patch.object(PublishedShards, "close", close), no_sync(model):
+            lm_loss(model(local[0]), local[1]).backward()
+        if hook is not None:
+            hook.remove()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.5)
+        if rank == 0 and nbytes and not fence:
+            dist.barrier()
+        lm_loss(model(local[0]), local[1]).backward()
+        grads[nbytes] = [param.grad.clone() for param in model.parameters()]
+        dist.destroy_process_group(group)
+    return all(torch.equal(a, b) for a, b in zip(grads[shared_memory.PUBLISHED_BYTES], grads[0]))
+
+
+def test_a_rank_changes_its_shards_only_after_every_peer_read_them() -> None:
+    assert run_distributed(_slow_peer_then_a_change, 2, True) == [True, True]
+    assert run_distributed(_slow_peer_then_a_change, 2, False) == [False, False]
 
 
 # ---------------------------------------------------------------- changes

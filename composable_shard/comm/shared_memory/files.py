@@ -9,7 +9,7 @@ memory (``comm.transport``), parameters, modules, streams.
 
 Public names: ``GroupFiles``, ``SharedMemoryUnavailable``,
 ``PLATFORM_SUPPORTED``, ``SLOTS``, ``HEADER``, ``ARRIVED_ENTRY``,
-``PUBLISHED_ENTRY``, ``slot_reservation``, ``bytes_per_rank``,
+``PUBLISHED_ENTRY``, ``CLOSED_ENTRY``, ``CLOSED_ENTRIES``, ``slot_reservation``, ``bytes_per_rank``,
 ``TEST_SETUP_PAUSE_ENV``.
 
 [Note: shared-memory setup]
@@ -74,6 +74,8 @@ __all__ = [
     "HEADER",
     "ARRIVED_ENTRY",
     "PUBLISHED_ENTRY",
+    "CLOSED_ENTRY",
+    "CLOSED_ENTRIES",
     "slot_reservation",
     "bytes_per_rank",
     "TEST_SETUP_PAUSE_ENV",
@@ -88,11 +90,15 @@ SLOTS = 4
 # from its peers; then per slot a pair: the signature (kind and size) of the
 # last round this rank wrote, and its number; then the published shards'
 # entries ([Note: published shards] in published.py): the last publish this
-# rank arrived at, and the pair (signature, number) of the last one whose
-# shards it wrote. Zeroed at creation.
-HEADER = struct.Struct(f"<{3 * SLOTS + 3}q")
+# rank arrived at, the pair (signature, number) of the last one whose
+# shards it wrote, and a ring of ``CLOSED_ENTRIES`` entries: in entry
+# ``n % CLOSED_ENTRIES``, the last publish of that residue whose step
+# ended here. Zeroed at creation.
+CLOSED_ENTRIES = 4
+HEADER = struct.Struct(f"<{3 * SLOTS + 3 + CLOSED_ENTRIES}q")
 ARRIVED_ENTRY = 3 * SLOTS
 PUBLISHED_ENTRY = 3 * SLOTS + 2
+CLOSED_ENTRY = 3 * SLOTS + 3  # the ring's first entry
 # Slot regions are reserved and mapped in multiples of this, so that units
 # of slightly different sizes share one mapping.
 _MAP_GRANULE = 1 << 16
@@ -268,6 +274,16 @@ class GroupFiles:
             mapped = self._mappings[key] = (region, view)
             self._touched[key] = self.published_bytes  # every byte is written or read each step
         return mapped[1]
+
+    def own_published_slice(self, at: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of this rank's area from byte ``at``, as a uint8 tensor
+        with a storage of its own (a shard kept there is compared with
+        others by its storage: handle/writeback.py). The mapping stays
+        while it lives, also after the group is gone (``_close_all``)."""
+        self.published_area(self.rank)
+        region = self._mappings[(self.rank, SLOTS)][0]
+        with torch.inference_mode(False):  # as ``region``'s
+            return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=at)
 
     def _reserve(self, slot: int, nbytes: int) -> None:
         if self._reserved[slot] >= nbytes:

@@ -1,6 +1,8 @@
 """Owns: the shards a rank publishes for one step, where its peers read them
-(``PublishedShards``): their area in this rank's file, publishing (every
-rank arrives, then writes), and all-gathers read from the peers' areas.
+(``PublishedShards``): their area in this rank's file and the shards that
+live there, publishing (every rank arrives, then writes), all-gathers read
+from the peers' areas, and a step's close (every rank ends it before a
+shard living there changes).
 
 Knows nothing of: which flat parameters publish, when a step starts or
 ends (``runtime``), how files are made and mapped (``files``), how waits
@@ -14,35 +16,55 @@ ranks waited 30-50 ms a step for each other's all-gathers, a peer a few
 ms behind at one round in two steps out of three, on either rank alike:
 each all-gather of a unit needs the peer to have reached the same point,
 so every stall of either rank (the machine's other work, a page fault)
-stops both, where DDP's forward never waits. Yet a shard does not change
-between the start of a step's forward and the end of its backward (an
-optimizer step there is refused: [Note: optimizer step between forward
-and backward] in runtime/optimizer_checks.py). So at the root's forward
-every rank copies its small flat parameters' shards into an area of its
-own file, once, and the step's all-gathers of them read every peer's
-shard from its area, where it lies: no round, no slot, no waiting for the
-peer to reach the unit, and one copy of each shard a step where a round
-wrote it twice (forward and backward).
+stops both, where DDP's forward never waits; GPT 8 x 256's blocks waited
+the same way (27-37 ms a step). Yet a shard does not change between the
+start of a step's forward and the end of its backward (an optimizer step
+there is refused: [Note: optimizer step between forward and backward] in
+runtime/optimizer_checks.py). So every rank's shards are published in an
+area of its own file once a step, at the root's forward, and the step's
+all-gathers of them read every peer's shard from its area, where it lies:
+no round, no slot, no waiting for the peer to reach the unit.
 
 Publish ``n`` (every rank publishes the same groups in the same order, so
 the numbers agree): this rank writes "arrived at ``n``" in its header, waits
 until every peer arrived at ``n`` (a peer that arrived reads nothing of
 publish ``n - 1`` any more: its step ended, since a forward cannot start
-before the previous backward finished), copies its shards into its area,
-then writes "published ``n``" with a signature (the kind and the area's
-size: ranks whose models differ get an error naming both, not each
-other's bytes). An all-gather of publish ``n`` waits until every peer
-published ``n`` (at once, but in the step's first all-gathers) and copies
-each peer's piece of its area into that peer's row; this rank's own row
-comes from its live shard. No peer overwrites its area before this rank
-arrives at the next publish, so what is read is that peer's shard of this
-step. The one barrier a step, at its start, stands where DDP's ranks meet
-at the end of backward. Waits time out and notice dead peers as a round's
-do (``SlotRing.await_entry``). Which shards publish, when a step's window
-opens and closes, and the check that a published shard did not change in
-place meanwhile belong to the runtime ([Note: all-gathers from published
-shards] in runtime/published_shards.py). Pinned by
+before the previous backward finished), copies into its area the shards
+that do not live there, then writes "published ``n``" with a signature
+(the kind and the area's size: ranks whose models differ get an error
+naming both, not each other's bytes). An all-gather of publish ``n`` waits
+until every peer published ``n`` (at once, but in the step's first
+all-gathers) and copies each peer's piece of its area into that peer's
+row; this rank's own row comes from its live shard. The one barrier a step,
+at its start, stands where DDP's ranks meet at the end of backward. Waits
+time out and notice dead peers as a round's do (``SlotRing.await_entry``).
+Which shards publish, when a step's window opens and closes, and the check
+that a published shard did not change in place meanwhile belong to the
+runtime ([Note: all-gathers from published shards] in
+runtime/published_shards.py). Pinned by
 tests/comm/test_shared_memory_published.py.
+
+[Note: shards that live in the area]
+A copy of every shard in the area would cost the shards' bytes again
+(12.8 MB a rank for GPT 8 x 256). So a shard moves into its slice of the
+area for good (``home``: a tensor of its own over the slice; the runtime
+puts it in the shard's place between steps) and is published with no copy
+at all. Its owner then writes it in place (the optimizer, the user) while
+peers may still read it: this rank's step may end (its backward returns)
+while a peer still gathers in its own. So a step's end is a fence too:
+``close(n)`` writes "closed ``n``" (entry ``n % CLOSED_ENTRIES`` of a ring in
+the header) and, where a shard of publish ``n`` lives in the area and every
+rank ends the step at the same call (``wait``), waits until every peer
+wrote it, as DDP's ranks meet at their last all-reduce. The ring lets up to
+``MOST_OPEN`` publishes (roots sharing a group) be open at once; a peer's
+entry at ``n`` or past it means it closed ``n``, since it cannot have
+closed ``n + CLOSED_ENTRIES`` with ``n`` still open. Where a rank ends a
+step alone (a reset after an error, a forward's autograd state dropped),
+the runtime moves its shards out of the area first and closes without
+waiting: its later writes go elsewhere, and the area keeps the step's
+values until the next publish, which every peer must reach first. The
+mapping stays while a shard lives in it, also after the group is
+destroyed (``files``).
 """
 
 from __future__ import annotations
@@ -52,7 +74,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .files import ARRIVED_ENTRY, PUBLISHED_ENTRY, GroupFiles
+from .files import ARRIVED_ENTRY, CLOSED_ENTRIES, CLOSED_ENTRY, PUBLISHED_ENTRY, GroupFiles
 from .pieces import bytes_of
 from .slots import _ENTRY, _KIND_BITS, _PUBLISHED, PUBLISH, SharedMemoryWork, SlotRing
 
@@ -68,6 +90,9 @@ class PublishedShards:
     rank's, ``files.published_bytes`` each), the publishes' numbering, and
     the shards of steps still under way (published, not yet closed)."""
 
+    # At most this many publishes open at once (the ring of "closed" entries).
+    MOST_OPEN = CLOSED_ENTRIES
+
     def __init__(self, files: GroupFiles, slots: SlotRing) -> None:
         self.files = files
         self.slots = slots
@@ -78,37 +103,65 @@ class PublishedShards:
         # A published shard's data pointer -> its entry (the shard held
         # weakly: another tensor at the same address later is not it).
         self._open: dict[int, _Entry] = {}
+        # Open publish -> whether a shard of it lives in the area (its close waits for the peers).
+        self._open_numbers: dict[int, bool] = {}
 
     @property
     def nbytes(self) -> int:
         """Bytes of every rank's area."""
         return self.files.published_bytes
 
+    @property
+    def open_publishes(self) -> int:
+        """Publishes of this group not closed yet."""
+        return len(self._open_numbers)
+
     def _signature(self) -> int:
         return (self.nbytes << _KIND_BITS) + PUBLISH  # no unit's tag: a publish is the group's
 
-    def publish(self, shards: Sequence[tuple[int, torch.Tensor, Callable[[], None]]]) -> None:
+    def lives_in_area(self, at: int, shard: torch.Tensor) -> bool:
+        """Whether ``shard`` is this rank's area from byte ``at`` (``home``'s)."""
+        return self.nbytes > 0 and shard.data_ptr() == self.files.published_area(self.rank).data_ptr() + at
+
+    def home(self, at: int, shard: torch.Tensor) -> torch.Tensor:
+        """A copy of ``shard`` (1-D, contiguous) living in this rank's area
+        from byte ``at``, a storage of its own: the caller puts it in the
+        shard's place. Only between steps (no publish open): peers read the
+        area inside theirs."""
+        nbytes = shard.numel() * shard.element_size()
+        if self._open_numbers or at < 0 or at + nbytes > self.nbytes or shard.dim() != 1:
+            raise ValueError(f"published shards: cannot keep a shard of {nbytes} bytes at byte {at} now")
+        placed = self.files.own_published_slice(at, nbytes).view(shard.dtype)
+        placed.copy_(shard)
+        return placed
+
+    def publish(self, shards: Sequence[tuple[int, torch.Tensor, Callable[[], None]]]) -> int:
         """Publish ``shards``, each with the byte in the area where it goes
         and a check that raises where it changed since (the caller's, which
         names what changed), run before each of its all-gathers: collective
         over the group, every rank publishing its own in the same call.
-        Their all-gathers read the peers' areas from now until ``close``."""
+        Their all-gathers read the peers' areas from now until ``close``
+        (of the number returned). A shard that lives in the area already
+        (``home``) is not copied."""
         for at, shard, _ in shards:
             if at < 0 or at + shard.numel() * shard.element_size() > self.nbytes or not shard.is_contiguous():
                 raise ValueError(
                     f"published shards: a shard of {shard.numel() * shard.element_size()} bytes at byte {at} does "
                     f"not fit the area of {self.nbytes} bytes (or is not contiguous)"
                 )
+        if len(self._open_numbers) >= self.MOST_OPEN:
+            raise RuntimeError(f"published shards: {self.MOST_OPEN} publishes are open already; close one first")
         number = self.number + 1
+        area = self.files.published_area(self.rank)
+        copied = [(at, shard) for at, shard, _ in shards if not self.lives_in_area(at, shard)]
         self.slots.enter("a publish of shards")
         try:
             self.slots.publish_entry(ARRIVED_ENTRY, _ENTRY.pack(number))
             where = "publish {} of shards, every rank arriving"
             self.slots.await_entry(ARRIVED_ENTRY, number, None, None, where, verb="arrive at")
-            area = self.files.published_area(self.rank)
-            targets = [area[at : at + shard.numel() * shard.element_size()] for at, shard, _ in shards]
+            targets = [area[at : at + shard.numel() * shard.element_size()] for at, shard in copied]
             if targets:
-                torch._foreach_copy_(targets, [bytes_of(shard) for _, shard, _ in shards])
+                torch._foreach_copy_(targets, [bytes_of(shard) for _, shard in copied])
             self.slots.publish_entry(PUBLISHED_ENTRY - 1, _PUBLISHED.pack(self._signature(), number))
         except BaseException as error:
             # Peers may wait for this publish, or have read a half-written area.
@@ -120,13 +173,33 @@ class PublishedShards:
         finally:
             self.slots.leave()
         self.number = number
+        self._open_numbers[number] = len(copied) < len(shards)
         for at, shard, check in shards:
             self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number, weakref.ref(shard))
+        return number
 
-    def close(self, shards: Sequence[torch.Tensor]) -> None:
-        """Their step ended: their all-gathers go through rounds again."""
+    def close(self, number: int, shards: Sequence[torch.Tensor], *, wait: bool) -> None:
+        """Publish ``number``'s step ended on this rank: its shards'
+        all-gathers go through rounds again, and this rank tells its peers
+        it reads nothing more of their areas for it. With ``wait`` (where
+        every rank closes alike: the end of a backward or of a forward
+        without autograd), and where a shard of it lives in the area, wait
+        until every peer says the same: only then may this rank change
+        those shards ([Note: shards that live in the area])."""
         for shard in shards:
             self._open.pop(shard.data_ptr(), None)
+        lives = self._open_numbers.pop(number, False)
+        if self.slots.failure is not None:
+            return  # the group cannot go on: its next call raises that
+        entry = CLOSED_ENTRY + number % CLOSED_ENTRIES
+        self.slots.enter("a close of published shards")
+        try:
+            self.slots.publish_entry(entry, _ENTRY.pack(number))
+            if wait and lives:
+                where = "close of publish {} of shards, every rank's step ending"
+                self.slots.await_entry(entry, number, None, None, where, verb="end its step at")
+        finally:
+            self.slots.leave()
 
     def entries(self, shards: Sequence[torch.Tensor]) -> list[_Entry] | None:
         """What was published of each of ``shards``, or None unless every
