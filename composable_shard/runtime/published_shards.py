@@ -35,9 +35,10 @@ user's changes into the shards); every all-gather of them in that step
 ``unshard()``) reads the peers' areas. The step closes them (their
 all-gathers go through rounds again) when its backward returns the tree to
 idle or a forward without autograd ends, every rank alike, waiting there
-for its peers where a shard lives in the area; or when the held state ends
-or a reset after an error, where a rank may be alone, moving such shards
-out of the area first (they move back at the next publish).
+for its peers; or when the held state ends or a reset after an error,
+where a rank may be alone, moving its shards out of the area first
+without waiting (they move back at a later publish, once a step ended on
+every rank).
 ``unshard_params``, state dicts and anything between steps gather the
 shards as they are then.
 
@@ -123,8 +124,8 @@ def _publish(context: RootContext) -> None:
             published = transport.published_shards_of(handle.groups.shard_group)  # sets the group up (collective)
             if published is None or published.open_publishes >= published.MOST_OPEN:
                 continue  # alike on every rank: the same steps are open
-            if not published.open_publishes and not published.lives_in_area(claimed[0], shard):
-                # Between every step of the group: the shard moves into the area for good.
+            if published.can_home and not published.lives_in_area(claimed[0], shard):
+                # No peer reads this rank's area now: the shard moves into it for good.
                 if _moved(handle, functools.partial(published.home, claimed[0], shard)):
                     shard = handle.sharded_flat_param
             # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
@@ -168,8 +169,8 @@ def _refuse_changes(
 def close_step_shards(context: RootContext, *, every_rank: bool = True) -> None:
     """The tree's step ended: its shards' all-gathers go through rounds
     again. ``every_rank``: every rank ends it here alike (a backward's or a
-    no-grad forward's end), so where shards live in the area this rank waits
-    until its peers read nothing more of them; otherwise (a reset after an
+    no-grad forward's end), so this rank waits until its peers read nothing
+    more of its area; otherwise (a reset after an
     error, the held state's end) such shards move out of the area instead,
     so that this rank's changes cannot reach a peer still in the step."""
     if context in _OPEN:

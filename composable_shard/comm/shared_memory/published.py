@@ -53,16 +53,19 @@ at all. Its owner then writes it in place (the optimizer, the user) while
 peers may still read it: this rank's step may end (its backward returns)
 while a peer still gathers in its own. So a step's end is a fence too:
 ``close(n)`` writes "closed ``n``" (entry ``n % CLOSED_ENTRIES`` of a ring in
-the header) and, where a shard of publish ``n`` lives in the area and every
-rank ends the step at the same call (``wait``), waits until every peer
-wrote it, as DDP's ranks meet at their last all-reduce. The ring lets up to
+the header) and, where every rank ends the step at the same call
+(``wait``), waits until every peer wrote it, as DDP's ranks meet at their
+last all-reduce. The ring lets up to
 ``MOST_OPEN`` publishes (roots sharing a group) be open at once; a peer's
 entry at ``n`` or past it means it closed ``n``, since it cannot have
 closed ``n + CLOSED_ENTRIES`` with ``n`` still open. Where a rank ends a
 step alone (a reset after an error, a forward's autograd state dropped),
 the runtime moves its shards out of the area first and closes without
 waiting: its later writes go elsewhere, and the area keeps the step's
-values until the next publish, which every peer must reach first. The
+values until the next publish, which every peer must reach first. A shard
+moves in (``home`` writes the area at once, before any fence) only where
+no peer may read this rank's area: no publish open, and none closed
+without waiting since the last close that waited with none open. The
 mapping stays while a shard lives in it, also after the group is
 destroyed (``files``).
 """
@@ -103,8 +106,11 @@ class PublishedShards:
         # A published shard's data pointer -> its entry (the shard held
         # weakly: another tensor at the same address later is not it).
         self._open: dict[int, _Entry] = {}
-        # Open publish -> whether a shard of it lives in the area (its close waits for the peers).
-        self._open_numbers: dict[int, bool] = {}
+        # Open publishes.
+        self._open_numbers: set[int] = set()
+        # Whether a peer may still read this rank's area for a publish this
+        # rank closed without waiting ([Note: shards that live in the area]).
+        self._lingering = False
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +122,13 @@ class PublishedShards:
         """Publishes of this group not closed yet."""
         return len(self._open_numbers)
 
+    @property
+    def can_home(self) -> bool:
+        """Whether no peer may read this rank's area now (no publish open,
+        and every one closed since the last one that waited for its peers
+        with none open): ``home`` may write it."""
+        return not self._open_numbers and not self._lingering
+
     def _signature(self) -> int:
         return (self.nbytes << _KIND_BITS) + PUBLISH  # no unit's tag: a publish is the group's
 
@@ -126,10 +139,10 @@ class PublishedShards:
     def home(self, at: int, shard: torch.Tensor) -> torch.Tensor:
         """A copy of ``shard`` (1-D, contiguous) living in this rank's area
         from byte ``at``, a storage of its own: the caller puts it in the
-        shard's place. Only between steps (no publish open): peers read the
-        area inside theirs."""
+        shard's place. Only where ``can_home``: peers read the area inside
+        their steps."""
         nbytes = shard.numel() * shard.element_size()
-        if self._open_numbers or at < 0 or at + nbytes > self.nbytes or shard.dim() != 1:
+        if not self.can_home or at < 0 or at + nbytes > self.nbytes or shard.dim() != 1:
             raise ValueError(f"published shards: cannot keep a shard of {nbytes} bytes at byte {at} now")
         placed = self.files.own_published_slice(at, nbytes).view(shard.dtype)
         placed.copy_(shard)
@@ -173,7 +186,7 @@ class PublishedShards:
         finally:
             self.slots.leave()
         self.number = number
-        self._open_numbers[number] = len(copied) < len(shards)
+        self._open_numbers.add(number)
         for at, shard, check in shards:
             self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number, weakref.ref(shard))
         return number
@@ -183,23 +196,29 @@ class PublishedShards:
         all-gathers go through rounds again, and this rank tells its peers
         it reads nothing more of their areas for it. With ``wait`` (where
         every rank closes alike: the end of a backward or of a forward
-        without autograd), and where a shard of it lives in the area, wait
-        until every peer says the same: only then may this rank change
-        those shards ([Note: shards that live in the area])."""
+        without autograd), wait until every peer says the same: only then
+        may this rank change a shard that lives in the area ([Note: shards
+        that live in the area]). Without, a peer may read this rank's area
+        for a while yet: no shard moves into it (``can_home``) until a
+        close that waited with no publish open."""
         for shard in shards:
             self._open.pop(shard.data_ptr(), None)
-        lives = self._open_numbers.pop(number, False)
+        self._open_numbers.discard(number)
         if self.slots.failure is not None:
             return  # the group cannot go on: its next call raises that
         entry = CLOSED_ENTRY + number % CLOSED_ENTRIES
         self.slots.enter("a close of published shards")
         try:
             self.slots.publish_entry(entry, _ENTRY.pack(number))
-            if wait and lives:
+            if wait:
                 where = "close of publish {} of shards, every rank's step ending"
                 self.slots.await_entry(entry, number, None, None, where, verb="end its step at")
         finally:
             self.slots.leave()
+        if not wait:
+            self._lingering = True
+        elif not self._open_numbers:
+            self._lingering = False
 
     def entries(self, shards: Sequence[torch.Tensor]) -> list[_Entry] | None:
         """What was published of each of ``shards``, or None unless every
