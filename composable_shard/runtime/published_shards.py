@@ -22,11 +22,14 @@ size: GPT 8 x 256's blocks waited 27-37 ms a step at their all-gathers
 change since (``model.double()``) that no longer fits its slice, or adds a
 cast, leaves it out of every publish.
 
-Where: at its first publish, between steps of its group, a shard whose
-parameters all show it (``handle.shard_place``) moves into its slice of
-the area for good and publishes with no copy ([Note: shards that live in
-the area]); one that cannot move yet (held gathered between steps, a
-``DTensor`` parameter) is copied there at each publish.
+Where: at its first publish (where no peer may read its slice), a shard
+whose parameters all show it (``handle.shard_place``) moves into its slice
+of the area for good and publishes with no copy; the heap pages it leaves
+are given back (``malloc_trim``) ([Note: shards that live in the area]).
+One that cannot move (its parameters show the unsharded buffer between
+steps; a ``DTensor`` parameter) is copied there at each publish, and
+``plan``, which counts every published shard as living in the area, is
+short by its bytes.
 
 When: the root's pre-forward publishes the tree's shards, group by group in
 the tree's order (``start_root_forward``, after the write-back of the
@@ -70,6 +73,7 @@ from ..comm import transport
 from ..comm.shared_memory import PublishedShards, eagerly, outside_graph
 from ..handle import FlatParamHandle
 from ..handle.shard_place import move_shard
+from .host_memory import malloc_trim, trimming_enabled
 from .state import RootContext, UnitState
 
 __all__ = ["claim_published_slices", "publish_step_shards", "close_step_shards"]
@@ -115,6 +119,7 @@ def publish_step_shards(context: RootContext) -> None:
 def _publish(context: RootContext) -> None:
     _close(context, wait=True)
     by_group: dict[PublishedShards, list[tuple[int, torch.Tensor, Callable[[], None]]]] = {}
+    moved_any = False
     for unit in context.units:
         for handle in unit.handles:
             claimed = _SLICES.get(handle)
@@ -124,13 +129,18 @@ def _publish(context: RootContext) -> None:
             published = transport.published_shards_of(handle.groups.shard_group)  # sets the group up (collective)
             if published is None or published.open_publishes >= published.MOST_OPEN:
                 continue  # alike on every rank: the same steps are open
-            if published.can_home and not published.lives_in_area(claimed[0], shard):
+            if not published.lives_in_area(claimed[0], shard) and published.can_home(claimed[0]):
                 # No peer reads this rank's area now: the shard moves into it for good.
                 if _moved(handle, functools.partial(published.home, claimed[0], shard)):
                     shard = handle.sharded_flat_param
+                    moved_any = True
             # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
             check = functools.partial(_refuse_changes, weakref.ref(unit), weakref.ref(handle), _versions(handle))
             by_group.setdefault(published, []).append((claimed[0], shard, check))
+    if moved_any and trimming_enabled():
+        # The shards' old memory is free now: give its pages back (the
+        # heap keeps them otherwise, and the area holds the same bytes).
+        malloc_trim()()  # type: ignore[misc]
     opened = []
     for published, shards in by_group.items():
         number = published.publish(shards)

@@ -235,6 +235,64 @@ def test_a_rank_changes_its_shards_only_after_every_peer_read_them() -> None:
     assert run_distributed(_slow_peer_then_a_change, 2, False) == [False, False]
 
 
+def _in_area(model: torch.nn.Module, group: dist.ProcessGroup, rank: int) -> list[bool]:
+    shared = transport.shared_memory_of(group)
+    assert shared is not None and shared.published is not None
+    area = shared.published.files.published_area(rank)
+    return [
+        0 <= handle.sharded_flat_param.data_ptr() - area.data_ptr() < area.numel()
+        for _, state in unit_states_under(model)
+        for handle in state.handles
+    ]
+
+
+def _held_forward_and_two_models(rank: int, world_size: int) -> None:
+    """A forward whose backward never comes (its held state ends at the
+    optimizer step, on this rank alone as far as the runtime knows): the
+    shards move out of the area and stay out until a step ended on every
+    rank, then move back. Two models on one group with interleaved steps
+    (A's forward, B's forward, B's backward, A's backward): B's shards, first
+    published while A's step is open, are copied until they can move. Every
+    parameter bit for bit as gathering through rounds."""
+    results: dict[int, list[torch.Tensor]] = {}
+    for nbytes in (shared_memory.PUBLISHED_BYTES, 0):
+        group = dist.new_group(list(range(world_size)))
+        with _published_bytes(nbytes):
+            models = [small_gpt(), small_gpt()]
+            for model in models:
+                for block in model.blocks:
+                    fully_shard(block, process_group=group)
+                fully_shard(model, process_group=group)
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+        seen = []
+        for step in range(4):
+            inputs, targets = batch(step)
+            local = inputs[rank::world_size], targets[rank::world_size]
+            if step == 1:
+                lm_loss(models[0](local[0]), local[1])  # held for a backward that never comes
+                optimizers[0].step()  # ends the held state (no gradient: nothing changes)
+            else:
+                first = lm_loss(models[0](local[0]), local[1])
+                lm_loss(models[1](local[0].flip(-1)), local[1]).backward()
+                first.backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if nbytes:
+                seen.append((all(_in_area(models[0], group, rank)), all(_in_area(models[1], group, rank))))
+        if nbytes:
+            # A: in, out after its held state, still out (copied) for a step, back in.
+            # B: in from its first publish (no peer reads its slices), also while A's step is open.
+            assert seen == [(True, True), (False, True), (False, True), (True, True)], seen
+        results[nbytes] = [tensor.clone() for model in models for tensor in model.state_dict().values()]
+        dist.destroy_process_group(group)
+    assert all(torch.equal(a, b) for a, b in zip(results[shared_memory.PUBLISHED_BYTES], results[0]))
+
+
+def test_shards_move_out_of_the_area_where_a_step_ends_on_one_rank_and_models_share_a_group() -> None:
+    run_distributed(_held_forward_and_two_models, 2)
+
+
 # ---------------------------------------------------------------- changes
 def _changed_inside_a_step(rank: int, world_size: int) -> None:
     """In place between forward and backward: the backward's all-gather

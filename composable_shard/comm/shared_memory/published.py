@@ -63,9 +63,10 @@ step alone (a reset after an error, a forward's autograd state dropped),
 the runtime moves its shards out of the area first and closes without
 waiting: its later writes go elsewhere, and the area keeps the step's
 values until the next publish, which every peer must reach first. A shard
-moves in (``home`` writes the area at once, before any fence) only where
-no peer may read this rank's area: no publish open, and none closed
-without waiting since the last close that waited with none open. The
+moves in (``home`` writes its slice at once, before any fence) only where
+no peer may read that slice: no open publish holds it, and the last that
+held it closed waiting (a peer that closed a tree's publish closed its
+earlier ones: one tree's steps follow each other on every rank). The
 mapping stays while a shard lives in it, also after the group is
 destroyed (``files``).
 """
@@ -106,11 +107,12 @@ class PublishedShards:
         # A published shard's data pointer -> its entry (the shard held
         # weakly: another tensor at the same address later is not it).
         self._open: dict[int, _Entry] = {}
-        # Open publishes.
-        self._open_numbers: set[int] = set()
-        # Whether a peer may still read this rank's area for a publish this
-        # rank closed without waiting ([Note: shards that live in the area]).
-        self._lingering = False
+        # Open publish -> the first bytes of its shards in the area.
+        self._open_numbers: dict[int, list[int]] = {}
+        # Shards' first bytes in the area that a peer may still read for a
+        # publish this rank closed without waiting ([Note: shards that live
+        # in the area]).
+        self._lingering: set[int] = set()
 
     @property
     def nbytes(self) -> int:
@@ -122,12 +124,11 @@ class PublishedShards:
         """Publishes of this group not closed yet."""
         return len(self._open_numbers)
 
-    @property
-    def can_home(self) -> bool:
-        """Whether no peer may read this rank's area now (no publish open,
-        and every one closed since the last one that waited for its peers
-        with none open): ``home`` may write it."""
-        return not self._open_numbers and not self._lingering
+    def can_home(self, at: int) -> bool:
+        """Whether no peer may read the shard at byte ``at`` of this rank's
+        area now (no open publish holds it, and the last that held it was
+        closed waiting for the peers): ``home`` may write it."""
+        return at not in self._lingering and not any(at in ats for ats in self._open_numbers.values())
 
     def _signature(self) -> int:
         return (self.nbytes << _KIND_BITS) + PUBLISH  # no unit's tag: a publish is the group's
@@ -142,7 +143,7 @@ class PublishedShards:
         shard's place. Only where ``can_home``: peers read the area inside
         their steps."""
         nbytes = shard.numel() * shard.element_size()
-        if not self.can_home or at < 0 or at + nbytes > self.nbytes or shard.dim() != 1:
+        if not self.can_home(at) or at < 0 or at + nbytes > self.nbytes or shard.dim() != 1:
             raise ValueError(f"published shards: cannot keep a shard of {nbytes} bytes at byte {at} now")
         placed = self.files.own_published_slice(at, nbytes).view(shard.dtype)
         placed.copy_(shard)
@@ -186,7 +187,7 @@ class PublishedShards:
         finally:
             self.slots.leave()
         self.number = number
-        self._open_numbers.add(number)
+        self._open_numbers[number] = [at for at, _, _ in shards]
         for at, shard, check in shards:
             self._open[shard.data_ptr()] = (at, shard.numel() * shard.element_size(), check, number, weakref.ref(shard))
         return number
@@ -199,11 +200,15 @@ class PublishedShards:
         without autograd), wait until every peer says the same: only then
         may this rank change a shard that lives in the area ([Note: shards
         that live in the area]). Without, a peer may read this rank's area
-        for a while yet: no shard moves into it (``can_home``) until a
-        close that waited with no publish open."""
+        for a while yet: none of its shards moves into it (``can_home``)
+        until a close of theirs that waited."""
         for shard in shards:
             self._open.pop(shard.data_ptr(), None)
-        self._open_numbers.discard(number)
+        ats = self._open_numbers.pop(number, [])
+        if wait:
+            self._lingering.difference_update(ats)
+        else:
+            self._lingering.update(ats)
         if self.slots.failure is not None:
             return  # the group cannot go on: its next call raises that
         entry = CLOSED_ENTRY + number % CLOSED_ENTRIES
@@ -215,10 +220,6 @@ class PublishedShards:
                 self.slots.await_entry(entry, number, None, None, where, verb="end its step at")
         finally:
             self.slots.leave()
-        if not wait:
-            self._lingering = True
-        elif not self._open_numbers:
-            self._lingering = False
 
     def entries(self, shards: Sequence[torch.Tensor]) -> list[_Entry] | None:
         """What was published of each of ``shards``, or None unless every
