@@ -54,6 +54,17 @@ def _counting_published_gathers() -> Iterator[list[int]]:
         yield count
 
 
+def _small_gpt_on(group: dist.ProcessGroup, published_bytes: int | None = None) -> torch.nn.Module:
+    """``small_gpt``, a unit per block and the root, over ``group``; built
+    with the area's knob at ``published_bytes`` where given."""
+    with _published_bytes(shared_memory.PUBLISHED_BYTES if published_bytes is None else published_bytes):
+        model = small_gpt()
+        for block in model.blocks:
+            fully_shard(block, process_group=group)
+        fully_shard(model, process_group=group)
+    return model
+
+
 def _rounds(group: dist.ProcessGroup) -> int:
     """Rounds this rank has published through the group's slots so far."""
     shared = transport.shared_memory_of(group)
@@ -114,11 +125,7 @@ def _no_rounds_for_gathers(rank: int, world_size: int) -> None:
     counts = {}
     for nbytes in (shared_memory.PUBLISHED_BYTES, 0):
         group = dist.new_group(list(range(world_size)))
-        with _published_bytes(nbytes):
-            model = small_gpt()
-            for block in model.blocks:
-                fully_shard(block, process_group=group)
-            fully_shard(model, process_group=group)
+        model = _small_gpt_on(group, nbytes)
         loss = lm_loss(model(local[0]), local[1])  # sets the group up (its first collective)
         loss.backward()
         before = _rounds(group)
@@ -147,10 +154,7 @@ def _shards_live_in_the_area(rank: int, world_size: int) -> None:
     its group's area, the parameters views of it, with no copy of it left
     anywhere; the model still reads and trains after its group is gone."""
     group = dist.new_group(list(range(world_size)))
-    model = small_gpt()
-    for block in model.blocks:
-        fully_shard(block, process_group=group)
-    fully_shard(model, process_group=group)
+    model = _small_gpt_on(group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs, targets = batch(0)
     for _ in range(2):
@@ -198,11 +202,7 @@ def _slow_peer_then_a_change(rank: int, world_size: int, fence: bool) -> bool:
     grads = {}
     for nbytes in (shared_memory.PUBLISHED_BYTES, 0):
         group = dist.new_group(list(range(world_size)))
-        with _published_bytes(nbytes):
-            model = small_gpt()
-            for block in model.blocks:
-                fully_shard(block, process_group=group)
-            fully_shard(model, process_group=group)
+        model = _small_gpt_on(group, nbytes)
         inputs, targets = batch(0)
         local = inputs[rank::world_size], targets[rank::world_size]
         lm_loss(model(local[0]), local[1]).backward()  # sets the group up
@@ -257,12 +257,7 @@ def _held_forward_and_two_models(rank: int, world_size: int) -> None:
     results: dict[int, list[torch.Tensor]] = {}
     for nbytes in (shared_memory.PUBLISHED_BYTES, 0):
         group = dist.new_group(list(range(world_size)))
-        with _published_bytes(nbytes):
-            models = [small_gpt(), small_gpt()]
-            for model in models:
-                for block in model.blocks:
-                    fully_shard(block, process_group=group)
-                fully_shard(model, process_group=group)
+        models = [_small_gpt_on(group, nbytes), _small_gpt_on(group, nbytes)]
         optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
         seen = []
         for step in range(4):
@@ -301,10 +296,7 @@ def _changed_inside_a_step(rank: int, world_size: int) -> None:
     ``unshard_params`` after a forward without backward, and the next
     step's all-gathers, on every rank."""
     group = dist.new_group(list(range(world_size)))
-    model = small_gpt()
-    for block in model.blocks:
-        fully_shard(block, process_group=group)
-    fully_shard(model, process_group=group)
+    model = _small_gpt_on(group)
     inputs, targets = batch(0)
     local = inputs[rank::world_size], targets[rank::world_size]
     loss = lm_loss(model(local[0]), local[1])
@@ -344,10 +336,7 @@ def _compiled_publishes(rank: int, world_size: int) -> None:
     for how in ("eager", "per block", "whole model"):
         dynamo.reset()
         group = dist.new_group(list(range(world_size)))
-        model = small_gpt()
-        for block in model.blocks:
-            fully_shard(block, process_group=group)
-        fully_shard(model, process_group=group)
+        model = _small_gpt_on(group)
         if how == "per block":
             for block in model.blocks:
                 block.compile(backend="aot_eager")
