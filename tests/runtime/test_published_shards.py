@@ -1,12 +1,15 @@
 """All-gathers from published shards ([Note: all-gathers from published
 shards] in composable_shard/runtime/published_shards.py): a step's
-all-gathers of small units read the peers' published shards, with no round
-through the slots; training is bit for bit that of gathering through rounds
+all-gathers read the peers' published shards, which live in the area from
+the first step on, with no round through the slots; training is bit for
+bit that of gathering through rounds
 under every strategy and with activation checkpointing, gradient
 accumulation, per-unit gradient sync, hybrid partial sums and a unit some
 ranks skip (mixed precision and NO_SHARD publish nothing); a shard changed
 in place inside a step fails its next all-gather naming its unit, and the
-model trains after; anything between steps sees the shards as they are."""
+model trains after; anything between steps sees the shards as they are;
+a rank changes its shards only after every peer read them, and a step
+that ends on one rank moves them out of the area first."""
 
 from __future__ import annotations
 

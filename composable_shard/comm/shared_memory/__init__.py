@@ -62,7 +62,8 @@ __all__ = [
 SLOT_BYTES = 2 << 20
 
 # The most bytes of shards one rank publishes per group for a step's
-# all-gathers ([Note: published shards] in published.py): the small flat
-# parameters claim slices in the order they are built until it is full;
-# read as each one is built (0 switches publishing off).
+# all-gathers ([Note: published shards] in published.py), where the shards
+# then live in place of their own memory: the flat parameters claim slices
+# in the order they are built until it is full; read as each one is built
+# (0 switches publishing off).
 PUBLISHED_BYTES = 64 << 20

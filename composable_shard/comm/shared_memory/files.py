@@ -35,7 +35,7 @@ before setup, up to the slot size (``slot_reservation``), and grows up to it
 before a write that needs more, so a full ``/dev/shm`` is an error naming
 the fix, not a SIGBUS. After the slots lies the area of the shards this
 rank publishes ([Note: published shards] in published.py), as many bytes
-as the group's small flat parameters announced before setup, reserved at
+as the group's flat parameters announced before setup, reserved at
 creation; where ``/dev/shm`` has room for the slots but not for it too, or
 the ranks announced different sizes, every rank goes without it (0 bytes). ``shared_bytes`` is what this rank's file holds;
 ``mapped_bytes`` what this process's RSS counts (peers' slots included).
