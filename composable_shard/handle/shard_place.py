@@ -18,6 +18,8 @@ Pinned by tests/runtime/test_published_shards.py.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .storage import FlatParamHandle
@@ -25,21 +27,28 @@ from .storage import FlatParamHandle
 __all__ = ["move_shard"]
 
 
-def move_shard(handle: FlatParamHandle, shard: torch.Tensor) -> bool:
-    """Put ``shard`` (the values of the handle's shard, 1-D, same dtype,
-    size and device) in its place, the parameters pointed at it; False,
-    changing nothing, where the parameters do not all show the shard now."""
-    old = handle.sharded_flat_param
-    if shard.shape != old.shape or shard.dtype != old.dtype or shard.device != old.device:
-        raise ValueError(f"move_shard: a shard of {tuple(old.shape)} {old.dtype} cannot move to {tuple(shard.shape)} {shard.dtype}")
-    if not shows_its_shard(handle):
+def move_shard(handle: FlatParamHandle, new_shard: Callable[[], torch.Tensor]) -> bool:
+    """Put ``new_shard()`` (the values of the handle's shard, 1-D, same
+    dtype, size and device) in its place, the parameters pointed at it;
+    False, building nothing and changing nothing, where the parameters do
+    not all show the shard now. Built and shown outside any
+    ``torch.inference_mode`` (a forward may run under it; the views are
+    kept and written after it)."""
+    if not _shows_its_shard(handle):
         return False
-    handle.sharded_flat_param = shard
-    handle.use_sharded_views()
+    old = handle.sharded_flat_param
+    with torch.inference_mode(False):
+        shard = new_shard()
+        if shard.shape != old.shape or shard.dtype != old.dtype or shard.device != old.device:
+            raise ValueError(
+                f"move_shard: a shard of {tuple(old.shape)} {old.dtype} cannot move to {tuple(shard.shape)} {shard.dtype}"
+            )
+        handle.sharded_flat_param = shard
+        handle.use_sharded_views()
     return True
 
 
-def shows_its_shard(handle: FlatParamHandle) -> bool:
+def _shows_its_shard(handle: FlatParamHandle) -> bool:
     """Whether every parameter of the handle shows its slice of the shard
     (plain tensors; an unsharded buffer, if held, is memory of its own)."""
     if handle.shows_unsharded_views or not handle.needs_unshard_storage or any(spec is not None for spec in handle.tp_specs):

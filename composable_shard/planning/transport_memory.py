@@ -56,7 +56,7 @@ def transport_bytes(units: Sequence[UnitPlan]) -> int:
     area, shards = published_bytes(units)
     published = {"data_parallel": area, "replicate": 0}
     held = sum(transport.shared_bytes_per_rank(nbytes, published[group]) for group, nbytes in largest.items() if nbytes)
-    return held - shards if largest["data_parallel"] else held
+    return held - shards  # a published shard is sharded: its group's file exists
 
 
 def published_bytes(units: Sequence[UnitPlan]) -> tuple[int, int]:

@@ -51,7 +51,7 @@ import functools
 import os
 from typing import Callable
 
-__all__ = ["ENV_SWITCH", "HostMemoryTrimmer", "malloc_trim", "resident_and_high_water", "trimming_enabled"]
+__all__ = ["ENV_SWITCH", "HostMemoryTrimmer", "malloc_trim", "resident_and_high_water", "trim_heap", "trimming_enabled"]
 
 ENV_SWITCH = "COMPOSABLE_SHARD_TRIM_HOST_MEMORY"
 
@@ -72,6 +72,13 @@ def trimming_enabled() -> bool:
     """Whether CPU backwards trim the heap: on unless the switch says ``0``
     and where the C library can."""
     return os.environ.get(ENV_SWITCH, "1") != "0" and malloc_trim() is not None
+
+
+def trim_heap() -> None:
+    """``malloc_trim(0)`` now, where trimming is on (``trimming_enabled``)."""
+    trim = malloc_trim()
+    if trim is not None and trimming_enabled():
+        trim()
 
 
 def resident_and_high_water() -> tuple[int, int] | None:

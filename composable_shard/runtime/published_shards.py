@@ -73,7 +73,7 @@ from ..comm import transport
 from ..comm.shared_memory import PublishedShards, eagerly, outside_graph
 from ..handle import FlatParamHandle
 from ..handle.shard_place import move_shard
-from .host_memory import malloc_trim, trimming_enabled
+from .host_memory import trim_heap
 from .state import RootContext, UnitState
 
 __all__ = ["claim_published_slices", "publish_step_shards", "close_step_shards"]
@@ -131,16 +131,16 @@ def _publish(context: RootContext) -> None:
                 continue  # alike on every rank: the same steps are open
             if not published.lives_in_area(claimed[0], shard) and published.can_home(claimed[0]):
                 # No peer reads this rank's area now: the shard moves into it for good.
-                if _moved(handle, functools.partial(published.home, claimed[0], shard)):
+                if move_shard(handle, functools.partial(published.home, claimed[0], shard)):
                     shard = handle.sharded_flat_param
                     moved_any = True
             # Weakly: an entry left open (a model dropped mid-step) keeps nothing alive.
             check = functools.partial(_refuse_changes, weakref.ref(unit), weakref.ref(handle), _versions(handle))
             by_group.setdefault(published, []).append((claimed[0], shard, check))
-    if moved_any and trimming_enabled():
+    if moved_any:
         # The shards' old memory is free now: give its pages back (the
         # heap keeps them otherwise, and the area holds the same bytes).
-        malloc_trim()()  # type: ignore[misc]
+        trim_heap()
     opened = []
     for published, shards in by_group.items():
         number = published.publish(shards)
@@ -209,13 +209,5 @@ def _moved_out_of_area(context: RootContext, published: PublishedShards) -> bool
             claimed = _SLICES.get(handle)
             shard = handle.sharded_flat_param
             if claimed is not None and published.lives_in_area(claimed[0], shard):
-                moved = _moved(handle, shard.clone) and moved
+                moved = move_shard(handle, shard.clone) and moved
     return moved
-
-
-def _moved(handle: FlatParamHandle, new_shard: Callable[[], torch.Tensor]) -> bool:
-    """``move_shard(handle, new_shard())``, the shard and its parameters'
-    views made outside any ``torch.inference_mode`` (a forward may run
-    under it; the views are kept and written after it)."""
-    with torch.inference_mode(False):
-        return move_shard(handle, new_shard())
