@@ -5,7 +5,9 @@ once; a killed rank cannot be a warm harness worker)
 whose rank 1 is killed with SIGKILL while the group sets up, inside a
 forward all-gather and inside a backward reduction, before a NO_SHARD
 all-reduce through shared memory, before the owner step's all-to-all
-through shared memory, instead of publishing a step's shards, in the middle of a collective streamed
+through shared memory, instead of publishing a step's shards, instead of
+closing a step's publish (where its peer waits before changing its
+shards), in the middle of a collective streamed
 through slots smaller than it, or stopped with SIGSTOP
 (alive, stuck: only the group's timeout can end the wait). The survivor
 must exit with an error naming a communication failure, soon after a death
@@ -99,6 +101,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
     plan = [(f"{transport}, {fault}", fault, switch) for transport, switch in _TRANSPORTS.items() for fault in _FAULTS]
     plan += [("shared memory, stream", "stream", "1"), ("shared memory, all_reduce", "all_reduce", "1")]
     plan += [("shared memory, all_to_all", "all_to_all", "1"), ("shared memory, publish", "publish", "1")]
+    plan += [("shared memory, close", "close", "1")]
     plan += [(f"clean job {index}", "none", "1") for index in (1, 2)]
     root = tmp_path_factory.mktemp("fault_jobs")
     # Forked from one process that imported torch and the job once (a fresh
@@ -209,6 +212,15 @@ def test_survivor_of_a_peer_killed_before_publishing_its_shards_fails_fast(jobs:
     job = jobs["shared memory, publish"]
     _check_survivor_of_a_kill(job, "shared memory")
     assert re.search(r"publish \d+ of shards", job.error()), job.describe()
+
+
+def test_survivor_of_a_peer_killed_before_closing_its_step_fails_fast(jobs: dict[str, _Job]) -> None:
+    """Rank 1 dies at the end of step 2's backward instead of closing its
+    publish; rank 0, waiting there until every peer read its shards (which
+    live in its area), notices at once, its error naming the close."""
+    job = jobs["shared memory, close"]
+    _check_survivor_of_a_kill(job, "shared memory")
+    assert re.search(r"close of publish \d+ of shards", job.error()), job.describe()
 
 
 def test_two_jobs_on_one_host_at_the_same_time_both_train_in_parity(jobs: dict[str, _Job]) -> None:

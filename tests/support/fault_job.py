@@ -19,7 +19,10 @@ whole parameters on their owners, ``NewtonSchulzSGD``; rank 1 dies instead
 of issuing step 2's first all-to-all, ``comm.all_to_all_pieces``, which
 sends the gradients to their owners); ``publish`` (shared memory only:
 rank 1 dies instead of publishing step 2's shards, ``PublishedShards.publish``,
-at the root's forward); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
+at the root's forward); ``close`` (shared memory only: rank 1 dies at the
+end of step 2's backward instead of closing its publish,
+``PublishedShards.close``, where rank 0 waits for it before its shards may
+change); ``stream`` (shared memory only: slots of 256 bytes, so every collective streams
 in rounds; rank 1 dies in step 2 in the middle of the first collective of
 more than ``SLOTS + 1`` rounds, after publishing ``SLOTS + 1`` of them).
 The transport is chosen by ``COMPOSABLE_SHARD_SHARED_MEMORY`` as for users.
@@ -60,7 +63,7 @@ def _fault(how: str) -> None:
 
 def _arm(fault: str) -> None:
     """Make rank 1 die (or stop) at the fault's point."""
-    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0, "publish": 0}
+    calls = {"all_gather_into": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0, "publish": 0, "close": 0}
 
     def at(name: str, index: int, step: int, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -110,6 +113,8 @@ def _arm(fault: str) -> None:
         comm.all_to_all_pieces = at("all_to_all", 1, 1, comm.all_to_all_pieces)
     elif fault == "publish":
         PublishedShards.publish = at("publish", 1, 1, PublishedShards.publish)  # type: ignore[method-assign]
+    elif fault == "close":
+        PublishedShards.close = at("close", 1, 1, PublishedShards.close)  # type: ignore[method-assign]
     elif fault == "stream":
         real_stream = HostSharedMemory._stream
 
